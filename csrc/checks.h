@@ -1,0 +1,64 @@
+// Argument checks and dtype dispatch shared by every op, CPU and CUDA alike.
+//
+// Failures raise ValueError in Python (c10::ValueError). Every message names the op and the argument and says what was expected, e.g.
+//   "build_tree: parent must have dtype Int, got Long".
+// Checks run before an op writes anything, so a failed call leaves caller buffers untouched.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ddtree {
+
+inline std::string shape_str(at::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(sizes[i]);
+  }
+  return s + "]";
+}
+
+}  // namespace ddtree
+
+#define DDTREE_CHECK(op, cond, ...) TORCH_CHECK_VALUE((cond), op, ": ", __VA_ARGS__)
+
+#define DDTREE_CHECK_DTYPE(op, t, dtype)                                                          \
+  TORCH_CHECK_VALUE((t).scalar_type() == (dtype), op, ": ", #t, " must have dtype ", (dtype), ", got ", \
+              (t).scalar_type())
+
+#define DDTREE_CHECK_FLOAT(op, t)                                                        \
+  TORCH_CHECK_VALUE((t).scalar_type() == at::kFloat || (t).scalar_type() == at::kHalf ||       \
+                  (t).scalar_type() == at::kBFloat16,                                    \
+              op, ": ", #t, " must be float32, float16 or bfloat16, got ", (t).scalar_type())
+
+#define DDTREE_CHECK_DIM(op, t, n) \
+  TORCH_CHECK_VALUE((t).dim() == (n), op, ": ", #t, " must have ", n, " dims, got shape ", ddtree::shape_str((t).sizes()))
+
+// Shape check with an expected shape given as a brace list, e.g. DDTREE_CHECK_SHAPE("op", x, {B, N}).
+#define DDTREE_CHECK_SHAPE(op, t, ...)                                                              \
+  do {                                                                                              \
+    const std::vector<int64_t> ddtree_expected_ = __VA_ARGS__;                                      \
+    TORCH_CHECK_VALUE((t).sizes() == at::IntArrayRef(ddtree_expected_), op, ": ", #t, " must have shape ", \
+                ddtree::shape_str(ddtree_expected_), ", got ", ddtree::shape_str((t).sizes()));     \
+  } while (0)
+
+#define DDTREE_CHECK_CONTIGUOUS(op, t) \
+  TORCH_CHECK_VALUE((t).is_contiguous(), op, ": ", #t, " must be contiguous, got strides ", ddtree::shape_str((t).strides()))
+
+#define DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, t)                                                              \
+  TORCH_CHECK_VALUE((t).dim() == 0 || (t).stride(-1) == 1 || (t).size(-1) == 1, op, ": ", #t,                     \
+              " must be contiguous in its last dim, got strides ", ddtree::shape_str((t).strides()))
+
+#define DDTREE_CHECK_SAME_DEVICE(op, ref, t)                                                                \
+  TORCH_CHECK_VALUE((t).device() == (ref).device(), op, ": ", #t, " must be on ", (ref).device(), " like ", #ref, \
+              ", got ", (t).device())
+
+// One dispatch for the activation dtypes every op accepts.
+#define DDTREE_DISPATCH_FLOAT(dtype, op, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, op, __VA_ARGS__)

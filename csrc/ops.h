@@ -1,0 +1,86 @@
+// Declarations of every ddtree op: the device-agnostic argument checks and the per-device
+// implementations. Schemas (and the meaning of each argument) live in python/torch_library.cpp;
+// the readable specification of each op is ddtree_ext/reference.py.
+//
+// Conventions shared by all ops
+//   B  batch rows, each with its own tree
+//   N  tree nodes per row, padded: N = budget + 1, node 0 is the root (the last committed token)
+//   L  draft depths (positions predicted by the draft), K candidates per depth
+//   D  longest accepted path the caller makes room for (root included), usually L + 1
+// Token ids, prefix lengths and positions are int64; node indices, depths and counts are int32.
+// Every op writes into caller-provided buffers and returns nothing: no allocation, no host sync
+// (on CUDA), safe under CUDA graphs and torch.compile.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace ddtree {
+
+// ---- build: per-depth top-K, tree, attention mask --------------------------------------------
+void check_topk_logprobs(const at::Tensor& logits, const at::Tensor& logp, const at::Tensor& tokens);
+void topk_logprobs_cpu(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens);
+
+void check_build_tree(const at::Tensor& logp, const at::Tensor& tokens, const at::Tensor& root_token,
+                      const at::Tensor& prefix_len, int64_t budget, const at::Tensor& node_token,
+                      const at::Tensor& parent, const at::Tensor& depth, const at::Tensor& num_nodes,
+                      const at::Tensor& first_child, const at::Tensor& next_sibling,
+                      const at::Tensor& ancestor_mask, const at::Tensor& position);
+void build_tree_cpu(const at::Tensor& logp, const at::Tensor& tokens, const at::Tensor& root_token,
+                    const at::Tensor& prefix_len, int64_t budget, bool spine, at::Tensor& node_token,
+                    at::Tensor& parent, at::Tensor& depth, at::Tensor& num_nodes, at::Tensor& first_child,
+                    at::Tensor& next_sibling, at::Tensor& ancestor_mask, at::Tensor& position);
+
+void check_tree_attention_mask(const at::Tensor& ancestor_mask, const at::Tensor& prefix_len,
+                               const at::Tensor& mask);
+void tree_attention_mask_cpu(const at::Tensor& ancestor_mask, const at::Tensor& prefix_len, at::Tensor& mask);
+
+// ---- verify: GDN layers on a tree ------------------------------------------------------------
+void check_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       const at::Tensor& conv_state, const at::Tensor& parent, const at::Tensor& out);
+void tree_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                     const at::Tensor& conv_state, const at::Tensor& parent, bool silu, at::Tensor& out);
+
+void check_tree_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                                 const at::Tensor& parent, const at::Tensor& out, const at::Tensor& stash_u,
+                                 const at::Tensor& stash_k, const at::Tensor& stash_cumg);
+void tree_gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                               const at::Tensor& beta, const at::Tensor& state, const at::Tensor& parent,
+                               double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,
+                               at::Tensor& stash_k, at::Tensor& stash_cumg);
+
+// ---- walk: follow the target's tokens down the tree ------------------------------------------
+void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& first_child,
+                const at::Tensor& next_sibling, const at::Tensor& accepted, const at::Tensor& accept_len,
+                const at::Tensor& next_token);
+void walk_greedy_cpu(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
+                     const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
+                     at::Tensor& next_token);
+void check_walk_sample(const at::Tensor& node_token, const at::Tensor& logits, const at::Tensor& uniform,
+                       double temperature, int64_t top_k, double top_p, const at::Tensor& accepted);
+void walk_sample_cpu(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
+                     const at::Tensor& logits, const at::Tensor& uniform, double temperature, int64_t top_k,
+                     double top_p, at::Tensor& accepted, at::Tensor& accept_len, at::Tensor& next_token);
+
+// ---- commit: make the accepted path the new committed state, in place ------------------------
+void check_commit_path(const char* op, const at::Tensor& accepted, const at::Tensor& accept_len);
+void check_commit_gdn_state(at::TensorList state, at::TensorList stash_u, at::TensorList stash_k,
+                            at::TensorList stash_cumg, const at::Tensor& accepted, const at::Tensor& accept_len);
+void commit_gdn_state_cpu(at::TensorList state, at::TensorList stash_u, at::TensorList stash_k,
+                          at::TensorList stash_cumg, const at::Tensor& accepted, const at::Tensor& accept_len);
+void check_commit_conv_state(at::TensorList conv_state, at::TensorList x, const at::Tensor& accepted,
+                             const at::Tensor& accept_len);
+void commit_conv_state_cpu(at::TensorList conv_state, at::TensorList x, const at::Tensor& accepted,
+                           const at::Tensor& accept_len);
+void check_commit_kv(at::TensorList cache, const at::Tensor& prefix_len, const at::Tensor& accepted,
+                     const at::Tensor& accept_len);
+void commit_kv_cpu(at::TensorList cache, const at::Tensor& prefix_len, const at::Tensor& accepted,
+                   const at::Tensor& accept_len);
+void check_gather_rows(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,
+                       const at::Tensor& out);
+void gather_rows_cpu(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,
+                     at::Tensor& out);
+
+}  // namespace ddtree

@@ -1,0 +1,353 @@
+"""Typed wrappers over the compiled ``torch.ops.ddtree`` ops.
+
+Each wrapper allocates its outputs (or takes them through ``out=`` so a caller can keep static buffers
+for CUDA graphs) and calls the op. The ops check every argument before writing anything and raise
+``ValueError`` naming the op, the argument and what was expected. ``ddtree_ext.reference`` holds a
+pure-PyTorch twin of every function here with the same signature (minus ``out``); it is the
+specification the tests compare against.
+
+Conventions (all ops take a batch dimension B, each row with its own tree):
+  N = budget + 1 tree nodes per row, node 0 the root (the last committed token, not yet run through
+  the target), nodes in topological order (parent < child). Rows with fewer real nodes than N are
+  padded with harmless nodes: children of the root that repeat the root's token, reachable by no walk.
+  Token ids, prefix lengths and positions are int64; node indices, depths and counts are int32.
+  ``prefix_len[b]`` is the number of tokens of row b already in the target's caches; node i of the
+  verify block sits at cache slot ``prefix_len[b] + i`` with rotary position ``prefix_len[b] + depth[i]``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from ddtree_ext._loader import load_ops
+
+
+class TopK(NamedTuple):
+    """Per-depth top-K of the draft: ``logp [B, L, K]`` float32 log-probabilities (descending),
+    ``tokens [B, L, K]`` int64 token ids."""
+
+    logp: torch.Tensor
+    tokens: torch.Tensor
+
+
+class Tree(NamedTuple):
+    """A padded draft tree per batch row, in topological order.
+
+    token [B, N] int64, parent [B, N] int32 (-1 at the root), depth [B, N] int32 (0 at the root),
+    num_nodes [B] int32 (real nodes, root included), first_child / next_sibling [B, N] int32 (-1 for
+    none; children ordered by index; padding nodes are linked nowhere), ancestor_mask
+    [B, N, ceil(N / 64)] int64 (bit j of node i set iff j is an ancestor of i or i itself),
+    position [B, N] int64 (``prefix_len + depth``).
+    """
+
+    token: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+    num_nodes: torch.Tensor
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
+    ancestor_mask: torch.Tensor
+    position: torch.Tensor
+
+
+class GDNTreeOutput(NamedTuple):
+    """Output of the tree gated delta rule.
+
+    out [B, N, HV, V] (dtype of v): the per-node outputs. The stash is what the commit needs, a few
+    kilobytes per node instead of a K x V state: stash_u [B, N, HV, V] float32 (the delta-rule update
+    vector u_i), stash_k [B, N, H, K] float32 (the l2-normalised key), stash_cumg [B, N, HV] float32
+    (the log decay summed along the root-to-node path, G_i).
+    """
+
+    out: torch.Tensor
+    stash_u: torch.Tensor
+    stash_k: torch.Tensor
+    stash_cumg: torch.Tensor
+
+
+class Walk(NamedTuple):
+    """Result of walking the tree with the target's tokens.
+
+    accepted [B, D] int32: node indices of the accepted path, root first, padded with -1;
+    accept_len [B] int32: nodes on the path (>= 1, the root included) = tokens committed this round;
+    next_token [B] int64: the target's token at the last accepted node (the bonus, next round's root).
+    """
+
+    accepted: torch.Tensor
+    accept_len: torch.Tensor
+    next_token: torch.Tensor
+
+
+def tree_num_words(num_nodes: int) -> int:
+    """int64 words per row of the packed ancestor bitmask for trees of ``num_nodes`` nodes."""
+    return (num_nodes + 63) // 64
+
+
+def empty_tree(batch: int, budget: int, device: torch.device | str = "cpu") -> Tree:
+    """Uninitialised buffers for a batch of trees with ``budget`` nodes plus the root."""
+    n = budget + 1
+    i32 = dict(dtype=torch.int32, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    return Tree(
+        token=torch.empty(batch, n, **i64),
+        parent=torch.empty(batch, n, **i32),
+        depth=torch.empty(batch, n, **i32),
+        num_nodes=torch.empty(batch, **i32),
+        first_child=torch.empty(batch, n, **i32),
+        next_sibling=torch.empty(batch, n, **i32),
+        ancestor_mask=torch.empty(batch, n, tree_num_words(n), **i64),
+        position=torch.empty(batch, n, **i64),
+    )
+
+
+def empty_walk(batch: int, max_accept: int, device: torch.device | str = "cpu") -> Walk:
+    """Uninitialised buffers for a walk over paths of at most ``max_accept`` nodes."""
+    return Walk(
+        accepted=torch.empty(batch, max_accept, dtype=torch.int32, device=device),
+        accept_len=torch.empty(batch, dtype=torch.int32, device=device),
+        next_token=torch.empty(batch, dtype=torch.int64, device=device),
+    )
+
+
+# ---- build -----------------------------------------------------------------------------------
+
+
+def topk_logprobs(logits: torch.Tensor, k: int, *, out: Optional[TopK] = None) -> TopK:
+    """Top-``k`` tokens per draft depth with their log-softmax values.
+
+    logits [B, L, V] float32/float16/bfloat16 (last dim contiguous) -> TopK(logp [B, L, k] float32,
+    tokens [B, L, k] int64), sorted by logit descending, ties broken by the lower token id. The
+    log-softmax is over the whole vocabulary, computed in float32. Requires 1 <= k <= V.
+    """
+    if out is None:
+        if logits.dim() != 3:
+            raise ValueError(f"topk_logprobs: logits must have 3 dims [B, L, V], got shape {list(logits.shape)}")
+        b, l, _ = logits.shape
+        out = TopK(
+            torch.empty(b, l, k, dtype=torch.float32, device=logits.device),
+            torch.empty(b, l, k, dtype=torch.int64, device=logits.device),
+        )
+    load_ops().topk_logprobs(logits, out.logp, out.tokens)
+    return out
+
+
+def build_tree(
+    logp: torch.Tensor,
+    tokens: torch.Tensor,
+    root_token: torch.Tensor,
+    prefix_len: torch.Tensor,
+    budget: int,
+    *,
+    spine: bool = True,
+    out: Optional[Tree] = None,
+) -> Tree:
+    """Build the DDTree: the ``budget`` most probable prefixes of the per-depth top-K.
+
+    logp [B, L, K] float32 and tokens [B, L, K] int64 (from :func:`topk_logprobs`), root_token [B]
+    int64, prefix_len [B] int64, budget >= 1 -> :class:`Tree` with N = budget + 1 nodes per row.
+
+    A prefix choosing rank r_d at depth d scores sum_d logp[d, r_d] (float32, summed root to leaf).
+    Nodes are taken best-first: the highest score among the children of nodes already taken, ties
+    broken by the lower parent index, then the lower rank; so node order is topological. With
+    ``spine`` (default) the top-1 chain of length min(L, budget) is taken first (nodes 1..S), so the
+    tree contains the draft's own chain and never accepts less than it; the remaining budget then
+    goes best-first. Fewer than ``budget`` prefixes exist only when K ** depth runs out (K = 1); the
+    rest is padding (see the module docstring).
+    """
+    if out is None:
+        if root_token.dim() != 1:
+            raise ValueError(f"build_tree: root_token must have 1 dim [B], got shape {list(root_token.shape)}")
+        if budget < 1:
+            raise ValueError(f"build_tree: budget must be >= 1, got {budget}")
+        out = empty_tree(root_token.shape[0], budget, logp.device)
+    load_ops().build_tree(logp, tokens, root_token, prefix_len, budget, spine, *out)
+    return out
+
+
+def tree_attention_mask(
+    ancestor_mask: torch.Tensor,
+    prefix_len: torch.Tensor,
+    kv_len: Optional[int] = None,
+    *,
+    dtype: torch.dtype = torch.bool,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention mask of the verify block over the whole key/value cache.
+
+    ancestor_mask [B, N, W] int64, prefix_len [B] int64 -> mask [B, 1, N, S] (S = ``kv_len``, or the
+    last dim of ``out``; S >= prefix_len[b] + N). Row i may attend column c iff c < prefix_len[b]
+    (the committed prefix) or c = prefix_len[b] + j with j an ancestor of i or i itself. bool masks
+    hold True where attending; float masks (float32/float16/bfloat16) hold 0 there and the dtype's
+    most negative finite value elsewhere. ``out`` may be a strided view of a larger static buffer.
+    """
+    if out is None:
+        if kv_len is None:
+            raise ValueError("tree_attention_mask: give kv_len or out")
+        b, n = ancestor_mask.shape[0], ancestor_mask.shape[1]
+        out = torch.empty(b, 1, n, kv_len, dtype=dtype, device=ancestor_mask.device)
+    load_ops().tree_attention_mask(ancestor_mask, prefix_len, out)
+    return out
+
+
+# ---- verify ----------------------------------------------------------------------------------
+
+
+def tree_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    conv_state: torch.Tensor,
+    parent: torch.Tensor,
+    *,
+    silu: bool = True,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Depthwise causal conv1d along every root-to-node path of the tree (GDN's short conv).
+
+    x [B, N, C] pre-conv inputs (last dim contiguous), weight [C, W] (W <= 4), bias [C] or None,
+    conv_state [B, C, S] (S >= W - 1: the committed pre-conv inputs, oldest first; the window uses
+    the last W - 1 columns), parent [B, N] int32 -> out [B, N, C]. Node i's window is its W - 1
+    nearest ancestors then itself; ancestors above the root come from conv_state. All float tensors
+    share x's dtype; accumulation is float32; ``silu`` applies SiLU to the result.
+    """
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    load_ops().tree_conv1d(x, weight, bias, conv_state, parent, silu, out)
+    return out
+
+
+def tree_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    parent: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    use_qk_l2norm: bool = True,
+    out: Optional[GDNTreeOutput] = None,
+) -> GDNTreeOutput:
+    """Gated delta rule (GDN recurrence) on a tree, exact per node, from the committed state.
+
+    q, k [B, N, H, K] and v [B, N, HV, V] (one float dtype, last dim contiguous), g [B, N, HV] float32
+    (log decay), beta [B, N, HV] float32, state [B, HV, K, V] float32 (read only), parent [B, N]
+    int32. HV is a multiple of H: value head j uses key head j // (HV / H). ``scale`` defaults to
+    K ** -0.5. With ``use_qk_l2norm`` q and k are l2-normalised first: x / sqrt(sum(x^2) + 1e-6).
+
+    Node i's output is what the recurrence S <- e^g S + k (beta (v - e^g S^T k))^T, o = S^T (scale q)
+    gives when run from ``state`` along the path root..i, computed in float32 without forming a
+    K x V state per node. Returns :class:`GDNTreeOutput` (outputs plus the stash for
+    :func:`commit_gdn_state`).
+    """
+    if out is None:
+        b, n, h, kd = k.shape
+        hv, vd = v.shape[2], v.shape[3]
+        f32 = dict(dtype=torch.float32, device=v.device)
+        out = GDNTreeOutput(
+            torch.empty(b, n, hv, vd, dtype=v.dtype, device=v.device),
+            torch.empty(b, n, hv, vd, **f32),
+            torch.empty(b, n, h, kd, **f32),
+            torch.empty(b, n, hv, **f32),
+        )
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+    load_ops().tree_gated_delta_rule(q, k, v, g, beta, state, parent, float(scale), use_qk_l2norm, *out)
+    return out
+
+
+# ---- walk ------------------------------------------------------------------------------------
+
+
+def walk_greedy(tree: Tree, target_token: torch.Tensor, max_accept: int, *, out: Optional[Walk] = None) -> Walk:
+    """Greedy verification: from the root, follow the child whose token equals the target's argmax.
+
+    target_token [B, N] int64 (the target's argmax at every node) -> :class:`Walk` with paths of at
+    most ``max_accept`` nodes. The walk stops at the first node with no matching child (or after
+    ``max_accept`` nodes); the target's token there is ``next_token``.
+    """
+    if out is None:
+        out = empty_walk(tree.token.shape[0], max_accept, tree.token.device)
+    load_ops().walk_greedy(tree.token, tree.first_child, tree.next_sibling, target_token, *out)
+    return out
+
+
+def walk_sample(
+    tree: Tree,
+    logits: torch.Tensor,
+    uniform: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    out: Optional[Walk] = None,
+) -> Walk:
+    """Sampling verification: at each node on the path draw the target's token, follow it if a child
+    carries it. Every committed token is then a sample of the target's own distribution given its
+    true prefix, so the walk is lossless with no draft probabilities.
+
+    logits [B, N, V] (the target's logits at every node, any float dtype), uniform [B, D] float32 in
+    [0, 1) (uniform[b, d] draws the token at the d-th node of row b's path; D = max_accept),
+    temperature > 0, top_k (0 = off), top_p in (0, 1] (1 = off). The token is drawn from
+    softmax(logits / temperature) restricted to the top_k largest logits (ties: lower id), then to the
+    smallest set in descending order whose probability reaches top_p (renormalised over the top_k
+    set), by inverse CDF in ascending token-id order: the first kept token whose cumulative
+    probability exceeds uniform * total.
+    """
+    if out is None:
+        out = empty_walk(tree.token.shape[0], uniform.shape[-1], tree.token.device)
+    load_ops().walk_sample(
+        tree.token, tree.first_child, tree.next_sibling, logits, uniform, float(temperature), int(top_k),
+        float(top_p), *out,
+    )
+    return out
+
+
+# ---- commit ----------------------------------------------------------------------------------
+
+
+def commit_gdn_state(
+    state: Sequence[torch.Tensor],
+    stash_u: Sequence[torch.Tensor],
+    stash_k: Sequence[torch.Tensor],
+    stash_cumg: Sequence[torch.Tensor],
+    accepted: torch.Tensor,
+    accept_len: torch.Tensor,
+) -> None:
+    """In place, for every GDN layer l: state[l] [B, HV, K, V] float32 becomes the state after the
+    accepted path, from that layer's stash (see :class:`GDNTreeOutput`):
+    S <- e^{G_last} S + sum_{j on path} e^{G_last - G_j} k_j u_j^T. accepted [B, D] int32, accept_len [B] int32.
+    """
+    load_ops().commit_gdn_state(list(state), list(stash_u), list(stash_k), list(stash_cumg), accepted, accept_len)
+
+
+def commit_conv_state(
+    conv_state: Sequence[torch.Tensor], x: Sequence[torch.Tensor], accepted: torch.Tensor, accept_len: torch.Tensor
+) -> None:
+    """In place, for every GDN layer l: conv_state[l] [B, C, S] becomes the last S columns of
+    [conv_state[l], x[l][b, accepted[b, d]] for d < accept_len[b]], where x[l] [B, N, C] are the verify
+    block's pre-conv inputs."""
+    load_ops().commit_conv_state(list(conv_state), list(x), accepted, accept_len)
+
+
+def commit_kv(
+    cache: Sequence[torch.Tensor], prefix_len: torch.Tensor, accepted: torch.Tensor, accept_len: torch.Tensor
+) -> None:
+    """In place, for every key or value cache [B, H, S, Dh] in ``cache``: the row of accepted node
+    accepted[b, d] moves from slot prefix_len[b] + accepted[b, d] to slot prefix_len[b] + d, for
+    d < accept_len[b]. Sources and destinations may overlap; every other slot is left untouched."""
+    load_ops().commit_kv(list(cache), prefix_len, accepted, accept_len)
+
+
+def gather_rows(
+    src: torch.Tensor, accepted: torch.Tensor, accept_len: torch.Tensor, *, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Rows of ``src`` [B, N, F] along the accepted path -> out [B, D, F] with out[b, d] =
+    src[b, accepted[b, d]] for d < accept_len[b] and zeros after."""
+    if out is None:
+        out = torch.empty(src.shape[0], accepted.shape[1], src.shape[2], dtype=src.dtype, device=src.device)
+    load_ops().gather_rows(src, accepted, accept_len, out)
+    return out

@@ -1,0 +1,359 @@
+"""Pure-PyTorch reference of every op: clear, slow, the specification the tests compare against.
+
+Each function has the signature of its twin in :mod:`ddtree_ext.ops` (without ``out=``) and returns
+new tensors. Loops follow the definitions literally (per row, per node, per path) instead of the
+parallel forms the compiled ops use.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import List, Sequence
+
+import torch
+
+from ddtree_ext.ops import GDNTreeOutput, TopK, Tree, Walk, tree_num_words
+
+L2NORM_EPS = 1e-6
+
+
+# ---- build -----------------------------------------------------------------------------------
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> TopK:
+    x = logits.float()
+    logp = torch.log_softmax(x, dim=-1)
+    # Stable descending sort keeps the lower token id first among equal logits.
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+    return TopK(torch.gather(logp, -1, order), order.to(torch.int64))
+
+
+def _path_ranks_to_tree(nodes: List[tuple], root_token: int, prefix: int, budget: int, tokens_bl) -> dict:
+    """nodes: list of (parent index, depth, rank) for nodes 1.. in order; returns one row's tables."""
+    n = budget + 1
+    token = [root_token] * n
+    parent = [0] * n
+    depth = [1] * n
+    parent[0], depth[0] = -1, 0
+    first_child = [-1] * n
+    next_sibling = [-1] * n
+    anc = [{0, i} for i in range(n)]
+    anc[0] = {0}
+    last_child = {}
+    for i, (p, d, r) in enumerate(nodes, start=1):
+        token[i] = int(tokens_bl[d - 1][r])
+        parent[i], depth[i] = p, d
+        anc[i] = anc[p] | {i}
+        if p in last_child:
+            next_sibling[last_child[p]] = i
+        else:
+            first_child[p] = i
+        last_child[p] = i
+    words = tree_num_words(n)
+    mask = []
+    for i in range(n):
+        row = [0] * words
+        for j in anc[i]:
+            row[j // 64] |= 1 << (j % 64)
+        # Pack as signed int64 (bit 63 set -> negative).
+        mask.append([w - (1 << 64) if w >= 1 << 63 else w for w in row])
+    return dict(
+        token=token,
+        parent=parent,
+        depth=depth,
+        num_nodes=len(nodes) + 1,
+        first_child=first_child,
+        next_sibling=next_sibling,
+        ancestor_mask=mask,
+        position=[prefix + d for d in depth],
+    )
+
+
+def build_tree(
+    logp: torch.Tensor,
+    tokens: torch.Tensor,
+    root_token: torch.Tensor,
+    prefix_len: torch.Tensor,
+    budget: int,
+    *,
+    spine: bool = True,
+) -> Tree:
+    bsz, depths, k = logp.shape
+    rows = []
+    for b in range(bsz):
+        lp = logp[b].float().tolist()
+        # Scores are float32 sums root -> leaf, exactly as the compiled ops compute them.
+        f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+        nodes: List[tuple] = []  # (parent, depth, rank)
+        score = {0: f32(0.0)}
+        heap: list = []  # (-score, parent, rank, depth)
+
+        def push(p, d, r):
+            if d <= depths and r < k:
+                s = score[p] + f32(lp[d - 1][r])
+                heapq.heappush(heap, (-float(s), p, r, d, s))
+
+        def take(p, d, r, s):
+            nodes.append((p, d, r))
+            i = len(nodes)
+            score[i] = s
+            return i
+
+        if spine:
+            prev = 0
+            for d in range(1, min(depths, budget) + 1):
+                s = score[prev] + f32(lp[d - 1][0])
+                push(prev, d, 1)  # the spine node's next sibling
+                prev = take(prev, d, 0, s)
+        else:
+            push(0, 1, 0)
+        while len(nodes) < budget and heap:
+            _, p, r, d, s = heapq.heappop(heap)
+            i = take(p, d, r, s)
+            push(i, d + 1, 0)  # first child
+            push(p, d, r + 1)  # next sibling
+        rows.append(
+            _path_ranks_to_tree(nodes, int(root_token[b]), int(prefix_len[b]), budget, tokens[b].tolist())
+        )
+    dev = logp.device
+
+    def stack(key, dtype):
+        return torch.tensor([r[key] for r in rows], dtype=dtype, device=dev)
+
+    return Tree(
+        token=stack("token", torch.int64),
+        parent=stack("parent", torch.int32),
+        depth=stack("depth", torch.int32),
+        num_nodes=stack("num_nodes", torch.int32),
+        first_child=stack("first_child", torch.int32),
+        next_sibling=stack("next_sibling", torch.int32),
+        ancestor_mask=stack("ancestor_mask", torch.int64),
+        position=stack("position", torch.int64),
+    )
+
+
+def ancestor_sets(ancestor_mask: torch.Tensor) -> List[List[set]]:
+    """Unpack the bitmask into per-row, per-node sets of ancestor-or-self indices."""
+    bsz, n, _ = ancestor_mask.shape
+    out = []
+    for b in range(bsz):
+        row = []
+        for i in range(n):
+            words = [w & ((1 << 64) - 1) for w in ancestor_mask[b, i].tolist()]
+            row.append({64 * wi + j for wi, w in enumerate(words) for j in range(64) if (w >> j) & 1})
+        out.append(row)
+    return out
+
+
+def tree_attention_mask(
+    ancestor_mask: torch.Tensor, prefix_len: torch.Tensor, kv_len: int, *, dtype: torch.dtype = torch.bool
+) -> torch.Tensor:
+    bsz, n, _ = ancestor_mask.shape
+    allow = torch.zeros(bsz, 1, n, kv_len, dtype=torch.bool)
+    for b, row in enumerate(ancestor_sets(ancestor_mask)):
+        p = int(prefix_len[b])
+        allow[b, 0, :, :p] = True
+        for i, anc in enumerate(row):
+            for j in anc:
+                allow[b, 0, i, p + j] = True
+    if dtype == torch.bool:
+        return allow.to(ancestor_mask.device)
+    neg = torch.finfo(dtype).min
+    return torch.where(allow, 0.0, neg).to(dtype=dtype, device=ancestor_mask.device)
+
+
+# ---- verify ----------------------------------------------------------------------------------
+
+
+def path_to(parent: torch.Tensor, b: int, i: int) -> List[int]:
+    """Node indices root..i of row b."""
+    path = [i]
+    while parent[b, path[-1]] >= 0:
+        path.append(int(parent[b, path[-1]]))
+    return path[::-1]
+
+
+def tree_conv1d(x, weight, bias, conv_state, parent, *, silu: bool = True) -> torch.Tensor:
+    bsz, n, c = x.shape
+    w = weight.shape[1]
+    out = torch.empty(bsz, n, c, dtype=torch.float32)
+    for b in range(bsz):
+        for i in range(n):
+            path = path_to(parent, b, i)
+            cols = [x[b, j].float() for j in path[-w:]]
+            need = w - len(cols)
+            if need > 0:  # ancestors above the root: the last columns of the committed state
+                cols = [conv_state[b, :, conv_state.shape[2] - need + t].float() for t in range(need)] + cols
+            window = torch.stack(cols, dim=-1)  # [C, W], oldest first
+            y = (window * weight.float()).sum(-1)
+            if bias is not None:
+                y = y + bias.float()
+            out[b, i] = torch.nn.functional.silu(y) if silu else y
+    return out.to(dtype=x.dtype, device=x.device)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def tree_gated_delta_rule(
+    q, k, v, g, beta, state, parent, *, scale=None, use_qk_l2norm: bool = True
+) -> GDNTreeOutput:
+    """Runs the recurrence separately along every root-to-node path (float32)."""
+    bsz, n, h, kd = k.shape
+    hv, vd = v.shape[2], v.shape[3]
+    group = hv // h
+    scale = kd**-0.5 if scale is None else scale
+    qf, kf = q.float(), k.float()
+    if use_qk_l2norm:
+        qf, kf = _l2norm(qf), _l2norm(kf)
+    qf = qf * scale
+    out = torch.empty(bsz, n, hv, vd, dtype=torch.float32)
+    stash_u = torch.empty(bsz, n, hv, vd, dtype=torch.float32)
+    stash_cumg = torch.empty(bsz, n, hv, dtype=torch.float32)
+    for b in range(bsz):
+        for i in range(n):
+            path = path_to(parent, b, i)
+            for j in range(hv):
+                s = state[b, j].float().clone()  # [K, V]
+                cumg = torch.zeros((), dtype=torch.float32)
+                for node in path:
+                    kk, vv = kf[b, node, j // group], v[b, node, j].float()
+                    decay = torch.exp(g[b, node, j].float())
+                    cumg = cumg + g[b, node, j].float()
+                    s = s * decay
+                    u = beta[b, node, j].float() * (vv - s.T @ kk)
+                    s = s + torch.outer(kk, u)
+                out[b, i, j] = s.T @ qf[b, i, j // group]
+                stash_u[b, i, j] = u
+                stash_cumg[b, i, j] = cumg
+    dev = v.device
+    return GDNTreeOutput(out.to(dtype=v.dtype, device=dev), stash_u.to(dev), kf.to(dev), stash_cumg.to(dev))
+
+
+# ---- walk ------------------------------------------------------------------------------------
+
+
+def children(tree: Tree, b: int, i: int) -> List[int]:
+    out, c = [], int(tree.first_child[b, i])
+    while c >= 0:
+        out.append(c)
+        c = int(tree.next_sibling[b, c])
+    return out
+
+
+def _walk(tree: Tree, max_accept: int, token_at) -> Walk:
+    bsz = tree.token.shape[0]
+    accepted = torch.full((bsz, max_accept), -1, dtype=torch.int32)
+    accept_len = torch.empty(bsz, dtype=torch.int32)
+    next_token = torch.empty(bsz, dtype=torch.int64)
+    for b in range(bsz):
+        node, d = 0, 0
+        while True:
+            accepted[b, d] = node
+            t = token_at(b, node, d)
+            d += 1
+            nxt = [c for c in children(tree, b, node) if int(tree.token[b, c]) == t]
+            if not nxt or d == max_accept:
+                break
+            node = nxt[0]
+        accept_len[b], next_token[b] = d, t
+    dev = tree.token.device
+    return Walk(accepted.to(dev), accept_len.to(dev), next_token.to(dev))
+
+
+def walk_greedy(tree: Tree, target_token: torch.Tensor, max_accept: int) -> Walk:
+    return _walk(tree, max_accept, lambda b, node, d: int(target_token[b, node]))
+
+
+def sample_token(logits: torch.Tensor, u: float, temperature: float, top_k: int = 0, top_p: float = 1.0) -> int:
+    """One draw from the target's processed distribution (the rule of :func:`ddtree_ext.ops.walk_sample`)."""
+    x = logits.float() / temperature
+    vocab = x.shape[0]
+    order = torch.sort(x, descending=True, stable=True).indices  # ties: lower id first
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    kept = order[: top_k if 0 < top_k < vocab else vocab]
+    if top_p < 1.0:
+        p = torch.softmax(x[kept], dim=0)
+        before = torch.cumsum(p, 0) - p  # probability of the tokens ranked above
+        kept = kept[before < top_p]
+    keep[kept] = True
+    probs = torch.softmax(x, dim=0) * keep
+    cum = torch.cumsum(probs, 0)  # ascending token id
+    hit = torch.nonzero(cum > u * cum[-1])
+    return int(hit[0]) if hit.numel() else int(kept.max())
+
+
+def walk_sample(
+    tree: Tree, logits: torch.Tensor, uniform: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> Walk:
+    return _walk(
+        tree,
+        uniform.shape[-1],
+        lambda b, node, d: sample_token(logits[b, node], float(uniform[b, d]), temperature, top_k, top_p),
+    )
+
+
+# ---- commit ----------------------------------------------------------------------------------
+
+
+def _path(accepted: torch.Tensor, accept_len: torch.Tensor, b: int) -> List[int]:
+    return [int(i) for i in accepted[b, : int(accept_len[b])]]
+
+
+def commit_gdn_state(
+    state: Sequence[torch.Tensor], stash_u, stash_k, stash_cumg, accepted: torch.Tensor, accept_len: torch.Tensor
+) -> List[torch.Tensor]:
+    """Returns the new states (the op updates them in place)."""
+    new = []
+    for s, u, kk, cg in zip(state, stash_u, stash_k, stash_cumg):
+        s = s.clone()
+        hv, group = s.shape[1], s.shape[1] // kk.shape[2]
+        for b in range(s.shape[0]):
+            path = _path(accepted, accept_len, b)
+            last = path[-1]
+            for j in range(hv):
+                acc = torch.exp(cg[b, last, j]) * s[b, j]
+                for node in path:
+                    acc = acc + torch.exp(cg[b, last, j] - cg[b, node, j]) * torch.outer(kk[b, node, j // group], u[b, node, j])
+                s[b, j] = acc
+        new.append(s)
+    return new
+
+
+def commit_conv_state(
+    conv_state: Sequence[torch.Tensor], x: Sequence[torch.Tensor], accepted: torch.Tensor, accept_len: torch.Tensor
+) -> List[torch.Tensor]:
+    new = []
+    for cs, xx in zip(conv_state, x):
+        cs = cs.clone()
+        width = cs.shape[2]
+        for b in range(cs.shape[0]):
+            path = _path(accepted, accept_len, b)
+            cols = torch.cat([cs[b], xx[b, path].T.to(cs.dtype)], dim=1)
+            cs[b] = cols[:, -width:]
+        new.append(cs)
+    return new
+
+
+def commit_kv(
+    cache: Sequence[torch.Tensor], prefix_len: torch.Tensor, accepted: torch.Tensor, accept_len: torch.Tensor
+) -> List[torch.Tensor]:
+    new = []
+    for c in cache:
+        c = c.clone()
+        for b in range(c.shape[0]):
+            p = int(prefix_len[b])
+            path = _path(accepted, accept_len, b)
+            rows = c[b, :, [p + i for i in path]].clone()  # gather all first: sources and targets overlap
+            c[b, :, p : p + len(path)] = rows
+        new.append(c)
+    return new
+
+
+def gather_rows(src: torch.Tensor, accepted: torch.Tensor, accept_len: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(src.shape[0], accepted.shape[1], src.shape[2], dtype=src.dtype, device=src.device)
+    for b in range(src.shape[0]):
+        path = _path(accepted, accept_len, b)
+        out[b, : len(path)] = src[b, path]
+    return out

@@ -1,0 +1,56 @@
+// The ddtree op library: one schema per op, registered once, and the per-device implementations.
+//
+// Every op writes into caller-provided buffers, marked mutable in the schema (Tensor(a!)), and returns
+// nothing, so the ops need no allocation, are safe under CUDA graphs, and torch.compile handles them
+// through auto-functionalization. Argument meanings are documented in ddtree_ext/ops.py; the readable
+// specification is ddtree_ext/reference.py.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(ddtree, m) {
+  // build
+  m.def("topk_logprobs(Tensor logits, Tensor(a!) logp, Tensor(b!) tokens) -> ()");
+  m.def(
+      "build_tree(Tensor logp, Tensor tokens, Tensor root_token, Tensor prefix_len, int budget, bool spine, "
+      "Tensor(a!) node_token, Tensor(b!) parent, Tensor(c!) depth, Tensor(d!) num_nodes, "
+      "Tensor(e!) first_child, Tensor(f!) next_sibling, Tensor(g!) ancestor_mask, Tensor(h!) position) -> ()");
+  m.def("tree_attention_mask(Tensor ancestor_mask, Tensor prefix_len, Tensor(a!) mask) -> ()");
+  // verify
+  m.def(
+      "tree_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor conv_state, Tensor parent, bool silu, "
+      "Tensor(a!) out) -> ()");
+  m.def(
+      "tree_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, Tensor parent, "
+      "float scale, bool use_qk_l2norm, Tensor(a!) out, Tensor(b!) stash_u, Tensor(c!) stash_k, "
+      "Tensor(d!) stash_cumg) -> ()");
+  // walk
+  m.def(
+      "walk_greedy(Tensor node_token, Tensor first_child, Tensor next_sibling, Tensor target_token, "
+      "Tensor(a!) accepted, Tensor(b!) accept_len, Tensor(c!) next_token) -> ()");
+  m.def(
+      "walk_sample(Tensor node_token, Tensor first_child, Tensor next_sibling, Tensor logits, Tensor uniform, "
+      "float temperature, int top_k, float top_p, Tensor(a!) accepted, Tensor(b!) accept_len, "
+      "Tensor(c!) next_token) -> ()");
+  // commit
+  m.def(
+      "commit_gdn_state(Tensor(a!)[] state, Tensor[] stash_u, Tensor[] stash_k, Tensor[] stash_cumg, "
+      "Tensor accepted, Tensor accept_len) -> ()");
+  m.def("commit_conv_state(Tensor(a!)[] conv_state, Tensor[] x, Tensor accepted, Tensor accept_len) -> ()");
+  m.def("commit_kv(Tensor(a!)[] cache, Tensor prefix_len, Tensor accepted, Tensor accept_len) -> ()");
+  m.def("gather_rows(Tensor src, Tensor accepted, Tensor accept_len, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
+  m.impl("topk_logprobs", &ddtree::topk_logprobs_cpu);
+  m.impl("build_tree", &ddtree::build_tree_cpu);
+  m.impl("tree_attention_mask", &ddtree::tree_attention_mask_cpu);
+  m.impl("tree_conv1d", &ddtree::tree_conv1d_cpu);
+  m.impl("tree_gated_delta_rule", &ddtree::tree_gated_delta_rule_cpu);
+  m.impl("walk_greedy", &ddtree::walk_greedy_cpu);
+  m.impl("walk_sample", &ddtree::walk_sample_cpu);
+  m.impl("commit_gdn_state", &ddtree::commit_gdn_state_cpu);
+  m.impl("commit_conv_state", &ddtree::commit_conv_state_cpu);
+  m.impl("commit_kv", &ddtree::commit_kv_cpu);
+  m.impl("gather_rows", &ddtree::gather_rows_cpu);
+}

@@ -1,0 +1,63 @@
+"""Shared test helpers: tolerances in one place, output poisoning, random trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Relative tolerances (max abs error / max abs reference) per input dtype. float32 paths compute in
+# float32 like the reference; bf16/fp16 inputs only change how inputs and outputs are rounded, so
+# their bound is a few ulps of the output dtype.
+RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|; inf when actual has a NaN/inf the reference lacks."""
+    a, e = actual.double().cpu(), expected.double().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    scale = e.abs().max().item() or 1.0
+    return (a - e).abs().max().item() / scale
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str = "") -> None:
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = rel_err(actual, expected)
+    assert err <= RTOL[dtype], f"{name}: relative error {err:.3e} > {RTOL[dtype]:.1e} ({dtype})"
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with a value no op writes, so an unwritten element fails the comparison."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        # No bool poison exists: callers compare against both fills (see fill_both).
+        return t.fill_(True)
+    return t.fill_(-7777 if t.dtype != torch.uint8 else 77)
+
+
+def random_parents(n: int, gen: torch.Generator, shape: str = "random", max_depth: int = 16) -> torch.Tensor:
+    """parent [n] int32 in topological order: 'chain', 'star' or 'random' (depth capped at max_depth)."""
+    parent = torch.full((n,), -1, dtype=torch.int32)
+    depth = [0] * n
+    for i in range(1, n):
+        if shape == "chain":
+            p = i - 1 if depth[i - 1] < max_depth else 0
+        elif shape == "star":
+            p = 0
+        else:
+            while True:
+                p = int(torch.randint(0, i, (1,), generator=gen))
+                if depth[p] < max_depth:
+                    break
+        parent[i], depth[i] = p, depth[p] + 1
+    return parent
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator().manual_seed(1234)
+    return g
