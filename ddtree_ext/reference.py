@@ -69,6 +69,24 @@ def _path_ranks_to_tree(nodes: List[tuple], root_token: int, prefix: int, budget
     )
 
 
+def tree_from_parents(parent: torch.Tensor, token: torch.Tensor, prefix_len: torch.Tensor) -> Tree:
+    """A :class:`Tree` whose every node is real, from parent [B, N] int32 (topological, -1 at the root)
+    and token [B, N] int64. For tests and for callers that shape their own trees (e.g. a chain)."""
+    bsz, n = parent.shape
+    rows = []
+    for b in range(bsz):
+        nodes = [(int(parent[b, i]), None, None) for i in range(1, n)]
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[int(parent[b, i])] + 1
+        row = _path_ranks_to_tree(
+            [(p, depth[i], i) for i, (p, _, _) in enumerate(nodes, start=1)],
+            int(token[b, 0]), int(prefix_len[b]), n - 1, [[int(t) for t in token[b]]] * n,
+        )
+        rows.append(row)
+    return _stack_rows(rows, parent.device)
+
+
 def build_tree(
     logp: torch.Tensor,
     tokens: torch.Tensor,
@@ -115,8 +133,10 @@ def build_tree(
         rows.append(
             _path_ranks_to_tree(nodes, int(root_token[b]), int(prefix_len[b]), budget, tokens[b].tolist())
         )
-    dev = logp.device
+    return _stack_rows(rows, logp.device)
 
+
+def _stack_rows(rows: List[dict], dev) -> Tree:
     def stack(key, dtype):
         return torch.tensor([r[key] for r in rows], dtype=dtype, device=dev)
 
