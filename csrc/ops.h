@@ -83,4 +83,33 @@ void check_gather_rows(const at::Tensor& src, const at::Tensor& accepted, const 
 void gather_rows_cpu(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,
                      at::Tensor& out);
 
+// ---- CUDA implementations (CUDA builds only; csrc/*_cuda.cu). Same signatures and semantics as the
+// CPU ops; each calls the check_* function above, then checks that every tensor is on one CUDA device.
+void topk_logprobs_cuda(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens);
+void build_tree_cuda(const at::Tensor& logp, const at::Tensor& tokens, const at::Tensor& root_token,
+                     const at::Tensor& prefix_len, int64_t budget, bool spine, at::Tensor& node_token,
+                     at::Tensor& parent, at::Tensor& depth, at::Tensor& num_nodes, at::Tensor& first_child,
+                     at::Tensor& next_sibling, at::Tensor& ancestor_mask, at::Tensor& position);
+void tree_attention_mask_cuda(const at::Tensor& ancestor_mask, const at::Tensor& prefix_len, at::Tensor& mask);
+void tree_conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                      const at::Tensor& conv_state, const at::Tensor& parent, bool silu, at::Tensor& out);
+void tree_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                const at::Tensor& beta, const at::Tensor& state, const at::Tensor& parent,
+                                double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,
+                                at::Tensor& stash_k, at::Tensor& stash_cumg);
+void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
+                      const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
+                      at::Tensor& next_token);
+void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
+                      const at::Tensor& logits, const at::Tensor& uniform, double temperature, int64_t top_k,
+                      double top_p, at::Tensor& accepted, at::Tensor& accept_len, at::Tensor& next_token);
+void commit_gdn_state_cuda(at::TensorList state, at::TensorList stash_u, at::TensorList stash_k,
+                           at::TensorList stash_cumg, const at::Tensor& accepted, const at::Tensor& accept_len);
+void commit_conv_state_cuda(at::TensorList conv_state, at::TensorList x, const at::Tensor& accepted,
+                            const at::Tensor& accept_len);
+void commit_kv_cuda(at::TensorList cache, const at::Tensor& prefix_len, const at::Tensor& accepted,
+                    const at::Tensor& accept_len);
+void gather_rows_cuda(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,
+                      at::Tensor& out);
+
 }  // namespace ddtree

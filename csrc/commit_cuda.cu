@@ -1,0 +1,431 @@
+// CUDA implementations of the commit ops: the accepted path becomes the committed state, in place,
+// for every layer of a list in as few launches as possible. Semantics: ddtree_ext/reference.py.
+//
+// Layers are launched in runs: consecutive layers whose tensors share sizes and strides (the usual
+// case: every layer's cache has one shape) go into one launch, their data pointers passed by value in
+// a kernel-parameter table. Parameters are captured with a CUDA graph, so replays stay valid with no
+// host memory behind them.
+//
+// Paths come from the device (accepted, accept_len) and are never read back. A path the kernels
+// cannot apply safely (length outside [1, D], a node outside [0, N), a slot outside the cache) leaves
+// that row's state untouched instead of touching memory out of bounds.
+#include <functional>
+
+#include "cuda_common.cuh"
+#include "ops.h"
+
+namespace ddtree {
+namespace {
+
+using cuda::kWarp;
+
+constexpr int kMaxLayersPerLaunch = 32;
+
+template <typename T>
+struct LayerTable {
+  T* ptr[kMaxLayersPerLaunch];
+};
+
+bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && a.strides() == b.strides() && a.scalar_type() == b.scalar_type();
+}
+
+// Calls launch(first, count) for runs of at most kMaxLayersPerLaunch consecutive layers for which
+// compatible(first, l) holds.
+void for_each_layer_run(int64_t layers, const std::function<bool(int64_t, int64_t)>& compatible,
+                        const std::function<void(int64_t, int64_t)>& launch) {
+  int64_t first = 0;
+  while (first < layers) {
+    int64_t end = first + 1;
+    while (end < layers && end - first < kMaxLayersPerLaunch && compatible(first, end)) ++end;
+    launch(first, end - first);
+    first = end;
+  }
+}
+
+template <typename T>
+LayerTable<T> table_of(at::TensorList list, int64_t first, int64_t count) {
+  LayerTable<T> t{};
+  for (int64_t l = 0; l < count; ++l) t.ptr[l] = reinterpret_cast<T*>(list[first + l].data_ptr());
+  return t;
+}
+
+// The accepted path of row b: its length (0 when unusable) and node d, read by every thread.
+struct Path {
+  const int32_t* accepted;
+  int64_t acc_sb, acc_sd;
+  const int32_t* accept_len;
+  int64_t len_s;
+  int max_len;
+
+  __device__ __forceinline__ int length(int b, int num_nodes) const {
+    const int len = accept_len[b * len_s];
+    if (len < 1 || len > max_len) return 0;
+    for (int d = 0; d < len; ++d) {
+      const int node = accepted[b * acc_sb + d * acc_sd];
+      if (node < 0 || node >= num_nodes) return 0;
+    }
+    return len;
+  }
+  __device__ __forceinline__ int node(int b, int d) const { return accepted[b * acc_sb + d * acc_sd]; }
+};
+
+Path path_of(const at::Tensor& accepted, const at::Tensor& accept_len) {
+  return Path{accepted.data_ptr<int32_t>(), accepted.stride(0), accepted.stride(1), accept_len.data_ptr<int32_t>(),
+              accept_len.stride(0), static_cast<int>(accepted.size(1))};
+}
+
+// ==== commit_gdn_state =========================================================================
+//
+// S <- e^{G_l} S + sum_d e^{G_l - G_{p_d}} k_{p_d} u_{p_d}^T, l the last path node. One block per
+// (layer, b, value head, tile of kGdnRows state rows): the path's scaled keys (tile rows only) and
+// update vectors are staged in shared memory, then every thread updates VEC consecutive entries.
+
+constexpr int kCommitGdnThreads = 256;
+constexpr int kCommitGdnRows = 32;
+
+struct GdnStrides {
+  int64_t st_sb, st_sh, st_sk, st_sv;  // state [B, HV, K, V]
+  int64_t su_sb, su_sn, su_sh, su_sv;  // stash_u [B, N, HV, V]
+  int64_t sk_sb, sk_sn, sk_sh, sk_sk;  // stash_k [B, N, H, K]
+  int64_t cg_sb, cg_sn, cg_sh;         // stash_cumg [B, N, HV]
+  int num_nodes, heads, value_heads, kdim, vdim;
+};
+
+template <int VEC>
+__global__ void __launch_bounds__(kCommitGdnThreads) commit_gdn_state_kernel(
+    LayerTable<float> state, LayerTable<const float> stash_u, LayerTable<const float> stash_k,
+    LayerTable<const float> stash_cumg, GdnStrides s, Path path, int row_tiles) {
+  extern __shared__ __align__(16) float smem[];
+  const int layer = blockIdx.z, b = blockIdx.y;
+  const int hv = blockIdx.x / row_tiles, k0 = (blockIdx.x % row_tiles) * kCommitGdnRows;
+  const int h = hv / (s.value_heads / s.heads);
+  const int len = path.length(b, s.num_nodes);
+  if (len == 0) return;
+  const int rows = min(kCommitGdnRows, s.kdim - k0);
+  float* ks = smem;                              // [len][kCommitGdnRows] e^{G_l - G_p} k_p
+  float* us = smem + path.max_len * kCommitGdnRows;  // [len][V] u_p
+
+  const float* cumg = stash_cumg.ptr[layer] + b * s.cg_sb + hv * s.cg_sh;
+  const float g_last = cumg[path.node(b, len - 1) * s.cg_sn];
+  for (int e = threadIdx.x; e < len * kCommitGdnRows; e += kCommitGdnThreads) {
+    const int d = e / kCommitGdnRows, r = e % kCommitGdnRows;
+    const int p = path.node(b, d);
+    const float w = expf(g_last - cumg[p * s.cg_sn]);
+    ks[e] = r < rows ? w * stash_k.ptr[layer][b * s.sk_sb + p * s.sk_sn + h * s.sk_sh + (k0 + r) * s.sk_sk] : 0.f;
+  }
+  for (int e = threadIdx.x; e < len * s.vdim; e += kCommitGdnThreads) {
+    const int d = e / s.vdim, c = e % s.vdim;
+    us[e] = stash_u.ptr[layer][b * s.su_sb + path.node(b, d) * s.su_sn + hv * s.su_sh + c * s.su_sv];
+  }
+  __syncthreads();
+
+  const float decay = expf(g_last);
+  float* tile = state.ptr[layer] + b * s.st_sb + hv * s.st_sh + static_cast<int64_t>(k0) * s.st_sk;
+  const int packs_per_row = s.vdim / VEC;
+  for (int e = threadIdx.x; e < rows * packs_per_row; e += kCommitGdnThreads) {
+    const int r = e / packs_per_row, c = (e % packs_per_row) * VEC;
+    float* dst = tile + r * s.st_sk + c * s.st_sv;  // st_sv == 1 whenever VEC > 1
+    float acc[VEC];
+    cuda::load_pack_float<float, VEC>(dst, acc);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[v] *= decay;
+    for (int d = 0; d < len; ++d) {
+      const float kr = ks[d * kCommitGdnRows + r];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[v] = fmaf(kr, us[d * s.vdim + c + v], acc[v]);
+    }
+    cuda::store_pack_float<float, VEC>(dst, acc);
+  }
+}
+
+// ==== commit_conv_state ========================================================================
+//
+// conv_state[b, c, :] <- the last S entries of [conv_state[b, c, :], x[b, p_0, c], ..., x[b, p_{len-1}, c]].
+// One thread per (layer, b, channel), walking the new columns oldest first: column t reads old column
+// t + len (never written yet, since len >= 1) or an input row.
+
+constexpr int kCommitConvThreads = 256;
+
+struct ConvStrides {
+  int64_t cs_sb, cs_sc, cs_ss;  // conv_state [B, C, S]
+  int64_t x_sb, x_sn, x_sc;     // x [B, N, C]
+  int64_t channels, state_len;
+  int num_nodes;
+};
+
+template <typename T, typename X>
+__global__ void __launch_bounds__(kCommitConvThreads) commit_conv_state_kernel(LayerTable<T> conv_state,
+                                                                             LayerTable<const X> x, ConvStrides s,
+                                                                             Path path) {
+  const int layer = blockIdx.z, b = blockIdx.y;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kCommitConvThreads + threadIdx.x;
+  if (c >= s.channels) return;
+  const int len = path.length(b, s.num_nodes);
+  if (len == 0) return;
+  T* row = conv_state.ptr[layer] + b * s.cs_sb + c * s.cs_sc;
+  const X* xs = x.ptr[layer] + b * s.x_sb + c * s.x_sc;
+  for (int64_t t = 0; t < s.state_len; ++t) {
+    const int64_t src = t + len;
+    row[t * s.cs_ss] = src < s.state_len ? row[src * s.cs_ss]
+                                         : static_cast<T>(cuda::to_float(xs[path.node(b, static_cast<int>(src - s.state_len)) * s.x_sn]));
+  }
+}
+
+// ==== commit_kv ================================================================================
+//
+// Row prefix + p_d moves to row prefix + d. A destination can be another path row's source, so one block
+// owns all rows of a (tensor, b, head, column chunk): it gathers every moving row into shared memory,
+// waits, then scatters. Column chunks are independent, which keeps the staging small for any D.
+
+constexpr int kCommitKvThreads = 256;
+constexpr int kCommitKvStagingBytes = 32 * 1024;
+
+struct KvStrides {
+  int64_t sb, sh, ss;  // cache [B, H, S, Dh] (last dim contiguous)
+  int64_t slots, head_dim, chunk;
+  int heads;
+};
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kCommitKvThreads) commit_kv_kernel(LayerTable<T> cache, KvStrides s,
+                                                                   const int64_t* __restrict__ prefix_len,
+                                                                   int64_t pl_s, Path path, int chunks) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* staged = reinterpret_cast<T*>(smem_raw);  // [len][chunk]
+  const int tensor = blockIdx.z, b = blockIdx.y;
+  const int h = blockIdx.x / chunks;
+  const int64_t c0 = (blockIdx.x % chunks) * s.chunk;
+  const int64_t width = min(s.chunk, s.head_dim - c0);
+  const int64_t prefix = prefix_len[b * pl_s];
+  // Every path slot must lie inside the cache; otherwise the row is left alone.
+  const int64_t room = s.slots - prefix;  // path nodes must land inside the cache
+  const int len = path.length(b, static_cast<int>(room < INT32_MAX ? room : INT32_MAX));
+  if (len == 0 || prefix < 0 || prefix + len > s.slots) return;
+  T* base = cache.ptr[tensor] + b * s.sb + h * s.sh + c0;
+  const int64_t packs = width / VEC;
+  for (int64_t e = threadIdx.x; e < len * packs; e += kCommitKvThreads) {
+    const int d = static_cast<int>(e / packs);
+    const int64_t c = (e % packs) * VEC;
+    *reinterpret_cast<cuda::Pack<T, VEC>*>(staged + d * s.chunk + c) =
+        *reinterpret_cast<const cuda::Pack<T, VEC>*>(base + (prefix + path.node(b, d)) * s.ss + c);
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < len * packs; e += kCommitKvThreads) {
+    const int d = static_cast<int>(e / packs);
+    if (path.node(b, d) == d) continue;  // already in place
+    const int64_t c = (e % packs) * VEC;
+    *reinterpret_cast<cuda::Pack<T, VEC>*>(base + (prefix + d) * s.ss + c) =
+        *reinterpret_cast<const cuda::Pack<T, VEC>*>(staged + d * s.chunk + c);
+  }
+}
+
+// ==== gather_rows ==============================================================================
+
+constexpr int kGatherThreads = 128;
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kGatherThreads) gather_rows_kernel(const T* __restrict__ src, int64_t src_sb,
+                                                                    int64_t src_sn, int num_nodes, Path path,
+                                                                    int64_t features, T* __restrict__ out,
+                                                                    int64_t out_sb, int64_t out_sd) {
+  const int b = blockIdx.x / path.max_len, d = blockIdx.x % path.max_len;
+  const int64_t c = (static_cast<int64_t>(blockIdx.y) * kGatherThreads + threadIdx.x) * VEC;
+  if (c >= features) return;
+  const int len = path.length(b, num_nodes);
+  cuda::Pack<T, VEC> pk;
+  if (d < len) {
+    pk = *reinterpret_cast<const cuda::Pack<T, VEC>*>(src + b * src_sb + path.node(b, d) * src_sn + c);
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) pk.v[e] = T(0);
+  }
+  *reinterpret_cast<cuda::Pack<T, VEC>*>(out + b * out_sb + d * out_sd + c) = pk;
+}
+
+// Row moves are plain copies, so they dispatch on the element size, not the dtype: any dtype of 1, 2,
+// 4 or 8 bytes is moved as unsigned words of that size.
+template <typename F>
+void dispatch_element_size(const char* op, const at::Tensor& t, F&& body) {
+  switch (t.element_size()) {
+    case 1: body(uint8_t{}); break;
+    case 2: body(uint16_t{}); break;
+    case 4: body(uint32_t{}); break;
+    case 8: body(uint64_t{}); break;
+    default: TORCH_CHECK_VALUE(false, op, ": the CUDA op moves elements of 1, 2, 4 or 8 bytes, got ", t.scalar_type());
+  }
+}
+
+// Calls launch(std::integral_constant<int, VEC>) with VEC = 16 / sizeof(T) (16-byte packs) when the
+// row length, every row stride and every base pointer allow aligned packs, else VEC = 1.
+template <typename T, typename F>
+void with_row_packs(int64_t row_len, std::initializer_list<int64_t> strides, const std::vector<const void*>& bases,
+                    F&& launch) {
+  constexpr int kVec = 16 / sizeof(T);
+  bool ok = row_len % kVec == 0;
+  for (int64_t st : strides) ok = ok && st % kVec == 0;
+  for (const void* p : bases) ok = ok && cuda::is_aligned(p, 16);
+  if (ok) {
+    launch(std::integral_constant<int, kVec>{});
+  } else {
+    launch(std::integral_constant<int, 1>{});
+  }
+}
+
+}  // namespace
+
+// ---- entry points ------------------------------------------------------------------------------
+
+void commit_gdn_state_cuda(at::TensorList state, at::TensorList stash_u, at::TensorList stash_k,
+                           at::TensorList stash_cumg, const at::Tensor& accepted, const at::Tensor& accept_len) {
+  constexpr const char* op = "commit_gdn_state";
+  check_commit_gdn_state(state, stash_u, stash_k, stash_cumg, accepted, accept_len);
+  cuda::check_on_cuda(op, {{"accepted", &accepted}, {"accept_len", &accept_len}});
+  cuda::check_list_on_cuda(op, "state", state, accepted);
+  cuda::check_list_on_cuda(op, "stash_u", stash_u, accepted);
+  cuda::check_list_on_cuda(op, "stash_k", stash_k, accepted);
+  cuda::check_list_on_cuda(op, "stash_cumg", stash_cumg, accepted);
+  const c10::cuda::CUDAGuard guard(accepted.device());
+  const int64_t layers = state.size();
+  if (layers == 0 || accepted.size(0) == 0 || accepted.size(1) == 0) return;
+  const int64_t max_len = accepted.size(1);
+  for_each_layer_run(
+      layers,
+      [&](int64_t a, int64_t l) {
+        return same_layout(state[a], state[l]) && same_layout(stash_u[a], stash_u[l]) &&
+               same_layout(stash_k[a], stash_k[l]) && same_layout(stash_cumg[a], stash_cumg[l]);
+      },
+      [&](int64_t first, int64_t count) {
+        const at::Tensor &st = state[first], &su = stash_u[first], &sk = stash_k[first], &cg = stash_cumg[first];
+        const int64_t bsz = st.size(0), hv = st.size(1), kdim = st.size(2), vdim = st.size(3);
+        const GdnStrides s{st.stride(0), st.stride(1), st.stride(2), st.stride(3), su.stride(0), su.stride(1),
+                           su.stride(2), su.stride(3), sk.stride(0), sk.stride(1), sk.stride(2), sk.stride(3),
+                           cg.stride(0), cg.stride(1), cg.stride(2),
+                           static_cast<int>(su.size(1)), static_cast<int>(sk.size(2)), static_cast<int>(hv),
+                           static_cast<int>(kdim), static_cast<int>(vdim)};
+        const size_t smem = sizeof(float) * max_len * (kCommitGdnRows + vdim);
+        TORCH_CHECK_VALUE(smem <= cuda::max_dynamic_smem(), op, ": paths of ", max_len, " nodes with V = ", vdim,
+                          " need more shared memory than this GPU offers");
+        const int row_tiles = static_cast<int>(cuda::ceil_div(kdim, kCommitGdnRows));
+        const dim3 grid(static_cast<unsigned>(hv * row_tiles), static_cast<unsigned>(bsz),
+                        static_cast<unsigned>(count));
+        bool packed = st.stride(3) == 1 && vdim % 4 == 0 && st.stride(0) % 4 == 0 && st.stride(1) % 4 == 0 && st.stride(2) % 4 == 0;
+        for (int64_t l = first; l < first + count; ++l) packed = packed && cuda::is_aligned(state[l].data_ptr(), 16);
+        auto launch = [&](auto kernel) {
+          cuda::allow_dynamic_smem(kernel, smem);
+          kernel<<<grid, kCommitGdnThreads, smem, cuda::current_stream()>>>(
+              table_of<float>(state, first, count), table_of<const float>(stash_u, first, count),
+              table_of<const float>(stash_k, first, count), table_of<const float>(stash_cumg, first, count), s,
+              path_of(accepted, accept_len), row_tiles);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        };
+        if (packed) {
+          launch(commit_gdn_state_kernel<4>);
+        } else {
+          launch(commit_gdn_state_kernel<1>);
+        }
+      });
+}
+
+void commit_conv_state_cuda(at::TensorList conv_state, at::TensorList x, const at::Tensor& accepted,
+                            const at::Tensor& accept_len) {
+  constexpr const char* op = "commit_conv_state";
+  check_commit_conv_state(conv_state, x, accepted, accept_len);
+  cuda::check_on_cuda(op, {{"accepted", &accepted}, {"accept_len", &accept_len}});
+  cuda::check_list_on_cuda(op, "conv_state", conv_state, accepted);
+  cuda::check_list_on_cuda(op, "x", x, accepted);
+  const c10::cuda::CUDAGuard guard(accepted.device());
+  const int64_t layers = conv_state.size();
+  if (layers == 0 || accepted.size(0) == 0 || accepted.size(1) == 0) return;
+  for_each_layer_run(
+      layers,
+      [&](int64_t a, int64_t l) { return same_layout(conv_state[a], conv_state[l]) && same_layout(x[a], x[l]); },
+      [&](int64_t first, int64_t count) {
+        const at::Tensor &cs = conv_state[first], &xs = x[first];
+        const ConvStrides s{cs.stride(0), cs.stride(1), cs.stride(2), xs.stride(0), xs.stride(1), xs.stride(2),
+                            cs.size(1),   cs.size(2),   static_cast<int>(xs.size(1))};
+        const dim3 grid(static_cast<unsigned>(cuda::ceil_div(cs.size(1), kCommitConvThreads)),
+                        static_cast<unsigned>(cs.size(0)), static_cast<unsigned>(count));
+        if (grid.x == 0 || s.state_len == 0) return;
+        DDTREE_CUDA_DISPATCH_FLOAT(cs.scalar_type(), "commit_conv_state", [&] {
+          using state_t = scalar_t;
+          DDTREE_CUDA_DISPATCH_FLOAT(xs.scalar_type(), "commit_conv_state", [&] {
+            commit_conv_state_kernel<state_t, scalar_t><<<grid, kCommitConvThreads, 0, cuda::current_stream()>>>(
+                table_of<state_t>(conv_state, first, count), table_of<const scalar_t>(x, first, count), s,
+                path_of(accepted, accept_len));
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+        });
+      });
+}
+
+void commit_kv_cuda(at::TensorList cache, const at::Tensor& prefix_len, const at::Tensor& accepted,
+                    const at::Tensor& accept_len) {
+  constexpr const char* op = "commit_kv";
+  check_commit_kv(cache, prefix_len, accepted, accept_len);
+  cuda::check_on_cuda(op, {{"accepted", &accepted}, {"accept_len", &accept_len}, {"prefix_len", &prefix_len}});
+  cuda::check_list_on_cuda(op, "cache", cache, accepted);
+  const c10::cuda::CUDAGuard guard(accepted.device());
+  const int64_t tensors = cache.size();
+  if (tensors == 0 || accepted.size(0) == 0 || accepted.size(1) == 0) return;
+  const int64_t max_len = accepted.size(1);
+  for_each_layer_run(
+      tensors, [&](int64_t a, int64_t l) { return same_layout(cache[a], cache[l]); },
+      [&](int64_t first, int64_t count) {
+        const at::Tensor& c = cache[first];
+        TORCH_CHECK_VALUE(c.stride(3) == 1, op, ": cache must be contiguous in its last dim");
+        const int64_t bsz = c.size(0), heads = c.size(1), head_dim = c.size(3);
+        if (head_dim == 0 || heads == 0) return;
+        std::vector<const void*> bases;
+        for (int64_t l = first; l < first + count; ++l) bases.push_back(cache[l].data_ptr());
+        dispatch_element_size(op, c, [&](auto word) {
+          using T = decltype(word);
+          with_row_packs<T>(head_dim, {c.stride(0), c.stride(1), c.stride(2)}, bases, [&](auto vec_c) {
+            constexpr int kVec = decltype(vec_c)::value;
+            // Column chunk: the whole head when the path's rows fit the staging budget.
+            const int64_t row_budget = kCommitKvStagingBytes / (max_len * static_cast<int64_t>(sizeof(T)));
+            const int64_t chunk = std::max<int64_t>(kVec, std::min<int64_t>(head_dim, row_budget / kVec * kVec));
+            const int chunks = static_cast<int>(cuda::ceil_div(head_dim, chunk));
+            const KvStrides s{c.stride(0), c.stride(1), c.stride(2), c.size(2), head_dim, chunk, static_cast<int>(heads)};
+            const size_t smem = sizeof(T) * max_len * chunk;
+            TORCH_CHECK_VALUE(smem <= cuda::max_dynamic_smem(), op, ": paths of ", max_len,
+                              " nodes need more shared memory than this GPU offers");
+            const dim3 grid(static_cast<unsigned>(heads * chunks), static_cast<unsigned>(bsz),
+                            static_cast<unsigned>(count));
+            auto kernel = commit_kv_kernel<T, kVec>;
+            cuda::allow_dynamic_smem(kernel, smem);
+            kernel<<<grid, kCommitKvThreads, smem, cuda::current_stream()>>>(
+                table_of<T>(cache, first, count), s, prefix_len.data_ptr<int64_t>(), prefix_len.stride(0),
+                path_of(accepted, accept_len), chunks);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+        });
+      });
+}
+
+void gather_rows_cuda(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,
+                      at::Tensor& out) {
+  constexpr const char* op = "gather_rows";
+  check_gather_rows(src, accepted, accept_len, out);
+  cuda::check_on_cuda(op, {{"src", &src}, {"accepted", &accepted}, {"accept_len", &accept_len}, {"out", &out}});
+  const c10::cuda::CUDAGuard guard(src.device());
+  const int64_t bsz = src.size(0), n = src.size(1), features = src.size(2), max_len = accepted.size(1);
+  if (bsz == 0 || max_len == 0 || features == 0) return;
+  TORCH_CHECK_VALUE(src.stride(2) == 1 && out.stride(2) == 1, op, ": src and out must be contiguous in their last dim");
+  dispatch_element_size(op, src, [&](auto word) {
+    using T = decltype(word);
+    with_row_packs<T>(features, {src.stride(0), src.stride(1), out.stride(0), out.stride(1)},
+                      {src.data_ptr(), out.data_ptr()}, [&](auto vec_c) {
+                        constexpr int kVec = decltype(vec_c)::value;
+                        const dim3 grid(static_cast<unsigned>(bsz * max_len),
+                                        static_cast<unsigned>(cuda::ceil_div(features, kGatherThreads * kVec)));
+                        gather_rows_kernel<T, kVec><<<grid, kGatherThreads, 0, cuda::current_stream()>>>(
+                            reinterpret_cast<const T*>(src.data_ptr()), src.stride(0), src.stride(1),
+                            static_cast<int>(n), path_of(accepted, accept_len), features,
+                            reinterpret_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1));
+                        C10_CUDA_KERNEL_LAUNCH_CHECK();
+                      });
+  });
+}
+
+}  // namespace ddtree

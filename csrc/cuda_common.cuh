@@ -1,0 +1,132 @@
+// Helpers shared by the CUDA implementations of the ddtree ops: device checks, launch plumbing,
+// dtype conversion, vectorised access and warp reductions. Included by csrc/*_cuda.cu only.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <utility>
+
+#include "checks.h"
+
+// Kernels are instantiated for the three activation dtypes only (the check_* functions reject the rest;
+// DDTREE_DISPATCH_FLOAT would also instantiate double).
+#define DDTREE_CUDA_DISPATCH_FLOAT(dtype, name, ...)                                                    \
+  AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                              \
+                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+namespace ddtree {
+namespace cuda {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarp = 32;
+
+// ---- host side -------------------------------------------------------------------------------
+
+// Every tensor argument of a CUDA op must live on the same CUDA device as the first one. The
+// dispatcher routes a call here as soon as one argument is a CUDA tensor, so a CPU tensor mixed in
+// would otherwise be dereferenced on the device.
+inline void check_on_cuda(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> args) {
+  const at::Tensor* first = args.begin()->second;
+  for (const auto& [name, t] : args) {
+    TORCH_CHECK_VALUE(t->is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t->device());
+    TORCH_CHECK_VALUE(t->device() == first->device(), op, ": ", name, " must be on ", first->device(), " like ",
+                      args.begin()->first, ", got ", t->device());
+  }
+}
+
+inline void check_list_on_cuda(const char* op, const char* name, at::TensorList list, const at::Tensor& like) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    TORCH_CHECK_VALUE(list[i].is_cuda() && list[i].device() == like.device(), op, ": ", name, "[", i,
+                      "] must be a CUDA tensor on ", like.device(), ", got ", list[i].device());
+  }
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
+
+// Largest dynamic shared memory a block may opt into on the current device.
+inline size_t max_dynamic_smem() { return at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin; }
+
+// Raises a kernel's dynamic shared-memory limit when a launch needs more than the default 48 KB.
+template <typename Kernel>
+inline void allow_dynamic_smem(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  }
+}
+
+inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// ---- device side -----------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x) {
+  return static_cast<T>(x);
+}
+
+// N elements of T moved as one aligned access (16 bytes when sizeof(T) * N == 16).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_pack_float(const T* p, float (&out)[N]) {
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int e = 0; e < N; ++e) out[e] = to_float(pk.v[e]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_pack_float(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int e = 0; e < N; ++e) pk.v[e] = from_float<T>(in[e]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
+  return x;
+}
+
+__device__ __forceinline__ uint64_t warp_max_u64(uint64_t x) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) {
+    const uint64_t y = __shfl_xor_sync(kFullMask, x, off);
+    x = y > x ? y : x;
+  }
+  return x;
+}
+
+// Sum of squares of a row of `n` elements, split over the lanes of a warp (lane, lane + 32, ...) and
+// reduced by a fixed butterfly, so every kernel that normalises the same row gets the same bits.
+template <typename T>
+__device__ __forceinline__ float warp_sum_squares(const T* row, int n, int lane) {
+  float acc = 0.f;
+  for (int k = lane; k < n; k += kWarp) {
+    const float x = to_float(row[k]);
+    acc = fmaf(x, x, acc);
+  }
+  return warp_sum(acc);
+}
+
+// 1 / sqrt(sum + eps), correctly rounded (no rsqrt approximation) so it matches the CPU op.
+__device__ __forceinline__ float inv_l2_norm(float sum_squares, float eps) { return 1.0f / sqrtf(sum_squares + eps); }
+
+}  // namespace cuda
+}  // namespace ddtree

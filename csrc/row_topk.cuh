@@ -1,0 +1,189 @@
+// One pass over a row of logits by one thread block: softmax statistics (max, sum of exp) and the
+// best K_CAP (value, id) pairs, ordered higher value first, then lower id (the ops' tie rule). Used by
+// topk_logprobs (the draft's per-depth top-K) and walk_sample (the target's top-k).
+//
+// Every thread keeps an online (max, sum-exp) pair and a sorted register list; the lists are merged
+// warp by warp, then across warps. (value, id) pairs are totally ordered, so the result does not
+// depend on which thread saw which element; the softmax statistics are merged by fixed butterflies
+// and a fixed warp order, so they are deterministic too.
+#pragma once
+
+#include "cuda_common.cuh"
+
+namespace ddtree {
+namespace cuda {
+
+constexpr int kNoId = 0x7fffffff;
+
+__device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) { return a > b || (a == b && ia < ib); }
+
+// (max, sum of exp(x - max)) of a running softmax; -inf elements contribute nothing.
+struct MaxSum {
+  float m = -INFINITY;
+  float s = 0.f;
+
+  __device__ __forceinline__ void add(float x) {
+    if (x > m) {
+      s = s * expf(m - x) + 1.f;
+      m = x;
+    } else if (x != -INFINITY) {
+      s += expf(x - m);
+    }
+  }
+
+  __device__ __forceinline__ void merge(float m2, float s2) {
+    const float mm = fmaxf(m, m2);
+    if (mm == -INFINITY) return;
+    s = (m == -INFINITY ? 0.f : s * expf(m - mm)) + (m2 == -INFINITY ? 0.f : s2 * expf(m2 - mm));
+    m = mm;
+  }
+};
+
+// Descending list of the best K (value, id) pairs seen by one thread, in registers (every index is a
+// compile-time constant, so nothing goes to local memory).
+template <int K>
+struct TopList {
+  float val[K];
+  int id[K];
+
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      val[j] = -INFINITY;
+      id[j] = kNoId;
+    }
+  }
+
+  __device__ __forceinline__ void insert(float x, int ix) {
+    if (!ranks_before(x, ix, val[K - 1], id[K - 1])) return;
+    // From the tail: slot j takes slot j - 1's entry while x ranks before that, else x itself.
+#pragma unroll
+    for (int j = K - 1; j > 0; --j) {
+      if (ranks_before(x, ix, val[j - 1], id[j - 1])) {
+        val[j] = val[j - 1];
+        id[j] = id[j - 1];
+      } else if (ranks_before(x, ix, val[j], id[j])) {
+        val[j] = x;
+        id[j] = ix;
+      }
+    }
+    if (ranks_before(x, ix, val[0], id[0])) {
+      val[0] = x;
+      id[0] = ix;
+    }
+  }
+
+  __device__ __forceinline__ void pop_front() {
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {
+      val[j] = val[j + 1];
+      id[j] = id[j + 1];
+    }
+    val[K - 1] = -INFINITY;
+    id[K - 1] = kNoId;
+  }
+};
+
+// Best (value, id) pair over the warp; every lane gets it.
+__device__ __forceinline__ void warp_best(float& v, int& id) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) {
+    const float v2 = __shfl_xor_sync(kFullMask, v, off);
+    const int id2 = __shfl_xor_sync(kFullMask, id, off);
+    if (ranks_before(v2, id2, v, id)) {
+      v = v2;
+      id = id2;
+    }
+  }
+}
+
+// Calls f(value, id) for every element of row[0, n) (as float), in 16-byte packs where aligned.
+template <typename T, int THREADS, typename F>
+__device__ __forceinline__ void for_each_in_row(const T* row, int64_t n, F&& f) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t head = std::min<int64_t>(n, (16 - reinterpret_cast<uintptr_t>(row) % 16) % 16 / sizeof(T));
+  const int64_t packs = (n - head) / kVec;
+  for (int64_t i = threadIdx.x; i < head; i += THREADS) f(to_float(row[i]), i);
+  for (int64_t p = threadIdx.x; p < packs; p += THREADS) {
+    float v[kVec];
+    load_pack_float<T, kVec>(row + head + p * kVec, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) f(v[e], head + p * kVec + e);
+  }
+  for (int64_t i = head + packs * kVec + threadIdx.x; i < n; i += THREADS) f(to_float(row[i]), i);
+}
+
+template <int K_CAP, int THREADS>
+struct RowTopKSmem {
+  static constexpr int kWarps = THREADS / kWarp;
+  float warp_val[kWarps][K_CAP];
+  int warp_id[kWarps][K_CAP];
+  float warp_m[kWarps], warp_s[kWarps];
+  float val[K_CAP];  // the result, best first
+  int id[K_CAP];
+  float m, s;        // softmax max and sum of exp(x - m) over the row
+};
+
+// Scans row[0, n) with every thread of the block, taking transform(x) as the value of element x.
+// Afterwards (following a barrier) sm.val / sm.id hold the best min(K_CAP, n) pairs and sm.m / sm.s
+// the softmax statistics. Must be called by all THREADS threads.
+template <typename T, int K_CAP, int THREADS, typename Transform>
+__device__ void row_softmax_topk(const T* row, int64_t n, Transform transform, RowTopKSmem<K_CAP, THREADS>& sm) {
+  constexpr int kWarps = THREADS / kWarp;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  MaxSum ms;
+  TopList<K_CAP> top;
+  top.clear();
+  for_each_in_row<T, THREADS>(row, n, [&](float x, int64_t i) {
+    const float v = transform(x);
+    ms.add(v);
+    top.insert(v, static_cast<int>(i));
+  });
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(kFullMask, ms.m, off);
+    const float s2 = __shfl_xor_sync(kFullMask, ms.s, off);
+    ms.merge(m2, s2);
+  }
+  // K_CAP rounds of "the best head in the warp wins and is popped".
+  for (int r = 0; r < K_CAP; ++r) {
+    float v = top.val[0];
+    int id = top.id[0];
+    warp_best(v, id);
+    if (top.id[0] == id) top.pop_front();
+    if (lane == 0) {
+      sm.warp_val[warp][r] = v;
+      sm.warp_id[warp][r] = id;
+    }
+  }
+  if (lane == 0) {
+    sm.warp_m[warp] = ms.m;
+    sm.warp_s[warp] = ms.s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    MaxSum total;
+    for (int w = 0; w < kWarps; ++w) total.merge(sm.warp_m[w], sm.warp_s[w]);  // same order in every lane
+    int pos = 0;  // lane w < kWarps walks the list of warp w
+    for (int r = 0; r < K_CAP; ++r) {
+      const bool live = lane < kWarps && pos < K_CAP;
+      float v = live ? sm.warp_val[lane][pos] : -INFINITY;
+      int id = live ? sm.warp_id[lane][pos] : kNoId;
+      const int mine = id;
+      warp_best(v, id);
+      if (live && mine == id) ++pos;
+      if (lane == 0) {
+        sm.val[r] = v;
+        sm.id[r] = id;
+      }
+    }
+    if (lane == 0) {
+      sm.m = total.m;
+      sm.s = total.s;
+    }
+  }
+  __syncthreads();
+}
+
+}  // namespace cuda
+}  // namespace ddtree

@@ -1,0 +1,448 @@
+// CUDA implementations of the walk ops. Semantics: ddtree_ext/reference.py (_walk, sample_token).
+//
+// walk_greedy: one block per row stages the row's tree in shared memory and one thread follows it.
+// walk_sample: the token the target draws at a node depends only on that node's logits and on
+// uniform[b, depth], so every reachable node draws its token in parallel first (depths come from the
+// child links); the walk itself is then the greedy walk over those tokens. Draws:
+//   * top_k in [1, 64]: one pass (row_topk.cuh) gives the sorted top-k; thread 0 applies top_p and
+//     the inverse CDF over those <= 64 tokens exactly as the reference orders them;
+//   * no top_k, no top_p: a max pass, then chunked prefix sums in ascending id order;
+//   * anything else (top_p over the whole vocabulary, top_k > 64): the reference's own sort-based
+//     formulation through ATen on the device (exact, heavier: sorts every node's row).
+// Floating sums run in a different order than on the CPU, so a draw can differ from the CPU op's only
+// when uniform * total lands within rounding of a cumulative boundary.
+#include "cuda_common.cuh"
+#include "ops.h"
+#include "row_topk.cuh"
+
+namespace ddtree {
+namespace {
+
+using cuda::kFullMask;
+using cuda::kWarp;
+
+// ==== the walk ================================================================================
+
+constexpr int kWalkThreads = 128;
+
+struct TreeLinks {
+  const int64_t* node_token;
+  int64_t nt_sb, nt_sn;
+  const int32_t* first_child;
+  int64_t fc_sb, fc_sn;
+  const int32_t* next_sibling;
+  int64_t ns_sb, ns_sn;
+  int num_nodes;
+};
+
+TreeLinks links_of(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling) {
+  return TreeLinks{node_token.data_ptr<int64_t>(),  node_token.stride(0),   node_token.stride(1),
+                   first_child.data_ptr<int32_t>(), first_child.stride(0),  first_child.stride(1),
+                   next_sibling.data_ptr<int32_t>(), next_sibling.stride(0), next_sibling.stride(1),
+                   static_cast<int>(node_token.size(1))};
+}
+
+struct WalkOut {
+  int32_t* accepted;
+  int64_t acc_sb, acc_sd;
+  int32_t* accept_len;
+  int64_t al_s;
+  int64_t* next_token;
+  int64_t nx_s;
+  int max_accept;
+};
+
+WalkOut walk_out_of(at::Tensor& accepted, at::Tensor& accept_len, at::Tensor& next_token) {
+  return WalkOut{accepted.data_ptr<int32_t>(), accepted.stride(0), accepted.stride(1),
+                 accept_len.data_ptr<int32_t>(), accept_len.stride(0), next_token.data_ptr<int64_t>(),
+                 next_token.stride(0), static_cast<int>(accepted.size(1))};
+}
+
+// From the root, repeatedly take the target's token at the current node and move to the first child
+// (in sibling-list order) carrying it; stop when none does or after max_accept nodes. Malformed links
+// (an index outside the row, a sibling list longer than the row) end the walk instead of faulting.
+__global__ void __launch_bounds__(kWalkThreads) walk_tree_kernel(TreeLinks tree, const int64_t* __restrict__ target,
+                                                                 int64_t tg_sb, int64_t tg_sn, WalkOut out) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int n = tree.num_nodes;
+  int64_t* token = reinterpret_cast<int64_t*>(smem_raw);  // [N]
+  int64_t* want = token + n;                               // [N] the target's token at each node
+  int* first_child = reinterpret_cast<int*>(want + n);    // [N]
+  int* next_sibling = first_child + n;                     // [N]
+  int* path = next_sibling + n;                            // [max_accept]
+  __shared__ int path_len;
+  __shared__ int64_t bonus;
+  const int b = blockIdx.x;
+  for (int i = threadIdx.x; i < n; i += kWalkThreads) {
+    token[i] = tree.node_token[b * tree.nt_sb + i * tree.nt_sn];
+    want[i] = target[b * tg_sb + i * tg_sn];
+    first_child[i] = tree.first_child[b * tree.fc_sb + i * tree.fc_sn];
+    next_sibling[i] = tree.next_sibling[b * tree.ns_sb + i * tree.ns_sn];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int node = 0, len = 0;
+    int64_t t;
+    while (true) {
+      path[len++] = node;
+      t = want[node];
+      if (len == out.max_accept) break;
+      int c = first_child[node], steps = 0;
+      while (c >= 0 && c < n && steps < n && token[c] != t) {
+        c = next_sibling[c];
+        ++steps;
+      }
+      if (c < 0 || c >= n || steps >= n) break;
+      node = c;
+    }
+    path_len = len;
+    bonus = t;
+  }
+  __syncthreads();
+  const int len = path_len;
+  for (int d = threadIdx.x; d < out.max_accept; d += kWalkThreads) {
+    out.accepted[b * out.acc_sb + d * out.acc_sd] = d < len ? path[d] : -1;
+  }
+  if (threadIdx.x == 0) {
+    out.accept_len[b * out.al_s] = len;
+    out.next_token[b * out.nx_s] = bonus;
+  }
+}
+
+void launch_walk(const TreeLinks& tree, const at::Tensor& target, const WalkOut& out, int64_t bsz) {
+  const int64_t n = tree.num_nodes;
+  const size_t smem = (2 * sizeof(int64_t) + 2 * sizeof(int)) * n + sizeof(int) * out.max_accept;
+  TORCH_CHECK_VALUE(smem <= cuda::max_dynamic_smem(), "walk: trees of ", n,
+                    " nodes need more shared memory than this GPU offers");
+  cuda::allow_dynamic_smem(walk_tree_kernel, smem);
+  walk_tree_kernel<<<static_cast<unsigned>(bsz), kWalkThreads, smem, cuda::current_stream()>>>(
+      tree, target.data_ptr<int64_t>(), target.stride(0), target.stride(1), out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ==== walk_sample: node depths ================================================================
+//
+// depth[b, i] = depth of node i reached through the child links from the root, or -1 when no walk can
+// reach it (padding nodes, which no list links).
+
+constexpr int kDepthThreads = 256;
+
+__global__ void __launch_bounds__(kDepthThreads) tree_depth_kernel(TreeLinks tree, int32_t* __restrict__ depth) {
+  extern __shared__ int parent_of[];  // [N]; -1 root, -2 unreached
+  const int n = tree.num_nodes, b = blockIdx.x;
+  for (int i = threadIdx.x; i < n; i += kDepthThreads) parent_of[i] = i == 0 ? -1 : -2;
+  __syncthreads();
+  for (int p = threadIdx.x; p < n; p += kDepthThreads) {
+    int c = tree.first_child[b * tree.fc_sb + p * tree.fc_sn];
+    for (int steps = 0; c > 0 && c < n && steps < n; ++steps) {
+      parent_of[c] = p;
+      c = tree.next_sibling[b * tree.ns_sb + c * tree.ns_sn];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += kDepthThreads) {
+    int d = 0, j = i;
+    while (j > 0 && d <= n) {
+      j = parent_of[j];
+      ++d;
+    }
+    depth[static_cast<int64_t>(b) * n + i] = j == 0 && d <= n ? d : -1;
+  }
+}
+
+// ==== walk_sample: draws =======================================================================
+
+constexpr int kSampleThreads = 256;
+constexpr int kSampleMaxTopK = 64;
+constexpr int kSampleChunkPerThread = 8;
+constexpr int kSampleChunk = kSampleThreads * kSampleChunkPerThread;
+
+struct SampleArgs {
+  const int32_t* depth;    // [B, N] contiguous workspace
+  const float* uniform;    // [B, D]
+  int64_t un_sb, un_sd;
+  int num_nodes, max_accept;
+  int64_t vocab;
+  float temperature, top_p;
+  int top_k;               // 0 = off
+  int64_t* token;          // [B, N] contiguous workspace
+};
+
+// Node (b, i) of this block and its uniform; false (and token -1) when no walk reaches the node.
+__device__ __forceinline__ bool sample_target(const SampleArgs& a, int b, int i, float& u) {
+  const int64_t slot = static_cast<int64_t>(b) * a.num_nodes + i;
+  const int d = a.depth[slot];
+  if (d < 0 || d >= a.max_accept) {
+    if (threadIdx.x == 0) a.token[slot] = -1;
+    return false;
+  }
+  u = a.uniform[b * a.un_sb + d * a.un_sd];
+  return true;
+}
+
+template <typename T, int K_CAP>
+__global__ void __launch_bounds__(kSampleThreads) sample_top_k_kernel(const T* __restrict__ logits, int64_t lg_sb,
+                                                                      int64_t lg_sn, SampleArgs a) {
+  __shared__ cuda::RowTopKSmem<K_CAP, kSampleThreads> sm;
+  __shared__ bool keep[K_CAP];
+  __shared__ float prob_by_id[K_CAP];  // softmax(x) of the kept tokens, ascending id
+  __shared__ int id_by_id[K_CAP];
+  __shared__ int kept;
+  const int i = blockIdx.x, b = blockIdx.y;
+  float u;
+  if (!sample_target(a, b, i, u)) return;
+  const float temperature = a.temperature;
+  cuda::row_softmax_topk<T, K_CAP, kSampleThreads>(logits + b * lg_sb + i * lg_sn, a.vocab,
+                                                   [temperature](float x) { return x / temperature; }, sm);
+  if (threadIdx.x >= kWarp) return;
+  const int lane = threadIdx.x;
+  const int k = static_cast<int>(a.top_k < a.vocab ? a.top_k : a.vocab);
+  if (lane == 0) {
+    // top_p over the top_k set in descending order, renormalised over that set, as the reference
+    // computes it: p = softmax(x[kept]), before = cumsum(p) - p, keep where before < top_p.
+    float zk = 0.f;
+    for (int r = 0; r < k; ++r) zk += expf(sm.val[r] - sm.val[0]);
+    float cum = 0.f;
+    int count = 0;
+    for (int r = 0; r < K_CAP; ++r) {
+      bool on = r < k;
+      if (on && a.top_p < 1.f) {
+        const float p = expf(sm.val[r] - sm.val[0]) / zk;
+        cum += p;
+        on = (cum - p) < a.top_p;
+      }
+      keep[r] = on;
+      count += on;
+    }
+    kept = count;
+  }
+  __syncwarp();
+  // Kept tokens in ascending id order (each lane ranks its entries).
+  for (int r = lane; r < K_CAP; r += kWarp) {
+    if (!keep[r]) continue;
+    int pos = 0;
+    for (int s = 0; s < K_CAP; ++s) pos += keep[s] && sm.id[s] < sm.id[r];
+    id_by_id[pos] = sm.id[r];
+    prob_by_id[pos] = expf(sm.val[r] - sm.m) / sm.s;
+  }
+  __syncwarp();
+  if (lane != 0) return;
+  // Inverse CDF in ascending id order: the first kept token whose cumulative probability exceeds
+  // uniform * total, else the largest kept id.
+  const int count = kept;
+  float total = 0.f;
+  for (int r = 0; r < count; ++r) total += prob_by_id[r];
+  const float target = u * total;
+  int64_t token = id_by_id[count - 1];
+  float cum = 0.f;
+  for (int r = 0; r < count; ++r) {
+    cum += prob_by_id[r];
+    if (cum > target) {
+      token = id_by_id[r];
+      break;
+    }
+  }
+  a.token[static_cast<int64_t>(b) * a.num_nodes + i] = token;
+}
+
+// Inclusive prefix sum over the block in a fixed order (warp shuffles, then warp totals); also returns
+// the exclusive prefix. Deterministic, so two scans of the same values agree bit for bit.
+__device__ __forceinline__ float block_scan(float x, float* warp_totals, float& exclusive) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  float incl = x;
+#pragma unroll
+  for (int off = 1; off < kWarp; off <<= 1) {
+    const float y = __shfl_up_sync(kFullMask, incl, off);
+    if (lane >= off) incl += y;
+  }
+  if (lane == kWarp - 1) warp_totals[warp] = incl;
+  __syncthreads();
+  float before = 0.f;
+  for (int w = 0; w < warp; ++w) before += warp_totals[w];
+  const float prev_in_warp = __shfl_up_sync(kFullMask, incl, 1);
+  exclusive = before + (lane == 0 ? 0.f : prev_in_warp);
+  incl = before + incl;
+  __syncthreads();  // warp_totals is reused by the next scan
+  return incl;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kSampleThreads) sample_full_kernel(const T* __restrict__ logits, int64_t lg_sb,
+                                                                     int64_t lg_sn, SampleArgs a) {
+  extern __shared__ float chunk_total[];  // [ceil(V / kSampleChunk)]
+  __shared__ float warp_totals[kSampleThreads / kWarp];
+  __shared__ float warp_max[kSampleThreads / kWarp];
+  __shared__ int chosen_chunk, chosen_id;
+  __shared__ float chosen_before, target_shared;
+  const int i = blockIdx.x, b = blockIdx.y;
+  float u;
+  if (!sample_target(a, b, i, u)) return;
+  const T* row = logits + b * lg_sb + i * lg_sn;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const float temperature = a.temperature;
+
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < a.vocab; j += kSampleThreads) m = fmaxf(m, cuda::to_float(row[j]) / temperature);
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off));
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  m = warp_max[0];
+  for (int w = 1; w < kSampleThreads / kWarp; ++w) m = fmaxf(m, warp_max[w]);
+
+  // Thread t of a chunk owns ids [c0 + 8 t, c0 + 8 t + 8): its running sum, then the block scan.
+  auto thread_sum = [&](int64_t c0, float (&run)[kSampleChunkPerThread]) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < kSampleChunkPerThread; ++e) {
+      const int64_t j = c0 + threadIdx.x * kSampleChunkPerThread + e;
+      s += j < a.vocab ? expf(cuda::to_float(row[j]) / temperature - m) : 0.f;
+      run[e] = s;
+    }
+    return s;
+  };
+  const int chunks = static_cast<int>((a.vocab + kSampleChunk - 1) / kSampleChunk);
+  for (int c = 0; c < chunks; ++c) {
+    float run[kSampleChunkPerThread], excl;
+    const float incl = block_scan(thread_sum(static_cast<int64_t>(c) * kSampleChunk, run), warp_totals, excl);
+    if (threadIdx.x == kSampleThreads - 1) chunk_total[c] = incl;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+    for (int c = 0; c < chunks; ++c) total += chunk_total[c];
+    const float target = u * total;
+    float before = 0.f;
+    int chosen = -1;
+    for (int c = 0; c < chunks && chosen < 0; ++c) {
+      if (before + chunk_total[c] > target) {
+        chosen = c;
+      } else {
+        before += chunk_total[c];
+      }
+    }
+    chosen_chunk = chosen;
+    chosen_before = before;
+    target_shared = target;
+    chosen_id = cuda::kNoId;
+  }
+  __syncthreads();
+  const int chosen = chosen_chunk;
+  int64_t token = a.vocab - 1;  // no crossing: the largest kept id
+  if (chosen >= 0) {
+    const int64_t c0 = static_cast<int64_t>(chosen) * kSampleChunk;
+    float run[kSampleChunkPerThread], excl;
+    block_scan(thread_sum(c0, run), warp_totals, excl);
+    const float before = chosen_before + excl, target = target_shared;
+#pragma unroll
+    for (int e = 0; e < kSampleChunkPerThread; ++e) {
+      const int64_t j = c0 + threadIdx.x * kSampleChunkPerThread + e;
+      if (j < a.vocab && before + run[e] > target) {
+        atomicMin(&chosen_id, static_cast<int>(j));
+        break;
+      }
+    }
+    __syncthreads();
+    // A crossing the chunk total saw but no element did is a rounding gap: take the chunk's last id.
+    token = chosen_id != cuda::kNoId ? chosen_id : std::min<int64_t>(c0 + kSampleChunk, a.vocab) - 1;
+  }
+  if (threadIdx.x == 0) a.token[static_cast<int64_t>(b) * a.num_nodes + i] = token;
+}
+
+// The reference's formulation, batched over every node through ATen on the device.
+void sample_by_sort(const at::Tensor& logits, const at::Tensor& uniform, const at::Tensor& depth, double temperature,
+                    int64_t top_k, double top_p, at::Tensor& token) {
+  const int64_t vocab = logits.size(2);
+  const at::Tensor x = logits.to(at::kFloat) / temperature;
+  const at::Tensor u = uniform.gather(1, depth.clamp(0, uniform.size(1) - 1).to(at::kLong));  // [B, N]
+  const auto [sorted, order] = at::sort(x, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
+  const at::Tensor rank = at::arange(vocab, x.options().dtype(at::kLong));
+  at::Tensor keep_sorted = at::ones_like(sorted, sorted.options().dtype(at::kBool));
+  if (top_k > 0 && top_k < vocab) keep_sorted = (rank < top_k).expand_as(sorted);
+  if (top_p < 1.0) {
+    const at::Tensor p = at::softmax(sorted.masked_fill(keep_sorted.logical_not(), -INFINITY), -1);
+    keep_sorted = keep_sorted.logical_and(p.cumsum(-1).sub(p).lt(top_p));
+  }
+  const at::Tensor keep = at::zeros_like(keep_sorted).scatter(-1, order, keep_sorted);
+  const at::Tensor cum = at::softmax(x, -1).mul(keep).cumsum(-1);
+  const at::Tensor target = u.unsqueeze(-1).mul(cum.narrow(-1, vocab - 1, 1));
+  const at::Tensor hit = at::searchsorted(cum, target, /*out_int32=*/false, /*right=*/true).squeeze(-1);
+  const at::Tensor kept_max = keep.mul(rank).amax(-1);
+  token.copy_(at::where(hit.lt(vocab), hit, kept_max));
+}
+
+}  // namespace
+
+// ---- entry points ------------------------------------------------------------------------------
+
+void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
+                      const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
+                      at::Tensor& next_token) {
+  constexpr const char* op = "walk_greedy";
+  check_walk(op, node_token, first_child, next_sibling, accepted, accept_len, next_token);
+  cuda::check_on_cuda(op, {{"node_token", &node_token}, {"first_child", &first_child},
+                           {"next_sibling", &next_sibling}, {"target_token", &target_token},
+                           {"accepted", &accepted}, {"accept_len", &accept_len}, {"next_token", &next_token}});
+  DDTREE_CHECK_DTYPE(op, target_token, at::kLong);
+  DDTREE_CHECK_SHAPE(op, target_token, {node_token.size(0), node_token.size(1)});
+  const c10::cuda::CUDAGuard guard(node_token.device());
+  if (node_token.size(0) == 0 || accepted.size(1) == 0) return;
+  launch_walk(links_of(node_token, first_child, next_sibling), target_token,
+              walk_out_of(accepted, accept_len, next_token), node_token.size(0));
+}
+
+void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
+                      const at::Tensor& logits, const at::Tensor& uniform, double temperature, int64_t top_k,
+                      double top_p, at::Tensor& accepted, at::Tensor& accept_len, at::Tensor& next_token) {
+  constexpr const char* op = "walk_sample";
+  check_walk(op, node_token, first_child, next_sibling, accepted, accept_len, next_token);
+  check_walk_sample(node_token, logits, uniform, temperature, top_k, top_p, accepted);
+  cuda::check_on_cuda(op, {{"node_token", &node_token}, {"first_child", &first_child},
+                           {"next_sibling", &next_sibling}, {"logits", &logits}, {"uniform", &uniform},
+                           {"accepted", &accepted}, {"accept_len", &accept_len}, {"next_token", &next_token}});
+  const c10::cuda::CUDAGuard guard(node_token.device());
+  const int64_t bsz = node_token.size(0), n = node_token.size(1), vocab = logits.size(2);
+  if (bsz == 0 || accepted.size(1) == 0) return;
+  const TreeLinks tree = links_of(node_token, first_child, next_sibling);
+  const cudaStream_t stream = cuda::current_stream();
+
+  // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture.
+  const at::Tensor depth = at::empty({bsz, n}, node_token.options().dtype(at::kInt));
+  at::Tensor token = at::empty({bsz, n}, node_token.options().dtype(at::kLong));
+  tree_depth_kernel<<<static_cast<unsigned>(bsz), kDepthThreads, sizeof(int) * n, stream>>>(
+      tree, depth.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  const int64_t k_on = top_k > 0 && top_k < vocab ? top_k : 0;
+  const bool p_on = top_p < 1.0;
+  const SampleArgs args{depth.data_ptr<int32_t>(), uniform.data_ptr<float>(), uniform.stride(0), uniform.stride(1),
+                        static_cast<int>(n), static_cast<int>(uniform.size(1)), vocab,
+                        static_cast<float>(temperature), static_cast<float>(top_p), static_cast<int>(k_on),
+                        token.data_ptr<int64_t>()};
+  const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(bsz));
+  if (k_on > kSampleMaxTopK || (k_on == 0 && p_on)) {
+    sample_by_sort(logits, uniform, depth, temperature, top_k, top_p, token);
+  } else {
+    DDTREE_CUDA_DISPATCH_FLOAT(logits.scalar_type(), op, [&] {
+      const scalar_t* lg = logits.data_ptr<scalar_t>();
+      auto launch = [&](auto kernel, size_t smem) {
+        kernel<<<grid, kSampleThreads, smem, stream>>>(lg, logits.stride(0), logits.stride(1), args);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (k_on == 0) {
+        launch(sample_full_kernel<scalar_t>, sizeof(float) * cuda::ceil_div(vocab, kSampleChunk));
+      } else if (k_on <= 8) {
+        launch(sample_top_k_kernel<scalar_t, 8>, 0);
+      } else if (k_on <= 16) {
+        launch(sample_top_k_kernel<scalar_t, 16>, 0);
+      } else if (k_on <= 32) {
+        launch(sample_top_k_kernel<scalar_t, 32>, 0);
+      } else {
+        launch(sample_top_k_kernel<scalar_t, 64>, 0);
+      }
+    });
+  }
+  launch_walk(tree, token, walk_out_of(accepted, accept_len, next_token), bsz);
+}
+
+}  // namespace ddtree

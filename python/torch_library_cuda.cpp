@@ -1,0 +1,19 @@
+// CUDA implementations of the ddtree ops (schemas: python/torch_library.cpp). Compiled only in CUDA
+// builds; every op launches on the current stream and never synchronises, so all are graph-safe.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
+  m.impl("topk_logprobs", &ddtree::topk_logprobs_cuda);
+  m.impl("build_tree", &ddtree::build_tree_cuda);
+  m.impl("tree_attention_mask", &ddtree::tree_attention_mask_cuda);
+  m.impl("tree_conv1d", &ddtree::tree_conv1d_cuda);
+  m.impl("tree_gated_delta_rule", &ddtree::tree_gated_delta_rule_cuda);
+  m.impl("walk_greedy", &ddtree::walk_greedy_cuda);
+  m.impl("walk_sample", &ddtree::walk_sample_cuda);
+  m.impl("commit_gdn_state", &ddtree::commit_gdn_state_cuda);
+  m.impl("commit_conv_state", &ddtree::commit_conv_state_cuda);
+  m.impl("commit_kv", &ddtree::commit_kv_cuda);
+  m.impl("gather_rows", &ddtree::gather_rows_cuda);
+}
