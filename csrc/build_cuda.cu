@@ -1,8 +1,6 @@
 // CUDA implementations of the build ops: per-depth top-K with log-softmax, the best-first tree, and
 // the attention mask of the verify block. Semantics: ddtree_ext/reference.py; argument checks: the
 // device-agnostic check_* functions shared with the CPU ops.
-#include <cfloat>
-
 #include "cuda_common.cuh"
 #include "ops.h"
 #include "row_topk.cuh"
@@ -187,13 +185,13 @@ __global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(
 
     if (spine) {
       int prev = 0;
-      const int spine_len = min(num_depths, budget);
+      const int spine_len = k > 0 ? min(num_depths, budget) : 0;
       for (int d = 1; d <= spine_len; ++d) {
         const float sp = sm.score[prev];
         if (k > 1) put(slots++, candidate_key(sp + lp(d - 1, 1), prev, 1));  // the spine node's next sibling
         prev = take_node(prev, d, 0, sp + lp(d - 1, 0));
       }
-    } else {
+    } else if (num_depths > 0 && k > 0) {
       put(slots++, candidate_key(0.f + lp(0, 0), 0, 0));
     }
     __syncwarp();

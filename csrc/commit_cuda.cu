@@ -245,14 +245,19 @@ __global__ void __launch_bounds__(kGatherThreads) gather_rows_kernel(const T* __
 
 // Row moves are plain copies, so they dispatch on the element size, not the dtype: any dtype of 1, 2,
 // 4 or 8 bytes is moved as unsigned words of that size.
+void check_element_size(const char* op, const char* name, const at::Tensor& t) {
+  const int64_t size = t.element_size();
+  TORCH_CHECK_VALUE(size == 1 || size == 2 || size == 4 || size == 8, op, ": ", name,
+                    " must have elements of 1, 2, 4 or 8 bytes on CUDA, got ", t.scalar_type());
+}
+
 template <typename F>
-void dispatch_element_size(const char* op, const at::Tensor& t, F&& body) {
+void dispatch_element_size(const at::Tensor& t, F&& body) {
   switch (t.element_size()) {
     case 1: body(uint8_t{}); break;
     case 2: body(uint16_t{}); break;
     case 4: body(uint32_t{}); break;
-    case 8: body(uint64_t{}); break;
-    default: TORCH_CHECK_VALUE(false, op, ": the CUDA op moves elements of 1, 2, 4 or 8 bytes, got ", t.scalar_type());
+    default: body(uint64_t{}); break;
   }
 }
 
@@ -289,6 +294,12 @@ void commit_gdn_state_cuda(at::TensorList state, at::TensorList stash_u, at::Ten
   const int64_t layers = state.size();
   if (layers == 0 || accepted.size(0) == 0 || accepted.size(1) == 0) return;
   const int64_t max_len = accepted.size(1);
+  // Validated for every layer before the first launch, so a failure writes nothing.
+  auto staging_bytes = [&](int64_t l) { return sizeof(float) * max_len * (kCommitGdnRows + state[l].size(3)); };
+  for (int64_t l = 0; l < layers; ++l) {
+    TORCH_CHECK_VALUE(staging_bytes(l) <= cuda::max_dynamic_smem(), op, ": paths of ", max_len, " nodes with V = ",
+                      state[l].size(3), " need more shared memory than this GPU offers");
+  }
   for_each_layer_run(
       layers,
       [&](int64_t a, int64_t l) {
@@ -303,9 +314,7 @@ void commit_gdn_state_cuda(at::TensorList state, at::TensorList stash_u, at::Ten
                            cg.stride(0), cg.stride(1), cg.stride(2),
                            static_cast<int>(su.size(1)), static_cast<int>(sk.size(2)), static_cast<int>(hv),
                            static_cast<int>(kdim), static_cast<int>(vdim)};
-        const size_t smem = sizeof(float) * max_len * (kCommitGdnRows + vdim);
-        TORCH_CHECK_VALUE(smem <= cuda::max_dynamic_smem(), op, ": paths of ", max_len, " nodes with V = ", vdim,
-                          " need more shared memory than this GPU offers");
+        const size_t smem = staging_bytes(first);
         const int row_tiles = static_cast<int>(cuda::ceil_div(kdim, kCommitGdnRows));
         const dim3 grid(static_cast<unsigned>(hv * row_tiles), static_cast<unsigned>(bsz),
                         static_cast<unsigned>(count));
@@ -369,16 +378,24 @@ void commit_kv_cuda(at::TensorList cache, const at::Tensor& prefix_len, const at
   const int64_t tensors = cache.size();
   if (tensors == 0 || accepted.size(0) == 0 || accepted.size(1) == 0) return;
   const int64_t max_len = accepted.size(1);
+  // Validated for every cache before the first launch, so a failure writes nothing. The staging of one
+  // block never exceeds max(kCommitKvStagingBytes, 16 bytes per path node).
+  for (int64_t l = 0; l < tensors; ++l) {
+    TORCH_CHECK_VALUE(cache[l].stride(3) == 1 || cache[l].size(3) <= 1, op, ": cache[", l,
+                      "] must be contiguous in its last dim, got strides ", shape_str(cache[l].strides()));
+    check_element_size(op, "cache", cache[l]);
+  }
+  TORCH_CHECK_VALUE(static_cast<size_t>(16 * max_len) <= cuda::max_dynamic_smem(), op, ": paths of ", max_len,
+                    " nodes need more shared memory than this GPU offers");
   for_each_layer_run(
       tensors, [&](int64_t a, int64_t l) { return same_layout(cache[a], cache[l]); },
       [&](int64_t first, int64_t count) {
         const at::Tensor& c = cache[first];
-        TORCH_CHECK_VALUE(c.stride(3) == 1, op, ": cache must be contiguous in its last dim");
         const int64_t bsz = c.size(0), heads = c.size(1), head_dim = c.size(3);
         if (head_dim == 0 || heads == 0) return;
         std::vector<const void*> bases;
         for (int64_t l = first; l < first + count; ++l) bases.push_back(cache[l].data_ptr());
-        dispatch_element_size(op, c, [&](auto word) {
+        dispatch_element_size(c, [&](auto word) {
           using T = decltype(word);
           with_row_packs<T>(head_dim, {c.stride(0), c.stride(1), c.stride(2)}, bases, [&](auto vec_c) {
             constexpr int kVec = decltype(vec_c)::value;
@@ -388,8 +405,6 @@ void commit_kv_cuda(at::TensorList cache, const at::Tensor& prefix_len, const at
             const int chunks = static_cast<int>(cuda::ceil_div(head_dim, chunk));
             const KvStrides s{c.stride(0), c.stride(1), c.stride(2), c.size(2), head_dim, chunk, static_cast<int>(heads)};
             const size_t smem = sizeof(T) * max_len * chunk;
-            TORCH_CHECK_VALUE(smem <= cuda::max_dynamic_smem(), op, ": paths of ", max_len,
-                              " nodes need more shared memory than this GPU offers");
             const dim3 grid(static_cast<unsigned>(heads * chunks), static_cast<unsigned>(bsz),
                             static_cast<unsigned>(count));
             auto kernel = commit_kv_kernel<T, kVec>;
@@ -411,8 +426,10 @@ void gather_rows_cuda(const at::Tensor& src, const at::Tensor& accepted, const a
   const c10::cuda::CUDAGuard guard(src.device());
   const int64_t bsz = src.size(0), n = src.size(1), features = src.size(2), max_len = accepted.size(1);
   if (bsz == 0 || max_len == 0 || features == 0) return;
-  TORCH_CHECK_VALUE(src.stride(2) == 1 && out.stride(2) == 1, op, ": src and out must be contiguous in their last dim");
-  dispatch_element_size(op, src, [&](auto word) {
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, src);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, out);
+  check_element_size(op, "src", src);
+  dispatch_element_size(src, [&](auto word) {
     using T = decltype(word);
     with_row_packs<T>(features, {src.stride(0), src.stride(1), out.stride(0), out.stride(1)},
                       {src.data_ptr(), out.data_ptr()}, [&](auto vec_c) {

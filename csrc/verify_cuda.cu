@@ -537,6 +537,8 @@ void tree_conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::
   cuda::check_on_cuda("tree_conv1d", {{"x", &x}, {"weight", &weight}, {"conv_state", &conv_state},
                                       {"parent", &parent}, {"out", &out}});
   if (bias.has_value()) cuda::check_on_cuda("tree_conv1d", {{"x", &x}, {"bias", &*bias}});
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS("tree_conv1d", x);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS("tree_conv1d", out);
   TORCH_CHECK_VALUE(weight.size(1) >= 1 && weight.size(1) <= kMaxConvWidth,
                     "tree_conv1d: weight must have 1 to 4 taps on CUDA, got ", weight.size(1));
   const c10::cuda::CUDAGuard guard(x.device());
@@ -550,10 +552,16 @@ void tree_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const 
                                 double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,
                                 at::Tensor& stash_k, at::Tensor& stash_cumg) {
   check_tree_gated_delta_rule(q, k, v, g, beta, state, parent, out, stash_u, stash_k, stash_cumg);
-  cuda::check_on_cuda("tree_gated_delta_rule",
-                      {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}, {"state", &state},
+  cuda::check_on_cuda("tree_gated_delta_rule", {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}, {"state", &state},
                        {"parent", &parent}, {"out", &out}, {"stash_u", &stash_u}, {"stash_k", &stash_k},
                        {"stash_cumg", &stash_cumg}});
+  constexpr const char* op = "tree_gated_delta_rule";
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, q);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, k);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, v);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, out);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, stash_u);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, stash_k);
   const c10::cuda::CUDAGuard guard(q.device());
   if (k.size(0) == 0 || k.size(1) == 0) return;
   DDTREE_CUDA_DISPATCH_FLOAT(v.scalar_type(), "tree_gated_delta_rule", [&] {

@@ -1,0 +1,311 @@
+"""Benchmarks of the CUDA ops at Qwen3.6-27B shapes: ``pytest benchmarks --benchmark-only``.
+
+Each op is captured in a CUDA graph (``INNER`` calls, rotating over enough input sets that the data
+does not sit in L2, like the 48 GDN layers of one verify forward) and timed by graph replay: CUDA
+events give the per-call time reported in extra_info["per_op_us"] (median of the rounds), and
+pytest-benchmark's own statistics time the whole replay. Every result carries its floor, measured in
+the same session: bytes moved / device-to-device copy bandwidth, or FLOPs / the measured float32
+(FMA, no TF32) matrix rate for the float32 arithmetic of the GDN op, whichever is larger.
+scripts/summarize_bench.py turns the JSON into a table.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import pytest
+import torch
+
+from ddtree_ext import ops
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+DEV = "cuda"
+ROUNDS = 30
+BUDGETS = [16, 64, 128, 256]
+# Qwen3.6-27B
+VOCAB, DEPTHS = 248320, 15
+GDN_LAYERS, H, HV, KD, VD, CONV_DIM, CONV_W = 48, 16, 48, 128, 128, 10240, 4
+ATTN_LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = 16, 4, 256, 5120
+
+
+def _median_event_ms(fn: Callable[[], None], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@pytest.fixture(scope="session")
+def ceilings():
+    """Device ceilings measured once per session: copy bandwidth (bytes read + written per second)
+    and the float32 matrix rate without TF32 (plain FMA, what the GDN kernels run on)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    copy_ms = _median_event_ms(lambda: dst.copy_(src), 20)
+    del src, dst
+    n = 4096
+    a = torch.randn(n, n, device=DEV)
+    b = torch.randn(n, n, device=DEV)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for _ in range(3):
+            a @ b
+        mm_ms = _median_event_ms(lambda: a @ b, 10)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return dict(copy_bytes_per_s=2 * (1 << 30) / (copy_ms * 1e-3), fp32_flops_per_s=2 * n**3 / (mm_ms * 1e-3))
+
+
+def bench(benchmark, ceilings, op: str, shape: str, calls: Sequence[Callable[[], object]], bytes_moved: float,
+          flops: float = 0.0):
+    """Captures `calls` (one op call each, on rotating inputs) in one graph and times its replay.
+    bytes_moved and flops are per call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    per_op_us = _median_event_ms(graph.replay, ROUNDS) * 1e3 / len(calls)
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+
+    benchmark.group = op
+    floor_us = max(bytes_moved / ceilings["copy_bytes_per_s"], flops / ceilings["fp32_flops_per_s"]) * 1e6
+    benchmark.extra_info.update(
+        op=op, shape=shape, calls_per_replay=len(calls), per_op_us=per_op_us, floor_us=floor_us,
+        bytes=bytes_moved, flops=flops, copy_GBps=ceilings["copy_bytes_per_s"] / 1e9,
+        fp32_TFLOPs=ceilings["fp32_flops_per_s"] / 1e12,
+    )
+    benchmark.pedantic(replay, rounds=ROUNDS, warmup_rounds=2, iterations=1)
+
+
+def built_tree(budget: int, gen: torch.Generator):
+    """A real tree from build_tree on draft-like top-8 log-probs, on the device."""
+    logp = (-torch.rand(1, DEPTHS, 8, generator=gen) * 4).sort(-1, descending=True).values
+    tokens = torch.randint(0, VOCAB, (1, DEPTHS, 8), generator=gen)
+    root = torch.randint(0, VOCAB, (1,), generator=gen)
+    prefix = torch.tensor([1000])
+    return ops.build_tree(logp.to(DEV), tokens.to(DEV), root.to(DEV), prefix.to(DEV), budget)
+
+
+def path_of(tree, length: int):
+    """An accepted path of `length` nodes down the tree (first children), as the walk returns it."""
+    fc = tree.first_child.cpu()
+    path = [0]
+    while len(path) < length and fc[0, path[-1]] >= 0:
+        path.append(int(fc[0, path[-1]]))
+    accepted = torch.full((1, 16), -1, dtype=torch.int32)
+    accepted[0, : len(path)] = torch.tensor(path, dtype=torch.int32)
+    return accepted.to(DEV), torch.tensor([len(path)], dtype=torch.int32, device=DEV)
+
+
+# ---- verify ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_tree_gated_delta_rule(benchmark, ceilings, budget):
+    gen = torch.Generator().manual_seed(budget)
+    n = budget + 1
+    tree = built_tree(budget, gen)
+    bf16 = dict(dtype=torch.bfloat16, device=DEV)
+    layers = []
+    for _ in range(GDN_LAYERS):
+        q = torch.randn(1, n, H, KD, **bf16)
+        k = torch.randn(1, n, H, KD, **bf16)
+        v = torch.randn(1, n, HV, VD, **bf16)
+        g = -torch.rand(1, n, HV, device=DEV)
+        beta = torch.rand(1, n, HV, device=DEV)
+        state = torch.randn(1, HV, KD, VD, device=DEV) * 0.1
+        out = ops.GDNTreeOutput(torch.empty(1, n, HV, VD, **bf16), torch.empty(1, n, HV, VD, device=DEV),
+                                torch.empty(1, n, H, KD, device=DEV), torch.empty(1, n, HV, device=DEV))
+        layers.append((q, k, v, g, beta, state, out))
+    calls = [lambda l=l: ops.tree_gated_delta_rule(*l[:6], tree.parent, out=l[6]) for l in layers]
+    bytes_moved = (HV * KD * VD * 4  # the committed state, read once
+                   + 2 * n * H * KD * 2 + n * HV * VD * 2 + 2 * n * HV * 4 + n * 4  # q, k, v, g, beta, parent
+                   + n * HV * VD * 2 + n * HV * VD * 4 + n * H * KD * 4 + n * HV * 4)  # out and the stash
+    depth_sum = int(tree.depth.sum())
+    flops = (2 * 2 * n * KD * VD * HV  # K H0 and Q H0
+             + 2 * 2 * (depth_sum + n) * (KD * H + VD * HV))  # ancestor dot products and sums
+    bench(benchmark, ceilings, "tree_gated_delta_rule", f"N={n} H={H} HV={HV} K=V=128 bf16", calls, bytes_moved,
+          flops)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_tree_conv1d(benchmark, ceilings, budget):
+    gen = torch.Generator().manual_seed(budget)
+    n = budget + 1
+    tree = built_tree(budget, gen)
+    bf16 = dict(dtype=torch.bfloat16, device=DEV)
+    layers = [(torch.randn(1, n, CONV_DIM, **bf16), torch.randn(CONV_DIM, CONV_W, **bf16),
+               torch.randn(1, CONV_DIM, CONV_W, **bf16), torch.empty(1, n, CONV_DIM, **bf16)) for _ in range(GDN_LAYERS)]
+    calls = [lambda l=l: ops.tree_conv1d(l[0], l[1], None, l[2], tree.parent, out=l[3]) for l in layers]
+    bytes_moved = 2 * (2 * n * CONV_DIM + CONV_DIM * CONV_W + CONV_DIM * (CONV_W - 1))
+    bench(benchmark, ceilings, "tree_conv1d", f"N={n} C={CONV_DIM} W=4 bf16", calls, bytes_moved)
+
+
+# ---- build -------------------------------------------------------------------------------------
+
+
+def _draft_logits(count: int):
+    return [torch.randn(1, DEPTHS, VOCAB, dtype=torch.bfloat16, device=DEV) * 3 for _ in range(count)]
+
+
+def test_topk_logprobs(benchmark, ceilings):
+    logits = _draft_logits(8)  # 8 x 7.4 MB rotate past L2
+    outs = [ops.TopK(torch.empty(1, DEPTHS, 8, device=DEV), torch.empty(1, DEPTHS, 8, dtype=torch.long, device=DEV))
+            for _ in logits]
+    calls = [lambda x=x, o=o: ops.topk_logprobs(x, 8, out=o) for x, o in zip(logits, outs)]
+    bench(benchmark, ceilings, "topk_logprobs", f"[1, {DEPTHS}, {VOCAB}] bf16 k=8", calls, DEPTHS * VOCAB * 2)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_topk_build_mask(benchmark, ceilings, budget):
+    """One round's build: per-depth top-8 over the vocabulary, the tree, and its attention mask."""
+    logits = _draft_logits(8)
+    root = torch.tensor([5], device=DEV)
+    prefix = torch.tensor([1000], device=DEV)
+    kv_len = 4096
+    topk = ops.TopK(torch.empty(1, DEPTHS, 8, device=DEV), torch.empty(1, DEPTHS, 8, dtype=torch.long, device=DEV))
+    tree = ops.empty_tree(1, budget, DEV)
+    mask = torch.empty(1, 1, budget + 1, kv_len, dtype=torch.bool, device=DEV)
+
+    def call(x):
+        ops.topk_logprobs(x, 8, out=topk)
+        ops.build_tree(topk.logp, topk.tokens, root, prefix, budget, out=tree)
+        ops.tree_attention_mask(tree.ancestor_mask, prefix, out=mask)
+
+    calls = [lambda x=x: call(x) for x in logits]
+    bytes_moved = DEPTHS * VOCAB * 2 + (budget + 1) * kv_len
+    bench(benchmark, ceilings, "topk+build_tree+mask", f"N={budget + 1} V={VOCAB} kv={kv_len}", calls, bytes_moved)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_build_tree(benchmark, ceilings, budget):
+    gen = torch.Generator().manual_seed(budget)
+    logp = (-torch.rand(1, DEPTHS, 8, generator=gen) * 4).sort(-1, descending=True).values.to(DEV)
+    tokens = torch.randint(0, VOCAB, (1, DEPTHS, 8), generator=gen).to(DEV)
+    root, prefix = torch.tensor([5], device=DEV), torch.tensor([1000], device=DEV)
+    tree = ops.empty_tree(1, budget, DEV)
+    calls = [lambda: ops.build_tree(logp, tokens, root, prefix, budget, out=tree)] * 8
+    n = budget + 1
+    bytes_moved = DEPTHS * 8 * 16 + n * (8 + 4 * 4 + 8 + 8 * ((n + 63) // 64))
+    bench(benchmark, ceilings, "build_tree", f"N={n} L={DEPTHS} K=8", calls, bytes_moved)
+
+
+# ---- walk --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_walk_greedy(benchmark, ceilings, budget):
+    gen = torch.Generator().manual_seed(budget)
+    tree = built_tree(budget, gen)
+    # The target agrees with the first child everywhere: the walk goes the whole 16 nodes deep.
+    fc = tree.first_child.clamp(min=0)
+    target = torch.where(tree.first_child >= 0, tree.token.gather(1, fc.long()), tree.token)
+    walk = ops.empty_walk(1, 16, DEV)
+    calls = [lambda: ops.walk_greedy(tree, target, 16, out=walk)] * 8
+    n = budget + 1
+    bench(benchmark, ceilings, "walk_greedy", f"N={n} D=16", calls, n * (8 + 8 + 4 + 4) + 16 * 4 + 12)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_walk_sample(benchmark, ceilings, budget):
+    gen = torch.Generator().manual_seed(budget)
+    tree = built_tree(budget, gen)
+    n = budget + 1
+    logits = [torch.randn(1, n, VOCAB, dtype=torch.bfloat16, device=DEV) * 3 for _ in range(2)]
+    uniform = torch.rand(1, 16, device=DEV)
+    walk = ops.empty_walk(1, 16, DEV)
+    calls = [lambda x=x: ops.walk_sample(tree, x, uniform, temperature=0.6, top_k=20, top_p=0.95, out=walk)
+             for x in logits]
+    bench(benchmark, ceilings, "walk_sample", f"N={n} V={VOCAB} bf16 top_k=20 top_p=0.95", calls, n * VOCAB * 2)
+
+
+# ---- commit ------------------------------------------------------------------------------------
+
+
+def test_commit_gdn_state(benchmark, ceilings):
+    """48 GDN layers' [1, 48, 128, 128] float32 states, an 8-node accepted path."""
+    gen = torch.Generator().manual_seed(0)
+    budget, accept = 64, 8
+    n = budget + 1
+    tree = built_tree(budget, gen)
+    accepted, accept_len = path_of(tree, accept)
+    states = [torch.randn(1, HV, KD, VD, device=DEV) * 0.1 for _ in range(GDN_LAYERS)]
+    stash_u = [torch.randn(1, n, HV, VD, device=DEV) for _ in range(GDN_LAYERS)]
+    stash_k = [torch.randn(1, n, H, KD, device=DEV) for _ in range(GDN_LAYERS)]
+    stash_cumg = [-torch.rand(1, n, HV, device=DEV) for _ in range(GDN_LAYERS)]
+    calls = [lambda: ops.commit_gdn_state(states, stash_u, stash_k, stash_cumg, accepted, accept_len)]
+    accept = int(accept_len)
+    bytes_moved = GDN_LAYERS * (2 * HV * KD * VD * 4 + accept * (HV * VD * 4 + H * KD * 4 + HV * 4))
+    flops = GDN_LAYERS * HV * KD * VD * (2 * accept + 1)
+    bench(benchmark, ceilings, "commit_gdn_state", f"{GDN_LAYERS} x [1, {HV}, {KD}, {VD}] fp32, path {accept}",
+          calls, bytes_moved, flops)
+
+
+def test_commit_conv_state(benchmark, ceilings):
+    gen = torch.Generator().manual_seed(1)
+    tree = built_tree(64, gen)
+    accepted, accept_len = path_of(tree, 8)
+    bf16 = dict(dtype=torch.bfloat16, device=DEV)
+    conv = [torch.randn(1, CONV_DIM, CONV_W, **bf16) for _ in range(GDN_LAYERS)]
+    xs = [torch.randn(1, 65, CONV_DIM, **bf16) for _ in range(GDN_LAYERS)]
+    calls = [lambda: ops.commit_conv_state(conv, xs, accepted, accept_len)]
+    bytes_moved = GDN_LAYERS * CONV_DIM * 2 * (2 * CONV_W + min(int(accept_len), CONV_W))
+    bench(benchmark, ceilings, "commit_conv_state", f"{GDN_LAYERS} x [1, {CONV_DIM}, {CONV_W}] bf16, path 8", calls,
+          bytes_moved)
+
+
+def test_commit_kv(benchmark, ceilings):
+    """K/V compaction over 16 attention layers (32 caches), an 8-node accepted path."""
+    gen = torch.Generator().manual_seed(2)
+    tree = built_tree(64, gen)
+    accepted, accept_len = path_of(tree, 8)
+    caches = [torch.randn(1, KV_HEADS, 4096, HEAD_DIM, dtype=torch.bfloat16, device=DEV) for _ in range(2 * ATTN_LAYERS)]
+    prefix = torch.tensor([3000], device=DEV)
+    calls = [lambda: ops.commit_kv(caches, prefix, accepted, accept_len)]
+    path = accepted[0, : int(accept_len)].tolist()
+    moved = sum(1 for d, p in enumerate(path) if p != d)
+    bytes_moved = 2 * ATTN_LAYERS * KV_HEADS * HEAD_DIM * 2 * (len(path) + moved)
+    bench(benchmark, ceilings, "commit_kv", f"{2 * ATTN_LAYERS} x [1, {KV_HEADS}, 4096, {HEAD_DIM}] bf16, path 8",
+          calls, bytes_moved)
+
+
+def test_gather_rows(benchmark, ceilings):
+    gen = torch.Generator().manual_seed(3)
+    tree = built_tree(64, gen)
+    accepted, accept_len = path_of(tree, 8)
+    src = [torch.randn(1, 65, HIDDEN, dtype=torch.bfloat16, device=DEV) for _ in range(8)]
+    out = torch.empty(1, 16, HIDDEN, dtype=torch.bfloat16, device=DEV)
+    calls = [lambda s=s: ops.gather_rows(s, accepted, accept_len, out=out) for s in src]
+    bench(benchmark, ceilings, "gather_rows", f"[1, 65, {HIDDEN}] bf16 -> [1, 16, {HIDDEN}]", calls,
+          HIDDEN * 2 * (int(accept_len) + 16))
+
+
+def test_tree_attention_mask(benchmark, ceilings):
+    gen = torch.Generator().manual_seed(4)
+    tree = built_tree(256, gen)
+    prefix = torch.tensor([3000], device=DEV)
+    mask = torch.empty(1, 1, 257, 4096, dtype=torch.bool, device=DEV)
+    calls = [lambda: ops.tree_attention_mask(tree.ancestor_mask, prefix, out=mask)] * 8
+    bench(benchmark, ceilings, "tree_attention_mask", "N=257 kv=4096 bool", calls, 257 * 4096 + 257 * 5 * 8)

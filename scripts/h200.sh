@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Build, test, sanitize and benchmark ddtree_ext's CUDA kernels on a GPU machine (made for the H200:
+# torch with CUDA 13, nvcc, compute-sanitizer; no package registry needed).
+#
+#   OUT=/some/dir scripts/h200.sh [build] [test] [sanitize] [bench]     (default: all four, in order)
+#
+# Stages can run in separate calls (the in-place build stays in the worktree). Every log goes to $OUT:
+# build.log (with ptxas register/spill lines), tests.log, memcheck.log, racecheck.log, bench.log,
+# bench.json and bench.md. The exit status is nonzero when any stage failed; later stages still run.
+set -uo pipefail
+
+OUT=${OUT:?set OUT to the output folder}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(build test sanitize bench)
+status=0
+
+run() {  # run LOG CMD...: tee the command's output into $OUT/LOG, remember a failure
+  local log=$1
+  shift
+  echo "== $* (log: $OUT/$log)"
+  "$@" 2>&1 | tee -a "$OUT/$log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -ne 0 ] && { echo "!! failed with status $rc: $*" | tee -a "$OUT/$log"; status=1; }
+  return 0
+}
+
+# The subset compute-sanitizer runs: every op once on small inputs, plus the argument checks.
+SANITIZE_TESTS=(tests/test_cuda.py -q -x -k "all_ops_small or mixed_devices")
+
+for stage in "${STAGES[@]}"; do
+  case $stage in
+    build)
+      : > "$OUT/build.log"
+      run build.log env DDTREE_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 NVCC_APPEND_FLAGS="-Xptxas -v" \
+        "$PY" setup.py build_ext --inplace
+      run build.log "$PY" -c "import torch, ddtree_ext; print('build_info', ddtree_ext.build_info()); \
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name())"
+      run build.log nvidia-smi
+      ;;
+    test)
+      : > "$OUT/tests.log"
+      run tests.log "$PY" -m pytest tests -q -rs --durations=15
+      ;;
+    sanitize)
+      : > "$OUT/memcheck.log"
+      : > "$OUT/racecheck.log"
+      run memcheck.log compute-sanitizer --tool memcheck --error-exitcode 99 "$PY" -m pytest "${SANITIZE_TESTS[@]}"
+      run racecheck.log compute-sanitizer --tool racecheck --error-exitcode 99 "$PY" -m pytest "${SANITIZE_TESTS[@]}"
+      ;;
+    bench)
+      : > "$OUT/bench.log"
+      run bench.log "$PY" -m pytest benchmarks --benchmark-only --benchmark-json "$OUT/bench.json" -q
+      run bench.log "$PY" scripts/summarize_bench.py "$OUT/bench.json" --out "$OUT/bench.md"
+      [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
+      ;;
+    *)
+      echo "unknown stage: $stage (build, test, sanitize, bench)"
+      status=1
+      ;;
+  esac
+done
+exit $status

@@ -1,0 +1,879 @@
+"""The CUDA ops against the CPU ops and the reference, on the same inputs.
+
+Integer outputs must be identical (torch.equal); float outputs agree within conftest.RTOL. Outputs are
+poisoned before every run. Every op is also captured in a CUDA graph and replayed with new inputs,
+and run twice to check determinism. Skipped as a whole without a CUDA device or a CUDA build.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, List, NamedTuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import RTOL, assert_close, poison, random_parents, rel_err, requires_cuda
+from ddtree_ext import build_info, ops, reference
+from ddtree_ext.ops import GDNTreeOutput, TopK, Tree, Walk
+
+pytestmark = requires_cuda
+
+DEV = "cuda"
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_build():
+    try:
+        info = build_info()
+    except ImportError as e:  # the compiled core is missing altogether
+        pytest.skip(f"ddtree_ext._C is not built: {e}")
+    if not info["cuda"]:
+        pytest.skip("ddtree_ext._C was built without CUDA kernels")
+
+
+def make_gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def to(x, device):
+    """Moves a tensor, a NamedTuple of tensors or a list of tensors."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(to(t, device) for t in x))
+    return [to(t, device) for t in x]
+
+
+def poisoned(x):
+    """Poisons every tensor of a NamedTuple of output buffers in place and returns it."""
+    for t in x:
+        poison(t)
+    return x
+
+
+def assert_fields_equal(actual, expected, what: str) -> None:
+    for name, a, e in zip(type(expected)._fields, actual, expected):
+        assert torch.equal(a.cpu(), e.cpu()), f"{what}: {name} differs"
+
+
+def random_tree(bsz: int, n: int, gen: torch.Generator, shape: str = "random", max_depth: int = 16,
+                vocab: int = 20) -> Tree:
+    """Random trees with every node real; a small vocab makes siblings share tokens."""
+    parent = torch.stack([random_parents(n, gen, shape, max_depth) for _ in range(bsz)])
+    token = torch.randint(0, vocab, (bsz, n), generator=gen)
+    prefix = torch.randint(0, 40, (bsz,), generator=gen)
+    return reference.tree_from_parents(parent, token, prefix)
+
+
+def random_paths(parent: torch.Tensor, max_accept: int, gen: torch.Generator):
+    """accepted [B, D] int32 (root..node of a random node, cut at D, padded with -1), accept_len [B]."""
+    bsz, n = parent.shape
+    accepted = torch.full((bsz, max_accept), -1, dtype=torch.int32)
+    accept_len = torch.empty(bsz, dtype=torch.int32)
+    for b in range(bsz):
+        path = reference.path_to(parent, b, int(torch.randint(0, n, (1,), generator=gen)))[:max_accept]
+        accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
+        accept_len[b] = len(path)
+    return accepted, accept_len
+
+
+def random_topk(bsz: int, depths: int, k: int, gen: torch.Generator, ties: bool):
+    """Per-depth top-K as topk_logprobs returns it (descending log-probs); with ties, values on a coarse
+    grid so that many prefix scores are equal and the tie order decides."""
+    if ties:
+        raw = -torch.randint(0, 4, (bsz, depths, k), generator=gen).float() * 0.5
+    else:
+        raw = -torch.rand(bsz, depths, k, generator=gen) * 6
+    logp = raw.sort(dim=-1, descending=True).values
+    tokens = torch.randint(0, 1000, (bsz, depths, k), generator=gen)
+    return logp, tokens
+
+
+# ---- build -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(
+    "shape,k",
+    [((2, 3, 1000), 1), ((2, 3, 1000), 8), ((1, 4, 7), 7), ((3, 2, 4099), 16), ((1, 2, 5000), 32), ((2, 2, 3000), 40)],
+)
+@pytest.mark.parametrize("layout", ["contiguous", "ties", "unaligned"])
+def test_topk_logprobs(dtype, shape, k, layout):
+    gen = make_gen(11)
+    bsz, depths, vocab = shape
+    if layout == "ties":  # many equal logits: the lower token id must come first
+        logits = torch.randint(-3, 3, shape, generator=gen).to(dtype)
+    elif layout == "unaligned":  # rows start off 16-byte boundaries and have odd strides
+        logits = torch.randn(bsz, depths, vocab + 3, generator=gen).to(dtype)[..., 1 : vocab + 1]
+    else:
+        logits = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    expected_cpu = ops.topk_logprobs(logits, k)
+    expected_ref = reference.topk_logprobs(logits, k)
+    out = poisoned(TopK(torch.empty(bsz, depths, k, device=DEV), torch.empty(bsz, depths, k, dtype=torch.long, device=DEV)))
+    got = ops.topk_logprobs(logits.to(DEV), k, out=out)
+    for expected in (expected_cpu, expected_ref):
+        assert torch.equal(got.tokens.cpu(), expected.tokens)
+        assert_close(got.logp, expected.logp, torch.float32, "logp")
+
+
+def test_topk_logprobs_full_vocab():
+    """The draft's real shape: 15 depths over Qwen3.6's 248320-token vocabulary."""
+    gen = make_gen(12)
+    logits = (torch.randn(1, 15, 248320, generator=gen) * 4).to(torch.bfloat16)
+    for k in (8, 32):
+        expected = ops.topk_logprobs(logits, k)
+        got = ops.topk_logprobs(logits.to(DEV), k)
+        assert torch.equal(got.tokens.cpu(), expected.tokens)
+        assert_close(got.logp, expected.logp, torch.float32, "logp")
+
+
+BUILD_CASES = [  # (batch, budget, depths, k)
+    (1, 1, 4, 3),
+    (2, 5, 3, 2),
+    (3, 16, 15, 8),
+    (2, 64, 15, 8),
+    (2, 128, 16, 8),
+    (1, 256, 15, 8),
+    (2, 64, 4, 1),  # K = 1: the prefixes run out, the rest is padding
+    (2, 40, 3, 3),  # 3 + 9 + 27 = 39 prefixes < 40
+    (1, 256, 16, 256),  # pure best-first with K = budget
+    (2, 32, 3, 5000),  # logp too large to stage in shared memory
+]
+
+
+@pytest.mark.parametrize("spine", [True, False])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("bsz,budget,depths,k", BUILD_CASES)
+def test_build_tree(bsz, budget, depths, k, spine, ties):
+    gen = make_gen(budget * 31 + depths)
+    logp, tokens = random_topk(bsz, depths, k, gen, ties)
+    root = torch.randint(0, 1000, (bsz,), generator=gen)
+    prefix = torch.randint(0, 500, (bsz,), generator=gen)
+    expected_ref = reference.build_tree(logp, tokens, root, prefix, budget, spine=spine)
+    expected_cpu = ops.build_tree(logp, tokens, root, prefix, budget, spine=spine)
+    out = poisoned(ops.empty_tree(bsz, budget, DEV))
+    got = ops.build_tree(*to([logp, tokens, root, prefix], DEV), budget, spine=spine, out=out)
+    assert_fields_equal(got, expected_cpu, "vs CPU op")
+    assert_fields_equal(got, expected_ref, "vs reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, *FLOAT_DTYPES])
+@pytest.mark.parametrize("n,strided", [(17, False), (65, True), (130, False), (257, True)])
+def test_tree_attention_mask(dtype, n, strided):
+    gen = make_gen(n)
+    tree = random_tree(2, n, gen)
+    prefix = torch.tensor([0, 37])
+    kv_len = int(prefix.max()) + n + 9
+    expected_ref = reference.tree_attention_mask(tree.ancestor_mask, prefix, kv_len, dtype=dtype)
+    expected_cpu = ops.tree_attention_mask(tree.ancestor_mask, prefix, kv_len, dtype=dtype)
+    assert torch.equal(expected_cpu, expected_ref)
+    # bool has no poison value: fill with True, then with False; both runs must overwrite everything.
+    fills = [True, False] if dtype == torch.bool else [float("nan")]
+    for fill in fills:
+        if strided:  # a window of a larger static buffer
+            big = torch.full((2, 1, n + 3, kv_len + 21), fill, dtype=dtype, device=DEV)
+            out = big[:, :, 1 : n + 1, 5 : 5 + kv_len]
+        else:
+            out = torch.full((2, 1, n, kv_len), fill, dtype=dtype, device=DEV)
+        got = ops.tree_attention_mask(tree.ancestor_mask.to(DEV), prefix.to(DEV), out=out)
+        assert torch.equal(got.cpu(), expected_ref)
+        if strided:
+            assert torch.equal(big[:, :, 0].cpu(), torch.full_like(big[:, :, 0].cpu(), fill)), "wrote outside the view"
+
+
+# ---- verify: conv ----------------------------------------------------------------------------
+
+
+def conv_inputs(bsz, n, channels, width, state_len, dtype, gen, shape="random", bias=True):
+    parent = torch.stack([random_parents(n, gen, shape) for _ in range(bsz)])
+    x = torch.randn(bsz, n, channels, generator=gen).to(dtype)
+    weight = (torch.randn(channels, width, generator=gen) * 0.5).to(dtype)
+    b = (torch.randn(channels, generator=gen) * 0.1).to(dtype) if bias else None
+    conv_state = torch.randn(bsz, channels, state_len, generator=gen).to(dtype)
+    return x, weight, b, conv_state, parent
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("width,state_len", [(4, 3), (4, 4), (3, 5), (2, 1)])
+@pytest.mark.parametrize("channels", [64, 7])
+@pytest.mark.parametrize("shape", ["random", "chain", "star"])
+@pytest.mark.parametrize("bias,silu", [(True, True), (False, False)])
+def test_tree_conv1d(dtype, width, state_len, channels, shape, bias, silu):
+    gen = make_gen(width * 100 + channels)
+    x, weight, b, conv_state, parent = conv_inputs(2, 17, channels, width, state_len, dtype, gen, shape, bias)
+    expected_ref = reference.tree_conv1d(x, weight, b, conv_state, parent, silu=silu)
+    expected_cpu = ops.tree_conv1d(x, weight, b, conv_state, parent, silu=silu)
+    out = poison(torch.empty(x.shape, dtype=dtype, device=DEV))
+    got = ops.tree_conv1d(*to([x, weight], DEV), None if b is None else b.to(DEV), *to([conv_state, parent], DEV),
+                          silu=silu, out=out)
+    # bf16/fp16: identical inputs and float32 accumulation on both sides; only the final rounding to
+    # the output dtype can differ (<= 1 ulp), which RTOL[dtype] covers.
+    assert_close(got, expected_cpu, dtype, "vs CPU op")
+    assert_close(got, expected_ref, dtype, "vs reference")
+
+
+def test_tree_conv1d_strided():
+    """x a slice of a wider projection output, out a slice of a larger buffer."""
+    gen = make_gen(5)
+    x_full = torch.randn(2, 17, 96, generator=gen)
+    x = x_full[:, :, 16:80]
+    _, weight, b, conv_state, parent = conv_inputs(2, 17, 64, 4, 3, torch.float32, gen)
+    expected = ops.tree_conv1d(x.contiguous(), weight, b, conv_state, parent)
+    big = poison(torch.empty(2, 17, 100, device=DEV))
+    ops.tree_conv1d(x_full.to(DEV)[:, :, 16:80], *to([weight, b, conv_state, parent], DEV), out=big[:, :, 8:72])
+    assert_close(big[:, :, 8:72], expected, torch.float32)
+    assert torch.isnan(big[:, :, :8]).all() and torch.isnan(big[:, :, 72:]).all(), "wrote outside the view"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("budget", [16, 64, 256])
+def test_tree_conv1d_qwen36_shape(dtype, budget):
+    """Qwen3.6-27B: conv_dim 10240, kernel 4, conv_state of 4 columns."""
+    gen = make_gen(budget)
+    x, weight, b, conv_state, parent = conv_inputs(1, budget + 1, 10240, 4, 4, dtype, gen, bias=False)
+    expected = ops.tree_conv1d(x, weight, None, conv_state, parent)
+    got = ops.tree_conv1d(*to([x, weight], DEV), None, *to([conv_state, parent], DEV))
+    assert_close(got, expected, dtype)
+
+
+# ---- verify: gated delta rule ----------------------------------------------------------------
+
+
+class GDNInputs(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    state: torch.Tensor
+    parent: torch.Tensor
+
+
+def gdn_inputs(bsz, n, heads, value_heads, kdim, vdim, dtype, gen, shape="random", max_depth=16) -> GDNInputs:
+    parent = torch.stack([random_parents(n, gen, shape, max_depth) for _ in range(bsz)])
+    return GDNInputs(
+        q=torch.randn(bsz, n, heads, kdim, generator=gen).to(dtype),
+        k=torch.randn(bsz, n, heads, kdim, generator=gen).to(dtype),
+        v=torch.randn(bsz, n, value_heads, vdim, generator=gen).to(dtype),
+        # log decays as GDN makes them: -exp(A_log) * softplus(.), mostly in [-3, 0]
+        g=-torch.rand(bsz, n, value_heads, generator=gen).exp() * F.softplus(torch.randn(bsz, n, value_heads, generator=gen)),
+        beta=torch.sigmoid(torch.randn(bsz, n, value_heads, generator=gen)),
+        state=torch.randn(bsz, value_heads, kdim, vdim, generator=gen) * 0.3,
+        parent=parent,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_ops():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def gdn_recurrence_fp64(x: GDNInputs, scale: float, l2norm: bool = True):
+    """The recurrence run separately along every root-to-node path in float64 on the device:
+    (out, stash_u, stash_k, stash_cumg) in float64. An independent high-precision truth."""
+    d = torch.float64
+    q, k, v, g, beta, state = (t.to(DEV, d) for t in x[:6])
+    parent = x.parent
+    bsz, n, heads, kdim = k.shape
+    value_heads = v.shape[2]
+    if l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + reference.L2NORM_EPS)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + reference.L2NORM_EPS)
+    stash_k = k.clone()
+    q = q * scale
+    group = value_heads // heads
+    qv, kv = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    node_state = torch.empty(bsz, n, value_heads, kdim, v.shape[3], dtype=d, device=DEV)
+    out = torch.empty_like(v)
+    stash_u = torch.empty_like(v)
+    cumg = torch.empty_like(g)
+    for b in range(bsz):
+        for i in range(n):
+            p = int(parent[b, i])
+            s = (state[b] if p < 0 else node_state[b, p]) * g[b, i].exp()[:, None, None]
+            u = beta[b, i][:, None] * (v[b, i] - torch.einsum("hkv,hk->hv", s, kv[b, i]))
+            s = s + kv[b, i][:, :, None] * u[:, None, :]
+            node_state[b, i] = s
+            out[b, i] = torch.einsum("hkv,hk->hv", s, qv[b, i])
+            stash_u[b, i] = u
+            cumg[b, i] = g[b, i] + (cumg[b, p] if p >= 0 else 0)
+    return out, stash_u, stash_k, cumg
+
+
+def run_gdn(x: GDNInputs, device, scale=None, l2norm=True) -> GDNTreeOutput:
+    xs = to(list(x), device)
+    bsz, n, heads, kdim = x.k.shape
+    value_heads, vdim = x.v.shape[2], x.v.shape[3]
+    out = poisoned(GDNTreeOutput(
+        torch.empty(bsz, n, value_heads, vdim, dtype=x.v.dtype, device=device),
+        torch.empty(bsz, n, value_heads, vdim, device=device),
+        torch.empty(bsz, n, heads, kdim, device=device),
+        torch.empty(bsz, n, value_heads, device=device),
+    ))
+    return ops.tree_gated_delta_rule(*xs, scale=scale, use_qk_l2norm=l2norm, out=out)
+
+
+def assert_gdn_close(got: GDNTreeOutput, expected, dtype, what: str):
+    # out is in the input dtype; the stash is float32 on both sides. bf16/fp16 inputs reach both
+    # implementations as the same values and the math is float32, so only the rounding of out to the
+    # input dtype differs (<= 1 ulp): RTOL[dtype] for out, the float32 bound for the stash.
+    assert_close(got.out, expected[0], dtype, f"{what}: out")
+    for name, a, e in zip(("stash_u", "stash_k", "stash_cumg"), got[1:], expected[1:]):
+        assert_close(a, e, torch.float32, f"{what}: {name}")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", ["random", "chain", "star"])
+@pytest.mark.parametrize("bsz,n,heads,value_heads,kdim,vdim", [(2, 17, 2, 4, 16, 8), (1, 33, 1, 3, 32, 40)])
+def test_tree_gated_delta_rule(dtype, shape, bsz, n, heads, value_heads, kdim, vdim):
+    gen = make_gen(n + kdim)
+    x = gdn_inputs(bsz, n, heads, value_heads, kdim, vdim, dtype, gen, shape)
+    got = run_gdn(x, DEV)
+    assert_gdn_close(got, run_gdn(x, "cpu"), dtype, "vs CPU op")
+    assert_gdn_close(got, reference.tree_gated_delta_rule(*x), dtype, "vs reference")
+    assert_gdn_close(got, gdn_recurrence_fp64(x, kdim**-0.5), dtype, "vs float64 recurrence")
+
+
+def test_tree_gated_delta_rule_options():
+    """No l2norm (keys small enough to stay stable) and an explicit scale."""
+    gen = make_gen(3)
+    x = gdn_inputs(2, 17, 2, 4, 16, 16, torch.float32, gen)
+    x = x._replace(q=x.q * 0.2, k=x.k * 0.2)
+    got = run_gdn(x, DEV, scale=0.37, l2norm=False)
+    assert_gdn_close(got, run_gdn(x, "cpu", scale=0.37, l2norm=False), torch.float32, "vs CPU op")
+    assert_gdn_close(got, gdn_recurrence_fp64(x, 0.37, l2norm=False), torch.float32, "vs float64 recurrence")
+
+
+def test_tree_gated_delta_rule_deep_chain():
+    """Paths longer than the 17 ancestor distances the kernel caches: the read-back path."""
+    gen = make_gen(4)
+    x = gdn_inputs(1, 48, 2, 2, 32, 32, torch.float32, gen, shape="chain", max_depth=100)
+    got = run_gdn(x, DEV)
+    assert_gdn_close(got, run_gdn(x, "cpu"), torch.float32, "vs CPU op")
+    assert_gdn_close(got, gdn_recurrence_fp64(x, 32**-0.5), torch.float32, "vs float64 recurrence")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("budget", [16, 64])
+def test_tree_gated_delta_rule_qwen36_shape(dtype, budget):
+    """Qwen3.6-27B: 16 key heads, 48 value heads, K = V = 128."""
+    gen = make_gen(budget + 1)
+    x = gdn_inputs(1, budget + 1, 16, 48, 128, 128, dtype, gen)
+    got = run_gdn(x, DEV)
+    assert_gdn_close(got, run_gdn(x, "cpu"), dtype, "vs CPU op")
+    assert_gdn_close(got, gdn_recurrence_fp64(x, 128**-0.5), dtype, "vs float64 recurrence")
+
+
+@pytest.mark.skipif(_fla_ops() is None, reason="flash-linear-attention is not importable")
+@pytest.mark.parametrize("kernel", ["fused_recurrent", "chunk"])
+def test_tree_gated_delta_rule_chain_matches_fla(kernel):
+    """On a chain the tree op is the ordinary recurrence; the committed state after the whole chain
+    must match fla's final state too."""
+    chunk, fused = _fla_ops()
+    gen = make_gen(8)
+    dtype = torch.float32 if kernel == "fused_recurrent" else torch.bfloat16
+    n, heads, value_heads = 16, 2, 6
+    x = gdn_inputs(2, n, heads, value_heads, 64, 64, dtype, gen, shape="chain", max_depth=100)
+    got = run_gdn(x, DEV)
+    group = value_heads // heads
+    q, k = (t.to(DEV).repeat_interleave(group, dim=2) for t in (x.q, x.k))
+    fn = fused if kernel == "fused_recurrent" else chunk
+    o, final = fn(q=q, k=k, v=x.v.to(DEV), g=x.g.to(DEV), beta=x.beta.to(DEV), scale=64**-0.5,
+                  initial_state=x.state.to(DEV), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    # fla's chunk kernel multiplies in bf16/tf32 on the tensor cores: its own error is ~1e-3.
+    tol = RTOL[torch.float32] * 10 if kernel == "fused_recurrent" else RTOL[torch.bfloat16]
+    assert rel_err(got.out, o) <= tol
+    states = [x.state.to(DEV).clone()]
+    accepted = torch.arange(n, dtype=torch.int32, device=DEV).expand(2, n).contiguous()
+    accept_len = torch.full((2,), n, dtype=torch.int32, device=DEV)
+    ops.commit_gdn_state(states, [got.stash_u], [got.stash_k], [got.stash_cumg], accepted, accept_len)
+    assert rel_err(states[0], final) <= tol
+
+
+# ---- walk --------------------------------------------------------------------------------------
+
+
+def walk_targets(tree: Tree, gen: torch.Generator, follow: float = 0.8) -> torch.Tensor:
+    """target_token [B, N]: at each node, with probability `follow` the token of a random child (so
+    walks go deep), else a random token."""
+    bsz, n = tree.token.shape
+    target = torch.randint(0, 20, (bsz, n), generator=gen)
+    for b in range(bsz):
+        for i in range(n):
+            kids = reference.children(tree, b, i)
+            if kids and float(torch.rand(1, generator=gen)) < follow:
+                target[b, i] = tree.token[b, kids[int(torch.randint(0, len(kids), (1,), generator=gen))]]
+    return target
+
+
+def built_tree(bsz, budget, gen, k=4, depths=6, spine=True) -> Tree:
+    """A tree as the pipeline makes it (with padding nodes when K ** depth runs out), small tokens."""
+    logp, _ = random_topk(bsz, depths, k, gen, ties=False)
+    tokens = torch.randint(0, 6, (bsz, depths, k), generator=gen)
+    root = torch.randint(0, 6, (bsz,), generator=gen)
+    return reference.build_tree(logp, tokens, root, torch.zeros(bsz, dtype=torch.long), budget, spine=spine)
+
+
+def run_walk_greedy(tree, target, max_accept, device) -> Walk:
+    out = poisoned(ops.empty_walk(tree.token.shape[0], max_accept, device))
+    return ops.walk_greedy(to(tree, device), target.to(device), max_accept, out=out)
+
+
+@pytest.mark.parametrize("max_accept", [1, 3, 17])
+@pytest.mark.parametrize("kind", ["random", "chain", "star", "built", "built_padded"])
+def test_walk_greedy(kind, max_accept):
+    gen = make_gen(max_accept)
+    if kind == "built":
+        tree = built_tree(3, 64, gen)
+    elif kind == "built_padded":
+        tree = built_tree(3, 64, gen, k=1, depths=5)
+    else:
+        tree = random_tree(3, 65, gen, kind, vocab=4)
+    for _ in range(4):
+        target = walk_targets(tree, gen)
+        got = run_walk_greedy(tree, target, max_accept, DEV)
+        assert_fields_equal(got, run_walk_greedy(tree, target, max_accept, "cpu"), "vs CPU op")
+        assert_fields_equal(got, reference.walk_greedy(tree, target, max_accept), "vs reference")
+
+
+def sample_case(bsz, n, vocab, gen):
+    """A tree whose children carry the likely tokens of their parent, and peaked target logits, so that
+    sampled walks go deep."""
+    parent = torch.stack([random_parents(n, gen, "random", 8) for _ in range(bsz)])
+    logits = torch.randn(bsz, n, vocab, generator=gen) * 2
+    peak = torch.randint(0, vocab, (bsz, n), generator=gen)
+    logits.scatter_add_(-1, peak[..., None], torch.full((bsz, n, 1), 6.0))
+    token = torch.randint(0, vocab, (bsz, n), generator=gen)
+    for b in range(bsz):
+        for i in range(1, n):
+            if float(torch.rand(1, generator=gen)) < 0.6:
+                token[b, i] = peak[b, int(parent[b, i])]
+    return reference.tree_from_parents(parent, token, torch.zeros(bsz, dtype=torch.long)), logits
+
+
+SAMPLE_SETTINGS = [  # (temperature, top_k, top_p): fast paths and the sort-based path
+    (1.0, 0, 1.0),
+    (0.7, 5, 1.0),
+    (0.7, 20, 0.9),
+    (1.3, 64, 0.8),
+    (0.6, 1, 1.0),
+    (0.9, 0, 0.9),  # top_p over the whole vocabulary: sort-based
+    (1.0, 100, 0.95),  # top_k above the fast path: sort-based
+    (1.0, 10**6, 1.0),  # top_k >= vocab is off
+]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("temperature,top_k,top_p", SAMPLE_SETTINGS)
+def test_walk_sample(dtype, temperature, top_k, top_p):
+    # Continuous random logits: a draw differs from the CPU op's only when uniform * total falls within
+    # float rounding of a cumulative boundary (see walk_cuda.cu), which these seeds do not hit.
+    gen = make_gen(top_k + 3)
+    tree, logits = sample_case(3, 33, 3000, gen)
+    logits = logits.to(dtype)
+    max_accept = 9
+    for _ in range(3):
+        uniform = torch.rand(3, max_accept, generator=gen)
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        out = poisoned(ops.empty_walk(3, max_accept, DEV))
+        got = ops.walk_sample(to(tree, DEV), logits.to(DEV), uniform.to(DEV), out=out, **kw)
+        assert_fields_equal(got, ops.walk_sample(tree, logits, uniform, **kw), "vs CPU op")
+        assert_fields_equal(got, reference.walk_sample(tree, logits, uniform, **kw), "vs reference")
+
+
+def test_walk_sample_full_vocab():
+    """Qwen3.6's vocabulary, with the usual sampling settings."""
+    gen = make_gen(21)
+    tree, logits = sample_case(1, 17, 248320, gen)
+    logits = logits.to(torch.bfloat16)
+    uniform = torch.rand(1, 17, generator=gen)
+    for kw in (dict(temperature=0.6, top_k=20, top_p=0.95), dict(temperature=1.0)):
+        got = ops.walk_sample(to(tree, DEV), logits.to(DEV), uniform.to(DEV), **kw)
+        assert_fields_equal(got, ops.walk_sample(tree, logits, uniform, **kw), "vs CPU op")
+
+
+# ---- commit ------------------------------------------------------------------------------------
+
+
+def gdn_commit_case(layers, bsz, n, heads, value_heads, kdim, vdim, max_accept, gen):
+    """Per-layer states and stashes from real tree_gated_delta_rule runs, and accepted paths."""
+    parent = torch.stack([random_parents(n, gen) for _ in range(bsz)])
+    states, stashes = [], []
+    for _ in range(layers):
+        x = gdn_inputs(bsz, n, heads, value_heads, kdim, vdim, torch.float32, gen)._replace(parent=parent)
+        states.append(x.state)
+        stashes.append(run_gdn(x, "cpu"))
+    accepted, accept_len = random_paths(parent, max_accept, gen)
+    return states, stashes, accepted, accept_len
+
+
+def commit_gdn(states, stashes, accepted, accept_len, device):
+    new = [s.to(device) for s in states]
+    ops.commit_gdn_state(new, *([to(getattr(s, f), device) for s in stashes] for f in ("stash_u", "stash_k", "stash_cumg")),
+                         accepted.to(device), accept_len.to(device))
+    return new
+
+
+@pytest.mark.parametrize("layers,bsz,n,heads,value_heads,kdim,vdim", [(3, 2, 17, 2, 4, 16, 8), (2, 3, 9, 1, 2, 40, 36)])
+def test_commit_gdn_state(layers, bsz, n, heads, value_heads, kdim, vdim):
+    gen = make_gen(layers * 7 + kdim)
+    states, stashes, accepted, accept_len = gdn_commit_case(layers, bsz, n, heads, value_heads, kdim, vdim, 6, gen)
+    # One layer's state a strided view of a larger buffer: the layers then go in two launches.
+    big = torch.randn(bsz, value_heads, kdim, vdim + 4, generator=gen)
+    states[1] = big[..., 2 : vdim + 2]
+    got = commit_gdn(states, stashes, accepted, accept_len, DEV)
+    expected_cpu = commit_gdn([s.contiguous() for s in states], stashes, accepted, accept_len, "cpu")
+    expected_ref = reference.commit_gdn_state(states, *([getattr(s, f) for s in stashes] for f in ("stash_u", "stash_k", "stash_cumg")), accepted, accept_len)
+    for l in range(layers):
+        assert_close(got[l], expected_cpu[l], torch.float32, f"layer {l} vs CPU op")
+        assert_close(got[l], expected_ref[l], torch.float32, f"layer {l} vs reference")
+
+
+def test_commit_gdn_state_qwen36_shape():
+    """48 GDN layers of [1, 48, 128, 128] float32 states, one launch per 32 layers."""
+    gen = make_gen(48)
+    n, layers = 65, 48
+    parent = random_parents(n, gen)[None]
+    accepted, accept_len = random_paths(parent, 16, gen)
+    states = [torch.randn(1, 48, 128, 128, generator=gen) * 0.3 for _ in range(layers)]
+    stash = [GDNTreeOutput(None, torch.randn(1, n, 48, 128, generator=gen),
+                           F.normalize(torch.randn(1, n, 16, 128, generator=gen), dim=-1),
+                           -torch.rand(1, n, 48, generator=gen).cumsum(1)) for _ in range(layers)]
+    got = commit_gdn(states, stash, accepted, accept_len, DEV)
+    expected = commit_gdn(states, stash, accepted, accept_len, "cpu")
+    for l in range(layers):
+        assert_close(got[l], expected[l], torch.float32, f"layer {l}")
+
+
+def run_commit_conv(conv_states, xs, accepted, accept_len, device):
+    new = [c.to(device) for c in conv_states]
+    ops.commit_conv_state(new, to(xs, device), accepted.to(device), accept_len.to(device))
+    return new
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("state_len,max_accept", [(3, 17), (4, 2), (6, 9)])
+def test_commit_conv_state(dtype, state_len, max_accept):
+    gen = make_gen(state_len * 10 + max_accept)
+    bsz, n, channels, layers = 3, 33, 70, 3
+    parent = torch.stack([random_parents(n, gen) for _ in range(bsz)])
+    accepted, accept_len = random_paths(parent, max_accept, gen)
+    conv_states = [torch.randn(bsz, channels, state_len, generator=gen).to(dtype) for _ in range(layers)]
+    xs = [torch.randn(bsz, n, channels, generator=gen).to(dtype) for _ in range(layers)]
+    xs[2] = torch.randn(bsz, n, channels + 6, generator=gen).to(dtype)[..., 3 : channels + 3]  # strided x
+    got = run_commit_conv(conv_states, xs, accepted, accept_len, DEV)
+    expected_cpu = run_commit_conv(conv_states, [x.contiguous() for x in xs], accepted, accept_len, "cpu")
+    expected_ref = reference.commit_conv_state(conv_states, xs, accepted, accept_len)
+    for l in range(layers):
+        assert torch.equal(got[l].cpu(), expected_cpu[l]), f"layer {l} vs CPU op"
+        assert torch.equal(got[l].cpu(), expected_ref[l]), f"layer {l} vs reference"
+
+
+def run_commit_kv(caches, prefix, accepted, accept_len, device):
+    new = [c.to(device) for c in caches]
+    ops.commit_kv(new, prefix.to(device), accepted.to(device), accept_len.to(device))
+    return new
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads,head_dim,max_accept", [(4, 256, 17), (2, 36, 5), (3, 7, 9)])
+def test_commit_kv(dtype, heads, head_dim, max_accept):
+    gen = make_gen(head_dim + max_accept)
+    bsz, n, slots = 3, 65, 200
+    parent = torch.stack([random_parents(n, gen) for _ in range(bsz)])
+    accepted, accept_len = random_paths(parent, max_accept, gen)
+    prefix = torch.tensor([0, 11, 200 - n])
+    caches = [torch.randn(bsz, heads, slots, head_dim, generator=gen).to(dtype) for _ in range(4)]
+    got = run_commit_kv(caches, prefix, accepted, accept_len, DEV)
+    expected_cpu = run_commit_kv(caches, prefix, accepted, accept_len, "cpu")
+    expected_ref = reference.commit_kv(caches, prefix, accepted, accept_len)
+    for l in range(len(caches)):
+        assert torch.equal(got[l].cpu(), expected_cpu[l]), f"cache {l} vs CPU op"
+        assert torch.equal(got[l].cpu(), expected_ref[l]), f"cache {l} vs reference"
+
+
+def test_commit_kv_qwen36_shape():
+    """16 attention layers (32 caches of 4 KV heads x 256), a long accepted path that overlaps itself."""
+    gen = make_gen(16)
+    caches = [torch.randn(1, 4, 1024, 256, generator=gen).to(torch.bfloat16) for _ in range(32)]
+    accepted = torch.tensor([[0, 2, 3, 7, 8, 9, 15, 16, 30, 31, 40, 41, 50, 60, 61, 62]], dtype=torch.int32)
+    accept_len = torch.tensor([16], dtype=torch.int32)
+    prefix = torch.tensor([500])
+    got = run_commit_kv(caches, prefix, accepted, accept_len, DEV)
+    expected = run_commit_kv(caches, prefix, accepted, accept_len, "cpu")
+    for l in range(32):
+        assert torch.equal(got[l].cpu(), expected[l]), f"cache {l}"
+
+
+@pytest.mark.parametrize("dtype", [*FLOAT_DTYPES, torch.int64, torch.int32, torch.bool, torch.uint8])
+@pytest.mark.parametrize("features", [1, 5, 64, 5120])
+def test_gather_rows(dtype, features):
+    gen = make_gen(features)
+    bsz, n, max_accept = 3, 33, 9
+    parent = torch.stack([random_parents(n, gen) for _ in range(bsz)])
+    accepted, accept_len = random_paths(parent, max_accept, gen)
+    src = torch.randint(0, 100, (bsz, n, features), generator=gen).to(dtype)
+    expected_cpu = ops.gather_rows(src, accepted, accept_len)
+    expected_ref = reference.gather_rows(src, accepted, accept_len)
+    out = poison(torch.empty(bsz, max_accept, features, dtype=dtype, device=DEV))
+    got = ops.gather_rows(*to([src, accepted, accept_len], DEV), out=out)
+    assert torch.equal(got.cpu(), expected_cpu)
+    assert torch.equal(got.cpu(), expected_ref)
+
+
+# ---- CUDA graphs and determinism ---------------------------------------------------------------
+
+
+class OpCase(NamedTuple):
+    """inputs(gen) -> fresh CUDA tensors (the op may update some in place);
+    run(inputs) -> the tensors the op wrote (allocated inside run, or updated inputs)."""
+
+    inputs: Callable[[torch.Generator], Dict[str, torch.Tensor]]
+    run: Callable[[Dict[str, torch.Tensor]], List[torch.Tensor]]
+
+
+def _case_topk():
+    def inputs(gen):
+        return dict(logits=(torch.randn(2, 15, 4099, generator=gen) * 3).to(torch.bfloat16).to(DEV))
+
+    return OpCase(inputs, lambda x: list(ops.topk_logprobs(x["logits"], 8)))
+
+
+def _case_build():
+    def inputs(gen):
+        logp, tokens = random_topk(2, 15, 8, gen, ties=True)
+        return dict(logp=logp.to(DEV), tokens=tokens.to(DEV), root=torch.randint(0, 9, (2,), generator=gen).to(DEV),
+                    prefix=torch.randint(0, 99, (2,), generator=gen).to(DEV))
+
+    def run(x):
+        tree = ops.build_tree(x["logp"], x["tokens"], x["root"], x["prefix"], 64)
+        return [*tree, ops.tree_attention_mask(tree.ancestor_mask, x["prefix"], 200)]
+
+    return OpCase(inputs, run)
+
+
+def _case_conv():
+    def inputs(gen):
+        x, weight, b, conv_state, parent = conv_inputs(2, 65, 256, 4, 3, torch.bfloat16, gen)
+        return dict(x=x.to(DEV), weight=weight.to(DEV), bias=b.to(DEV), conv_state=conv_state.to(DEV), parent=parent.to(DEV))
+
+    return OpCase(inputs, lambda x: [ops.tree_conv1d(x["x"], x["weight"], x["bias"], x["conv_state"], x["parent"])])
+
+
+def _case_gdn():
+    def inputs(gen):
+        return {k: v.to(DEV) for k, v in gdn_inputs(2, 65, 2, 6, 128, 128, torch.bfloat16, gen)._asdict().items()}
+
+    return OpCase(inputs, lambda x: list(ops.tree_gated_delta_rule(*(x[f] for f in GDNInputs._fields))))
+
+
+def _case_walk_greedy():
+    def inputs(gen):
+        tree = built_tree(2, 64, gen)
+        return {**{f: t.to(DEV) for f, t in tree._asdict().items()}, "target": walk_targets(tree, gen).to(DEV)}
+
+    return OpCase(inputs, lambda x: list(ops.walk_greedy(Tree(*(x[f] for f in Tree._fields)), x["target"], 9)))
+
+
+def _case_walk_sample(top_k, top_p):
+    def inputs(gen):
+        tree, logits = sample_case(2, 33, 3000, gen)
+        return {**{f: t.to(DEV) for f, t in tree._asdict().items()}, "logits": logits.to(DEV),
+                "uniform": torch.rand(2, 9, generator=gen).to(DEV)}
+
+    def run(x):
+        tree = Tree(*(x[f] for f in Tree._fields))
+        return list(ops.walk_sample(tree, x["logits"], x["uniform"], temperature=0.8, top_k=top_k, top_p=top_p))
+
+    return OpCase(inputs, run)
+
+
+def _case_commit():
+    def inputs(gen):
+        states, stashes, accepted, accept_len = gdn_commit_case(2, 2, 17, 2, 4, 32, 32, 6, gen)
+        conv = [torch.randn(2, 64, 3, generator=gen) for _ in range(2)]
+        xs = [torch.randn(2, 17, 64, generator=gen) for _ in range(2)]
+        kv = [torch.randn(2, 2, 64, 32, generator=gen).to(torch.bfloat16) for _ in range(2)]
+        tensors = dict(accepted=accepted, accept_len=accept_len, prefix=torch.tensor([3, 20]),
+                       gather_src=torch.randn(2, 17, 48, generator=gen))
+        for l in range(2):
+            tensors.update({f"state{l}": states[l], f"u{l}": stashes[l].stash_u, f"k{l}": stashes[l].stash_k,
+                            f"cumg{l}": stashes[l].stash_cumg, f"conv{l}": conv[l], f"x{l}": xs[l], f"kv{l}": kv[l]})
+        return {k: v.to(DEV) for k, v in tensors.items()}
+
+    def run(x):
+        path = (x["accepted"], x["accept_len"])
+        states = [x["state0"], x["state1"]]
+        ops.commit_gdn_state(states, [x["u0"], x["u1"]], [x["k0"], x["k1"]], [x["cumg0"], x["cumg1"]], *path)
+        ops.commit_conv_state([x["conv0"], x["conv1"]], [x["x0"], x["x1"]], *path)
+        ops.commit_kv([x["kv0"], x["kv1"]], x["prefix"], *path)
+        gathered = ops.gather_rows(x["gather_src"], *path)
+        return [*states, x["conv0"], x["conv1"], x["kv0"], x["kv1"], gathered]
+
+    return OpCase(inputs, run)
+
+
+OP_CASES = {
+    "topk_logprobs": _case_topk,
+    "build_tree+mask": _case_build,
+    "tree_conv1d": _case_conv,
+    "tree_gated_delta_rule": _case_gdn,
+    "walk_greedy": _case_walk_greedy,
+    "walk_sample_top_k": functools.partial(_case_walk_sample, 20, 0.9),
+    "walk_sample_full": functools.partial(_case_walk_sample, 0, 1.0),
+    "walk_sample_sorted": functools.partial(_case_walk_sample, 0, 0.9),
+    "commit": _case_commit,
+}
+
+
+def clone_inputs(x):
+    return {k: v.clone() for k, v in x.items()}
+
+
+@pytest.mark.parametrize("name", OP_CASES)
+def test_cuda_graph_replay(name):
+    """Captured once, replayed with new inputs copied into the static buffers: same as eager."""
+    case = OP_CASES[name]()
+    static = case.inputs(make_gen(1))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        case.run(clone_inputs(static))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = case.run(static)
+    for seed in (2, 3):
+        fresh = case.inputs(make_gen(seed))
+        for t in captured:
+            poison(t)
+        for key, t in fresh.items():  # after poisoning: in-place ops' outputs are inputs too
+            static[key].copy_(t)
+        graph.replay()
+        expected = case.run(clone_inputs(fresh))
+        torch.cuda.synchronize()
+        for i, (a, e) in enumerate(zip(captured, expected)):
+            assert torch.equal(a, e), f"{name}: output {i} differs from eager after replay"
+
+
+@pytest.mark.parametrize("name", OP_CASES)
+def test_deterministic(name):
+    case = OP_CASES[name]()
+    x = case.inputs(make_gen(5))
+    first = case.run(clone_inputs(x))
+    second = case.run(clone_inputs(x))
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert torch.equal(a, b), f"{name}: output {i} differs between two runs"
+
+
+# ---- a long run ------------------------------------------------------------------------------------
+
+
+def test_long_hybrid_stack_rounds():
+    """200 rounds of tree verify + commit on a small stack of GDN layers (conv -> gated delta rule ->
+    projection into the next layer) plus an attention KV cache, float32, CUDA and CPU in lockstep.
+    The states evolve from the ops' own outputs, so differences would compound; the GDN recurrence
+    is contractive (decays <= 1, normalised keys), and the states must stay within 1e-4."""
+    gen = make_gen(2024)
+    bsz, n, layers, rounds, max_accept = 2, 9, 3, 200, 5
+    heads, value_heads, kdim, vdim, width = 2, 4, 16, 16, 4
+    channels = 2 * heads * kdim + value_heads * vdim
+    weights = [(torch.randn(channels, width, generator=gen) * 0.5) for _ in range(layers)]
+    proj = [torch.randn(value_heads * vdim, channels, generator=gen) * 0.2 for _ in range(layers)]
+    slots = rounds * max_accept + n + 8
+    init = dict(
+        conv=[torch.randn(bsz, channels, width - 1, generator=gen) for _ in range(layers)],
+        gdn=[torch.randn(bsz, value_heads, kdim, vdim, generator=gen) * 0.1 for _ in range(layers)],
+        kv=[torch.zeros(bsz, 2, slots, 8)],
+    )
+    sides = {dev: {key: [t.to(dev) for t in val] for key, val in init.items()} for dev in ("cpu", DEV)}
+    prefix = torch.zeros(bsz, dtype=torch.long)
+    for r in range(rounds):
+        parent = torch.stack([random_parents(n, gen, "random", 4) for _ in range(bsz)])
+        h0 = torch.randn(bsz, n, channels, generator=gen)
+        gates = [(-torch.rand(bsz, n, value_heads, generator=gen) * 2, torch.rand(bsz, n, value_heads, generator=gen))
+                 for _ in range(layers)]
+        kv_rows = torch.randn(bsz, 2, n, 8, generator=gen)
+        accepted, accept_len = random_paths(parent, max_accept, gen)
+        for dev, side in sides.items():
+            par, h, xs, stashes = parent.to(dev), h0.to(dev), [], []
+            for l in range(layers):
+                xs.append(h)
+                y = ops.tree_conv1d(h, weights[l].to(dev), None, side["conv"][l], par)
+                q, k, v = y.split([heads * kdim, heads * kdim, value_heads * vdim], dim=-1)
+                q, k = q.reshape(bsz, n, heads, kdim), k.reshape(bsz, n, heads, kdim)
+                v = v.reshape(bsz, n, value_heads, vdim)
+                g, beta = (t.to(dev) for t in gates[l])
+                res = ops.tree_gated_delta_rule(q, k, v, g, beta, side["gdn"][l], par)
+                stashes.append(res)
+                h = res.out.reshape(bsz, n, -1) @ proj[l].to(dev)
+            for b in range(bsz):  # the verify block's K/V rows at slots prefix + i
+                side["kv"][0][b, :, int(prefix[b]) : int(prefix[b]) + n] = kv_rows[b].to(dev)
+            path = (accepted.to(dev), accept_len.to(dev))
+            ops.commit_gdn_state(side["gdn"], [s.stash_u for s in stashes], [s.stash_k for s in stashes],
+                                 [s.stash_cumg for s in stashes], *path)
+            ops.commit_conv_state(side["conv"], xs, *path)
+            ops.commit_kv(side["kv"], prefix.to(dev), *path)
+        prefix = prefix + accept_len.long()
+        for key in ("gdn", "conv"):
+            for l, (a, e) in enumerate(zip(sides[DEV][key], sides["cpu"][key])):
+                err = rel_err(a, e)
+                assert err <= 1e-4, f"round {r}: {key} state of layer {l} drifted: {err:.2e}"
+        assert torch.equal(sides[DEV]["kv"][0].cpu(), sides["cpu"]["kv"][0]), f"round {r}: KV cache differs"
+
+
+# ---- arguments ---------------------------------------------------------------------------------
+
+
+def test_mixed_devices_raise_before_writing():
+    gen = make_gen(9)
+    tree = to(random_tree(2, 17, gen), DEV)
+    out = poisoned(ops.empty_walk(2, 5, DEV))
+    with pytest.raises(ValueError, match="walk_greedy.*target_token"):
+        ops.walk_greedy(tree, torch.zeros(2, 17, dtype=torch.long), 5, out=out)  # target on the CPU
+    assert (out.accepted == -7777).all() and (out.accept_len == -7777).all()
+
+
+def test_all_ops_small():
+    """Every op once on small inputs against the CPU op: the subset scripts/h200.sh runs under
+    compute-sanitizer (memcheck, racecheck)."""
+    gen = make_gen(77)
+    logits = torch.randn(2, 3, 300, generator=gen)
+    assert torch.equal(ops.topk_logprobs(logits.to(DEV), 4).tokens.cpu(), ops.topk_logprobs(logits, 4).tokens)
+    logp, tokens = random_topk(2, 4, 3, gen, ties=True)
+    root, prefix = torch.tensor([1, 2]), torch.tensor([0, 5])
+    tree = ops.build_tree(logp, tokens, root, prefix, 12)
+    assert_fields_equal(ops.build_tree(*to([logp, tokens, root, prefix], DEV), 12), tree, "build_tree")
+    assert torch.equal(ops.tree_attention_mask(tree.ancestor_mask.to(DEV), prefix.to(DEV), 30).cpu(),
+                       ops.tree_attention_mask(tree.ancestor_mask, prefix, 30))
+    x, weight, b, conv_state, parent = conv_inputs(2, 13, 32, 4, 3, torch.float32, gen)
+    assert_close(ops.tree_conv1d(*to([x, weight, b, conv_state, parent], DEV)),
+                 ops.tree_conv1d(x, weight, b, conv_state, parent), torch.float32)
+    g = gdn_inputs(2, 13, 2, 4, 32, 32, torch.float32, gen)
+    got = run_gdn(g, DEV)
+    assert_gdn_close(got, run_gdn(g, "cpu"), torch.float32, "gdn")
+    target = walk_targets(tree, gen)
+    assert_fields_equal(run_walk_greedy(tree, target, 5, DEV), run_walk_greedy(tree, target, 5, "cpu"), "walk")
+    stree, slogits = sample_case(2, 13, 500, gen)
+    uniform = torch.rand(2, 5, generator=gen)
+    for kw in (dict(temperature=0.8, top_k=8, top_p=0.9), dict(temperature=1.0)):
+        assert_fields_equal(ops.walk_sample(to(stree, DEV), slogits.to(DEV), uniform.to(DEV), **kw),
+                            ops.walk_sample(stree, slogits, uniform, **kw), "walk_sample")
+    accepted, accept_len = random_paths(g.parent, 4, gen)
+    states = [g.state]
+    assert_close(commit_gdn(states, [got], accepted, accept_len, DEV)[0],
+                 commit_gdn(states, [to(got, "cpu")], accepted, accept_len, "cpu")[0], torch.float32)
+    assert torch.equal(run_commit_conv([conv_state], [x], accepted, accept_len, DEV)[0].cpu(),
+                       run_commit_conv([conv_state], [x], accepted, accept_len, "cpu")[0])
+    cache = [torch.randn(2, 2, 40, 16, generator=gen)]
+    kv_prefix = torch.tensor([3, 20])
+    assert torch.equal(run_commit_kv(cache, kv_prefix, accepted, accept_len, DEV)[0].cpu(),
+                       run_commit_kv(cache, kv_prefix, accepted, accept_len, "cpu")[0])
+    assert torch.equal(ops.gather_rows(*to([x, accepted, accept_len], DEV)).cpu(), ops.gather_rows(x, accepted, accept_len))
