@@ -259,17 +259,25 @@ void tree_attention_mask_impl(const at::Tensor& ancestor_mask, const at::Tensor&
   const auto prefix = prefix_len.accessor<int64_t, 1>();
   scalar_t* base = mask.data_ptr<scalar_t>();
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(kv_len, 1));
+  // Columns [from, to) of one mask row; the contiguous case as a plain fill, which vectorises.
+  auto fill = [stride_c](scalar_t* out, int64_t from, int64_t to, scalar_t value) {
+    if (stride_c == 1) {
+      std::fill(out + from, out + to, value);
+    } else {
+      for (int64_t c = from; c < to; ++c) out[c * stride_c] = value;
+    }
+  };
   at::parallel_for(0, batch * n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / n, i = row % n;
       const int64_t p = prefix[b];
       scalar_t* out = base + b * stride_b + i * stride_i;
-      for (int64_t c = 0; c < p; ++c) out[c * stride_c] = attend;
+      fill(out, 0, p, attend);
       for (int64_t j = 0; j < n; ++j) {
         const bool ancestor = (static_cast<uint64_t>(bits[b][i][j / 64]) >> (j % 64)) & 1;
         out[(p + j) * stride_c] = ancestor ? attend : blocked;
       }
-      for (int64_t c = p + n; c < kv_len; ++c) out[c * stride_c] = blocked;
+      fill(out, p + n, kv_len, blocked);
     }
   });
 }
