@@ -230,7 +230,7 @@ void build_tree_row(const at::TensorAccessor<float, 2>& logp, const at::TensorAc
   while (taken < budget && !frontier.empty()) {
     const Candidate c = frontier.pop();
     const int32_t i = take(c.parent, c.depth, c.rank, c.score);
-    push(i, c.depth + 1, 0);            // first child
+    push(i, c.depth + 1, 0);              // first child
     push(c.parent, c.depth, c.rank + 1);  // next sibling
   }
   out.num_nodes[b] = taken + 1;
@@ -349,6 +349,9 @@ void check_build_tree(const at::Tensor& logp, const at::Tensor& tokens, const at
   DDTREE_CHECK_SHAPE(op, prefix_len, {batch});
 
   // Outputs: N = budget + 1 nodes per row, contiguous (the compiled ops index them flat).
+  DDTREE_CHECK(op, node_token.dim() == 2 && node_token.size(1) == n,
+               "node_token must have shape [B, N] with N = budget + 1 = ", n, ", got shape ",
+               shape_str(node_token.sizes()));
   DDTREE_CHECK_DTYPE(op, node_token, at::kLong);
   DDTREE_CHECK_DTYPE(op, parent, at::kInt);
   DDTREE_CHECK_DTYPE(op, depth, at::kInt);

@@ -450,7 +450,7 @@ def assert_rejected(call: Callable[[], None], op: str, argument: str, outputs: S
 
 def topk_args(batch=2, depths=3, vocab=20, k=4):
     return dict(
-        logits=torch.randn(batch, depths, vocab),
+        logits=torch.randn(batch, depths, vocab, generator=seeded(vocab)),
         logp=poison(torch.empty(batch, depths, k)),
         tokens=poison(torch.empty(batch, depths, k, dtype=torch.int64)),
     )
