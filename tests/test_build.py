@@ -14,7 +14,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import RTOL, assert_close, poison, random_parents
+from conftest import assert_close, poison, random_parents
 from ddtree_ext import ops, reference
 from ddtree_ext.ops import Tree
 
