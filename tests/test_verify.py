@@ -69,10 +69,9 @@ def random_leaf_path(parent: torch.Tensor, b: int, gen: torch.Generator) -> list
 # ---- inputs ----------------------------------------------------------------------------------
 
 
-def conv_inputs(bsz, n, channels, width, state_cols, dtype, gen, *, bias=True, strided_x=True):
-    """(x, weight, bias, conv_state); x is a column slice of a wider buffer when ``strided_x``."""
-    pad = 5 if strided_x else 0
-    x = torch.randn(bsz, n, channels + pad, generator=gen).to(dtype)[..., pad // 2 : pad // 2 + channels]
+def conv_inputs(bsz, n, channels, width, state_cols, dtype, gen, *, bias=True):
+    """(x, weight, bias, conv_state); x is a column slice of a wider buffer, like a view into a projection."""
+    x = torch.randn(bsz, n, channels + 5, generator=gen).to(dtype)[..., 2 : 2 + channels]
     weight = (torch.randn(channels, width, generator=gen) / width**0.5).to(dtype)
     b = torch.randn(channels, generator=gen).to(dtype) if bias else None
     conv_state = torch.randn(bsz, channels, state_cols, generator=gen).to(dtype)
@@ -80,6 +79,7 @@ def conv_inputs(bsz, n, channels, width, state_cols, dtype, gen, *, bias=True, s
 
 
 def empty_conv_out(x):
+    """A poisoned contiguous output buffer for tree_conv1d."""
     return poison(torch.empty(x.shape, dtype=x.dtype))
 
 
@@ -104,6 +104,7 @@ def gdn_inputs(bsz, n, heads, vheads, kdim, vdim, dtype, gen, *, strided=True):
 
 
 def empty_gdn_out(q, v):
+    """Poisoned output buffers for tree_gated_delta_rule."""
     bsz, n, heads, kdim = q.shape
     vheads, vdim = v.shape[2:]
     f32 = dict(dtype=torch.float32)
@@ -256,9 +257,8 @@ def test_committed_path_matches_sequential_recurrence(n, heads, vheads, gen):
             [state], [tree.stash_u], [tree.stash_k], [tree.stash_cumg], accepted, accept_len
         )
         for b, path in enumerate(paths):
-            on_path = lambda t: t[b : b + 1, path]  # noqa: E731
             seq_out, seq_state = HF_RECURRENT(
-                on_path(q), on_path(k), on_path(v), on_path(g), on_path(beta),
+                *(t[b : b + 1, path] for t in (q, k, v, g, beta)),
                 initial_state=state[b : b + 1], output_final_state=True, use_qk_l2norm_in_kernel=True,
             )
             assert_close(tree.out[b, path], seq_out[0], torch.float32, f"out on the path (row {b})")
