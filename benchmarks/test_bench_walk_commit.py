@@ -26,7 +26,8 @@ ATTN_LAYERS, KV_HEADS, KV_HEAD_DIM, KV_SLOTS = 16, 4, 256, 4096
 
 def record_bandwidth(benchmark, bytes_moved: int) -> None:
     benchmark.extra_info["bytes_moved"] = bytes_moved
-    benchmark.extra_info["gb_per_s"] = bytes_moved / benchmark.stats.stats.mean / 1e9
+    if benchmark.stats is not None:  # None under --benchmark-disable (a smoke run)
+        benchmark.extra_info["gb_per_s"] = bytes_moved / benchmark.stats.stats.mean / 1e9
 
 
 def draft_tree(budget: int, seed: int) -> ops.Tree:
