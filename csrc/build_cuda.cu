@@ -322,7 +322,6 @@ void launch_tree_attention_mask(const at::Tensor& ancestor_mask, const at::Tenso
 
 void topk_logprobs_cuda(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens) {
   check_topk_logprobs(logits, logp, tokens);
-  cuda::check_on_cuda("topk_logprobs", {{"logits", &logits}, {"logp", &logp}, {"tokens", &tokens}});
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t k = logp.size(2);
   if (logits.size(0) * logits.size(1) == 0 || k == 0) return;
@@ -354,11 +353,6 @@ void build_tree_cuda(const at::Tensor& logp, const at::Tensor& tokens, const at:
   constexpr const char* op = "build_tree";
   check_build_tree(logp, tokens, root_token, prefix_len, budget, node_token, parent, depth, num_nodes, first_child,
                    next_sibling, ancestor_mask, position);
-  cuda::check_on_cuda(op, {{"logp", &logp}, {"tokens", &tokens}, {"root_token", &root_token},
-                           {"prefix_len", &prefix_len}, {"node_token", &node_token}, {"parent", &parent},
-                           {"depth", &depth}, {"num_nodes", &num_nodes}, {"first_child", &first_child},
-                           {"next_sibling", &next_sibling}, {"ancestor_mask", &ancestor_mask},
-                           {"position", &position}});
   const c10::cuda::CUDAGuard guard(logp.device());
   const int64_t bsz = logp.size(0), depths = logp.size(1), k = logp.size(2);
   const int64_t n = budget + 1, words = (n + 63) / 64;
@@ -388,8 +382,6 @@ void build_tree_cuda(const at::Tensor& logp, const at::Tensor& tokens, const at:
 
 void tree_attention_mask_cuda(const at::Tensor& ancestor_mask, const at::Tensor& prefix_len, at::Tensor& mask) {
   check_tree_attention_mask(ancestor_mask, prefix_len, mask);
-  cuda::check_on_cuda("tree_attention_mask",
-                      {{"ancestor_mask", &ancestor_mask}, {"prefix_len", &prefix_len}, {"mask", &mask}});
   const c10::cuda::CUDAGuard guard(ancestor_mask.device());
   switch (mask.scalar_type()) {
     case at::kBool:

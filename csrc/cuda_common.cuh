@@ -1,5 +1,9 @@
-// Helpers shared by the CUDA implementations of the ddtree ops: device checks, launch plumbing,
-// dtype conversion, vectorised access and warp reductions. Included by csrc/*_cuda.cu only.
+// Helpers shared by the CUDA implementations of the ddtree ops: launch plumbing, dtype conversion,
+// vectorised access and warp reductions. Included by csrc/*_cuda.cu only.
+//
+// Argument checks are the device-agnostic check_* functions of the CPU ops (csrc/ops.h): they check
+// dtypes, shapes, layouts, and that every tensor is on the device of the first, so a call that reaches
+// a CUDA implementation (some argument is a CUDA tensor) and passes them has every tensor on one GPU.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,9 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <initializer_list>
 #include <limits>
-#include <utility>
 
 #include "checks.h"
 
@@ -28,25 +30,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarp = 32;
 
 // ---- host side -------------------------------------------------------------------------------
-
-// Every tensor argument of a CUDA op must live on the same CUDA device as the first one. The
-// dispatcher routes a call here as soon as one argument is a CUDA tensor, so a CPU tensor mixed in
-// would otherwise be dereferenced on the device.
-inline void check_on_cuda(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> args) {
-  const at::Tensor* first = args.begin()->second;
-  for (const auto& [name, t] : args) {
-    TORCH_CHECK_VALUE(t->is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t->device());
-    TORCH_CHECK_VALUE(t->device() == first->device(), op, ": ", name, " must be on ", first->device(), " like ",
-                      args.begin()->first, ", got ", t->device());
-  }
-}
-
-inline void check_list_on_cuda(const char* op, const char* name, at::TensorList list, const at::Tensor& like) {
-  for (size_t i = 0; i < list.size(); ++i) {
-    TORCH_CHECK_VALUE(list[i].is_cuda() && list[i].device() == like.device(), op, ": ", name, "[", i,
-                      "] must be a CUDA tensor on ", like.device(), ", got ", list[i].device());
-  }
-}
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -66,6 +49,11 @@ inline void allow_dynamic_smem(Kernel kernel, size_t bytes) {
 inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // ---- device side -----------------------------------------------------------------------------
+
+// parent[i] when it is a valid topological parent (in [0, i)), else -1. The CPU ops reject other values;
+// the CUDA ops cannot read them back without a sync, so they treat them as roots: wrong outputs for
+// invalid input, but no out-of-bounds access and no endless walk up a cycle.
+__device__ __forceinline__ int checked_parent(int parent, int i) { return parent >= 0 && parent < i ? parent : -1; }
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {

@@ -16,7 +16,6 @@ constexpr float kL2NormEps = 1e-6f;  // reference.L2NORM_EPS
 // ancestors then itself; window columns above the root come from the last columns of conv_state.
 
 constexpr int kConvThreads = 128;
-constexpr int kMaxConvWidth = 4;
 
 template <typename T, int VEC, int W>
 __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
@@ -34,7 +33,7 @@ __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
   chain[0] = i;
 #pragma unroll
   for (int m = 1; m < W; ++m) {
-    chain[m] = chain[m - 1] < 0 ? -1 : parent[b * pa_sb + chain[m - 1] * pa_sn];
+    chain[m] = chain[m - 1] < 0 ? -1 : cuda::checked_parent(parent[b * pa_sb + chain[m - 1] * pa_sn], chain[m - 1]);
     if (chain[m] < 0 && path_len == W) path_len = m;
   }
 
@@ -176,7 +175,7 @@ __global__ void __launch_bounds__(kGramThreads) gdn_tree_gram_kernel(
   __shared__ int path_len;
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
 
-  for (int j = tid; j <= i; j += kGramThreads) par[j] = parent[b * pa_sb + j * pa_sn];
+  for (int j = tid; j <= i; j += kGramThreads) par[j] = cuda::checked_parent(parent[b * pa_sb + j * pa_sn], j);
   for (int h = warp; h < sh.heads; h += kGramThreads / kWarp) {
     const T* qrow = q + b * q_sb + i * q_sn + h * q_sh;
     const float inv = row_inv_norm(qrow, kdim, lane, sh.l2norm);
@@ -337,7 +336,7 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_tree_main_kernel(
   if (tid == 0) max_depth = 0;
   for (int i = tid; i < n + 2; i += kGdnThreads) level_start[i] = 0;
   for (int i = tid; i < n; i += kGdnThreads) {
-    par[i] = parent[b * pa_sb + i * pa_sn];
+    par[i] = cuda::checked_parent(parent[b * pa_sb + i * pa_sn], i);
     cumg[i] = stash_cumg[b * cg_sb + i * cg_sn + hv * cg_sh];
     beta_s[i] = beta[b * be_sb + i * be_sn + hv * be_sh];
   }
@@ -534,13 +533,6 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 void tree_conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                       const at::Tensor& conv_state, const at::Tensor& parent, bool silu, at::Tensor& out) {
   check_tree_conv1d(x, weight, bias, conv_state, parent, out);
-  cuda::check_on_cuda("tree_conv1d", {{"x", &x}, {"weight", &weight}, {"conv_state", &conv_state},
-                                      {"parent", &parent}, {"out", &out}});
-  if (bias.has_value()) cuda::check_on_cuda("tree_conv1d", {{"x", &x}, {"bias", &*bias}});
-  DDTREE_CHECK_LAST_DIM_CONTIGUOUS("tree_conv1d", x);
-  DDTREE_CHECK_LAST_DIM_CONTIGUOUS("tree_conv1d", out);
-  TORCH_CHECK_VALUE(weight.size(1) >= 1 && weight.size(1) <= kMaxConvWidth,
-                    "tree_conv1d: weight must have 1 to 4 taps on CUDA, got ", weight.size(1));
   const c10::cuda::CUDAGuard guard(x.device());
   if (x.numel() == 0) return;
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "tree_conv1d",
@@ -552,16 +544,6 @@ void tree_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const 
                                 double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,
                                 at::Tensor& stash_k, at::Tensor& stash_cumg) {
   check_tree_gated_delta_rule(q, k, v, g, beta, state, parent, out, stash_u, stash_k, stash_cumg);
-  cuda::check_on_cuda("tree_gated_delta_rule", {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}, {"state", &state},
-                       {"parent", &parent}, {"out", &out}, {"stash_u", &stash_u}, {"stash_k", &stash_k},
-                       {"stash_cumg", &stash_cumg}});
-  constexpr const char* op = "tree_gated_delta_rule";
-  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, q);
-  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, k);
-  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, v);
-  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, out);
-  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, stash_u);
-  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, stash_k);
   const c10::cuda::CUDAGuard guard(q.device());
   if (k.size(0) == 0 || k.size(1) == 0) return;
   DDTREE_CUDA_DISPATCH_FLOAT(v.scalar_type(), "tree_gated_delta_rule", [&] {

@@ -5,12 +5,13 @@
 // uniform[b, depth], so every reachable node draws its token in parallel first (depths come from the
 // child links); the walk itself is then the greedy walk over those tokens. Draws:
 //   * top_k in [1, 64]: one pass (row_topk.cuh) gives the sorted top-k; thread 0 applies top_p and
-//     the inverse CDF over those <= 64 tokens exactly as the reference orders them;
+//     the inverse CDF over those <= 64 tokens in the reference's orders;
 //   * no top_k, no top_p: a max pass, then chunked prefix sums in ascending id order;
-//   * anything else (top_p over the whole vocabulary, top_k > 64): the reference's own sort-based
-//     formulation through ATen on the device (exact, heavier: sorts every node's row).
-// Floating sums run in a different order than on the CPU, so a draw can differ from the CPU op's only
-// when uniform * total lands within rounding of a cumulative boundary.
+//   * anything else (top_p over the whole vocabulary, top_k > 64): the same rule through a stable
+//     sort of every node's row in ATen on the device (exact, heavier).
+// Like the CPU op, weights are float32 exp(x - max x) and masses are summed in double, in a different
+// order, so a draw can differ from the CPU op's only when uniform * total (or top_p * mass) lands
+// within double rounding (or expf's last-bit differences) of a cumulative boundary.
 #include "cuda_common.cuh"
 #include "ops.h"
 #include "row_topk.cuh"
@@ -163,7 +164,8 @@ struct SampleArgs {
   int64_t un_sb, un_sd;
   int num_nodes, max_accept;
   int64_t vocab;
-  float temperature, top_p;
+  float temperature;
+  double top_p;            // 1 = off
   int top_k;               // 0 = off
   int64_t* token;          // [B, N] contiguous workspace
 };
@@ -185,7 +187,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_kernel(const T* _
                                                                       int64_t lg_sn, SampleArgs a) {
   __shared__ cuda::RowTopKSmem<K_CAP, kSampleThreads> sm;
   __shared__ bool keep[K_CAP];
-  __shared__ float prob_by_id[K_CAP];  // softmax(x) of the kept tokens, ascending id
+  __shared__ float weight_by_id[K_CAP];  // exp(x - max x) of the kept tokens, ascending id
   __shared__ int id_by_id[K_CAP];
   __shared__ int kept;
   const int i = blockIdx.x, b = blockIdx.y;
@@ -198,19 +200,16 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_kernel(const T* _
   const int lane = threadIdx.x;
   const int k = static_cast<int>(a.top_k < a.vocab ? a.top_k : a.vocab);
   if (lane == 0) {
-    // top_p over the top_k set in descending order, renormalised over that set, as the reference
-    // computes it: p = softmax(x[kept]), before = cumsum(p) - p, keep where before < top_p.
-    float zk = 0.f;
-    for (int r = 0; r < k; ++r) zk += expf(sm.val[r] - sm.val[0]);
-    float cum = 0.f;
+    // top_p over the top_k set in descending order: keep a token while the mass ranked above it is
+    // below top_p of the set's mass (masses in double, like the CPU op).
+    double mass = 0;
+    for (int r = 0; r < k; ++r) mass += expf(sm.val[r] - sm.m);
+    const double target = a.top_p * mass;
+    double above = 0;
     int count = 0;
     for (int r = 0; r < K_CAP; ++r) {
-      bool on = r < k;
-      if (on && a.top_p < 1.f) {
-        const float p = expf(sm.val[r] - sm.val[0]) / zk;
-        cum += p;
-        on = (cum - p) < a.top_p;
-      }
+      const bool on = r < k && (a.top_p >= 1.0 || above < target);
+      if (r < k) above += expf(sm.val[r] - sm.m);
       keep[r] = on;
       count += on;
     }
@@ -223,21 +222,21 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_kernel(const T* _
     int pos = 0;
     for (int s = 0; s < K_CAP; ++s) pos += keep[s] && sm.id[s] < sm.id[r];
     id_by_id[pos] = sm.id[r];
-    prob_by_id[pos] = expf(sm.val[r] - sm.m) / sm.s;
+    weight_by_id[pos] = expf(sm.val[r] - sm.m);
   }
   __syncwarp();
   if (lane != 0) return;
-  // Inverse CDF in ascending id order: the first kept token whose cumulative probability exceeds
+  // Inverse CDF in ascending id order: the first kept token whose cumulative weight exceeds
   // uniform * total, else the largest kept id.
   const int count = kept;
-  float total = 0.f;
-  for (int r = 0; r < count; ++r) total += prob_by_id[r];
-  const float target = u * total;
+  double total = 0;
+  for (int r = 0; r < count; ++r) total += weight_by_id[r];
+  const double threshold = static_cast<double>(u) * total;
   int64_t token = id_by_id[count - 1];
-  float cum = 0.f;
+  double cum = 0;
   for (int r = 0; r < count; ++r) {
-    cum += prob_by_id[r];
-    if (cum > target) {
+    cum += weight_by_id[r];
+    if (cum > threshold) {
       token = id_by_id[r];
       break;
     }
@@ -247,33 +246,35 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_kernel(const T* _
 
 // Inclusive prefix sum over the block in a fixed order (warp shuffles, then warp totals); also returns
 // the exclusive prefix. Deterministic, so two scans of the same values agree bit for bit.
-__device__ __forceinline__ float block_scan(float x, float* warp_totals, float& exclusive) {
+__device__ __forceinline__ double block_scan(double x, double* warp_totals, double& exclusive) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  float incl = x;
+  double incl = x;
 #pragma unroll
   for (int off = 1; off < kWarp; off <<= 1) {
-    const float y = __shfl_up_sync(kFullMask, incl, off);
+    const double y = __shfl_up_sync(kFullMask, incl, off);
     if (lane >= off) incl += y;
   }
   if (lane == kWarp - 1) warp_totals[warp] = incl;
   __syncthreads();
-  float before = 0.f;
+  double before = 0;
   for (int w = 0; w < warp; ++w) before += warp_totals[w];
-  const float prev_in_warp = __shfl_up_sync(kFullMask, incl, 1);
-  exclusive = before + (lane == 0 ? 0.f : prev_in_warp);
+  const double prev_in_warp = __shfl_up_sync(kFullMask, incl, 1);
+  exclusive = before + (lane == 0 ? 0.0 : prev_in_warp);
   incl = before + incl;
   __syncthreads();  // warp_totals is reused by the next scan
   return incl;
 }
 
+// No top_k, no top_p: weights exp(x - max x), their total and prefix sums in double, in ascending id
+// order. A max pass, a pass of per-chunk totals, then one chunk rescanned to find the crossing.
 template <typename T>
 __global__ void __launch_bounds__(kSampleThreads) sample_full_kernel(const T* __restrict__ logits, int64_t lg_sb,
                                                                      int64_t lg_sn, SampleArgs a) {
-  extern __shared__ float chunk_total[];  // [ceil(V / kSampleChunk)]
-  __shared__ float warp_totals[kSampleThreads / kWarp];
+  extern __shared__ double chunk_total[];  // [ceil(V / kSampleChunk)]
+  __shared__ double warp_totals[kSampleThreads / kWarp];
   __shared__ float warp_max[kSampleThreads / kWarp];
   __shared__ int chosen_chunk, chosen_id;
-  __shared__ float chosen_before, target_shared;
+  __shared__ double chosen_before, threshold_shared;
   const int i = blockIdx.x, b = blockIdx.y;
   float u;
   if (!sample_target(a, b, i, u)) return;
@@ -290,9 +291,9 @@ __global__ void __launch_bounds__(kSampleThreads) sample_full_kernel(const T* __
   m = warp_max[0];
   for (int w = 1; w < kSampleThreads / kWarp; ++w) m = fmaxf(m, warp_max[w]);
 
-  // Thread t of a chunk owns ids [c0 + 8 t, c0 + 8 t + 8): its running sum, then the block scan.
-  auto thread_sum = [&](int64_t c0, float (&run)[kSampleChunkPerThread]) {
-    float s = 0.f;
+  // Thread t of a chunk owns ids [c0 + 8 t, c0 + 8 t + 8): its running sums, then the block scan.
+  auto thread_sum = [&](int64_t c0, double (&run)[kSampleChunkPerThread]) {
+    double s = 0;
 #pragma unroll
     for (int e = 0; e < kSampleChunkPerThread; ++e) {
       const int64_t j = c0 + threadIdx.x * kSampleChunkPerThread + e;
@@ -303,19 +304,19 @@ __global__ void __launch_bounds__(kSampleThreads) sample_full_kernel(const T* __
   };
   const int chunks = static_cast<int>((a.vocab + kSampleChunk - 1) / kSampleChunk);
   for (int c = 0; c < chunks; ++c) {
-    float run[kSampleChunkPerThread], excl;
-    const float incl = block_scan(thread_sum(static_cast<int64_t>(c) * kSampleChunk, run), warp_totals, excl);
+    double run[kSampleChunkPerThread], excl;
+    const double incl = block_scan(thread_sum(static_cast<int64_t>(c) * kSampleChunk, run), warp_totals, excl);
     if (threadIdx.x == kSampleThreads - 1) chunk_total[c] = incl;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    float total = 0.f;
+    double total = 0;
     for (int c = 0; c < chunks; ++c) total += chunk_total[c];
-    const float target = u * total;
-    float before = 0.f;
+    const double threshold = static_cast<double>(u) * total;
+    double before = 0;
     int chosen = -1;
     for (int c = 0; c < chunks && chosen < 0; ++c) {
-      if (before + chunk_total[c] > target) {
+      if (before + chunk_total[c] > threshold) {
         chosen = c;
       } else {
         before += chunk_total[c];
@@ -323,21 +324,21 @@ __global__ void __launch_bounds__(kSampleThreads) sample_full_kernel(const T* __
     }
     chosen_chunk = chosen;
     chosen_before = before;
-    target_shared = target;
+    threshold_shared = threshold;
     chosen_id = cuda::kNoId;
   }
   __syncthreads();
   const int chosen = chosen_chunk;
-  int64_t token = a.vocab - 1;  // no crossing: the largest kept id
+  int64_t token = a.vocab - 1;  // no crossing (non-finite logits): the largest kept id
   if (chosen >= 0) {
     const int64_t c0 = static_cast<int64_t>(chosen) * kSampleChunk;
-    float run[kSampleChunkPerThread], excl;
+    double run[kSampleChunkPerThread], excl;
     block_scan(thread_sum(c0, run), warp_totals, excl);
-    const float before = chosen_before + excl, target = target_shared;
+    const double before = chosen_before + excl, threshold = threshold_shared;
 #pragma unroll
     for (int e = 0; e < kSampleChunkPerThread; ++e) {
       const int64_t j = c0 + threadIdx.x * kSampleChunkPerThread + e;
-      if (j < a.vocab && before + run[e] > target) {
+      if (j < a.vocab && before + run[e] > threshold) {
         atomicMin(&chosen_id, static_cast<int>(j));
         break;
       }
@@ -349,24 +350,28 @@ __global__ void __launch_bounds__(kSampleThreads) sample_full_kernel(const T* __
   if (threadIdx.x == 0) a.token[static_cast<int64_t>(b) * a.num_nodes + i] = token;
 }
 
-// The reference's formulation, batched over every node through ATen on the device.
+// The CPU op's formulation, batched over every node through ATen on the device: weights
+// exp(x - max x), the kept set by a stable descending sort (top_k ranks, then the top_p prefix by
+// double masses), the inverse CDF by a double cumulative sum and a search.
 void sample_by_sort(const at::Tensor& logits, const at::Tensor& uniform, const at::Tensor& depth, double temperature,
                     int64_t top_k, double top_p, at::Tensor& token) {
   const int64_t vocab = logits.size(2);
   const at::Tensor x = logits.to(at::kFloat) / temperature;
+  const at::Tensor weight = (x - std::get<0>(x.max(-1, /*keepdim=*/true))).exp();
   const at::Tensor u = uniform.gather(1, depth.clamp(0, uniform.size(1) - 1).to(at::kLong));  // [B, N]
-  const auto [sorted, order] = at::sort(x, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
+  const at::Tensor order = std::get<1>(at::sort(x, /*stable=*/true, /*dim=*/-1, /*descending=*/true));
   const at::Tensor rank = at::arange(vocab, x.options().dtype(at::kLong));
-  at::Tensor keep_sorted = at::ones_like(sorted, sorted.options().dtype(at::kBool));
-  if (top_k > 0 && top_k < vocab) keep_sorted = (rank < top_k).expand_as(sorted);
+  at::Tensor keep_sorted = at::ones_like(order, order.options().dtype(at::kBool));
+  if (top_k > 0 && top_k < vocab) keep_sorted = rank.lt(top_k).expand_as(order);
   if (top_p < 1.0) {
-    const at::Tensor p = at::softmax(sorted.masked_fill(keep_sorted.logical_not(), -INFINITY), -1);
-    keep_sorted = keep_sorted.logical_and(p.cumsum(-1).sub(p).lt(top_p));
+    const at::Tensor mass = weight.gather(-1, order).to(at::kDouble).mul(keep_sorted);
+    const at::Tensor above = mass.cumsum(-1).sub(mass);
+    keep_sorted = keep_sorted.logical_and(above.lt(mass.sum(-1, /*keepdim=*/true).mul(top_p)));
   }
   const at::Tensor keep = at::zeros_like(keep_sorted).scatter(-1, order, keep_sorted);
-  const at::Tensor cum = at::softmax(x, -1).mul(keep).cumsum(-1);
-  const at::Tensor target = u.unsqueeze(-1).mul(cum.narrow(-1, vocab - 1, 1));
-  const at::Tensor hit = at::searchsorted(cum, target, /*out_int32=*/false, /*right=*/true).squeeze(-1);
+  const at::Tensor cum = weight.to(at::kDouble).mul(keep).cumsum(-1);
+  const at::Tensor threshold = u.to(at::kDouble).unsqueeze(-1).mul(cum.narrow(-1, vocab - 1, 1));
+  const at::Tensor hit = at::searchsorted(cum, threshold, /*out_int32=*/false, /*right=*/true).squeeze(-1);
   const at::Tensor kept_max = keep.mul(rank).amax(-1);
   token.copy_(at::where(hit.lt(vocab), hit, kept_max));
 }
@@ -380,11 +385,7 @@ void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
                       at::Tensor& next_token) {
   constexpr const char* op = "walk_greedy";
   check_walk(op, node_token, first_child, next_sibling, accepted, accept_len, next_token);
-  cuda::check_on_cuda(op, {{"node_token", &node_token}, {"first_child", &first_child},
-                           {"next_sibling", &next_sibling}, {"target_token", &target_token},
-                           {"accepted", &accepted}, {"accept_len", &accept_len}, {"next_token", &next_token}});
-  DDTREE_CHECK_DTYPE(op, target_token, at::kLong);
-  DDTREE_CHECK_SHAPE(op, target_token, {node_token.size(0), node_token.size(1)});
+  check_walk_greedy(node_token, target_token);
   const c10::cuda::CUDAGuard guard(node_token.device());
   if (node_token.size(0) == 0 || accepted.size(1) == 0) return;
   launch_walk(links_of(node_token, first_child, next_sibling), target_token,
@@ -397,9 +398,6 @@ void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
   constexpr const char* op = "walk_sample";
   check_walk(op, node_token, first_child, next_sibling, accepted, accept_len, next_token);
   check_walk_sample(node_token, logits, uniform, temperature, top_k, top_p, accepted);
-  cuda::check_on_cuda(op, {{"node_token", &node_token}, {"first_child", &first_child},
-                           {"next_sibling", &next_sibling}, {"logits", &logits}, {"uniform", &uniform},
-                           {"accepted", &accepted}, {"accept_len", &accept_len}, {"next_token", &next_token}});
   const c10::cuda::CUDAGuard guard(node_token.device());
   const int64_t bsz = node_token.size(0), n = node_token.size(1), vocab = logits.size(2);
   if (bsz == 0 || accepted.size(1) == 0) return;
@@ -417,7 +415,7 @@ void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
   const bool p_on = top_p < 1.0;
   const SampleArgs args{depth.data_ptr<int32_t>(), uniform.data_ptr<float>(), uniform.stride(0), uniform.stride(1),
                         static_cast<int>(n), static_cast<int>(uniform.size(1)), vocab,
-                        static_cast<float>(temperature), static_cast<float>(top_p), static_cast<int>(k_on),
+                        static_cast<float>(temperature), top_p, static_cast<int>(k_on),
                         token.data_ptr<int64_t>()};
   const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(bsz));
   if (k_on > kSampleMaxTopK || (k_on == 0 && p_on)) {
@@ -430,7 +428,7 @@ void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if (k_on == 0) {
-        launch(sample_full_kernel<scalar_t>, sizeof(float) * cuda::ceil_div(vocab, kSampleChunk));
+        launch(sample_full_kernel<scalar_t>, sizeof(double) * cuda::ceil_div(vocab, kSampleChunk));
       } else if (k_on <= 8) {
         launch(sample_top_k_kernel<scalar_t, 8>, 0);
       } else if (k_on <= 16) {
