@@ -264,7 +264,7 @@ __device__ __forceinline__ T mask_value(bool allow) {
   if constexpr (std::is_same_v<T, bool>) {
     return allow;
   } else {
-    return allow ? T(0.f) : std::numeric_limits<T>::lowest();
+    return allow ? T(0.f) : cuda::lowest<T>();
   }
 }
 
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kMaskThreads) tree_attention_mask_kernel(
   T* row = mask + b * m_sb + i * m_sn;
   constexpr int kVec = 16 / sizeof(T);
   if (m_ss == 1) {
-    const int64_t head = std::min<int64_t>(kv_len, (16 - reinterpret_cast<uintptr_t>(row) % 16) % 16 / sizeof(T));
+    const int64_t head = cuda::elements_to_16b_boundary(row, kv_len);
     const int64_t packs = (kv_len - head) / kVec;
     for (int64_t c = threadIdx.x; c < head; c += blockDim.x) row[c] = mask_value<T>(allow(c));
     for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {

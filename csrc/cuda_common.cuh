@@ -55,6 +55,30 @@ inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<ui
 // invalid input, but no out-of-bounds access and no endless walk up a cycle.
 __device__ __forceinline__ int checked_parent(int parent, int i) { return parent >= 0 && parent < i ? parent : -1; }
 
+// Elements before the first 16-byte boundary of a row starting at p, capped at n (the scalar head
+// before 16-byte packs).
+template <typename T>
+__device__ __forceinline__ int64_t elements_to_16b_boundary(const T* p, int64_t n) {
+  const int64_t head = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(p) % 16) % 16 / sizeof(T));
+  return head < n ? head : n;
+}
+
+// The most negative finite value of T (torch.finfo(T).min), usable in device code.
+template <typename T>
+__device__ __forceinline__ T lowest();
+template <>
+__device__ __forceinline__ float lowest<float>() {
+  return -3.40282347e+38f;
+}
+template <>
+__device__ __forceinline__ at::Half lowest<at::Half>() {
+  return at::Half(0xfbff, at::Half::from_bits());  // -65504
+}
+template <>
+__device__ __forceinline__ at::BFloat16 lowest<at::BFloat16>() {
+  return at::BFloat16(0xff7f, at::BFloat16::from_bits());  // -3.3895e38
+}
+
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
   return static_cast<float>(x);

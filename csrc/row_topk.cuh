@@ -101,7 +101,7 @@ __device__ __forceinline__ void warp_best(float& v, int& id) {
 template <typename T, int THREADS, typename F>
 __device__ __forceinline__ void for_each_in_row(const T* row, int64_t n, F&& f) {
   constexpr int kVec = 16 / sizeof(T);
-  const int64_t head = std::min<int64_t>(n, (16 - reinterpret_cast<uintptr_t>(row) % 16) % 16 / sizeof(T));
+  const int64_t head = elements_to_16b_boundary(row, n);
   const int64_t packs = (n - head) / kVec;
   for (int64_t i = threadIdx.x; i < head; i += THREADS) f(to_float(row[i]), i);
   for (int64_t p = threadIdx.x; p < packs; p += THREADS) {

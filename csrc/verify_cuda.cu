@@ -130,6 +130,32 @@ __device__ __forceinline__ float row_inv_norm(const T* row, int kdim, int lane, 
   return l2norm ? cuda::inv_l2_norm(cuda::warp_sum_squares(row, kdim, lane), kL2NormEps) : 1.f;
 }
 
+// Copies rows of kdim elements into shared-memory rows of length ld (zero-padded; a null row is all
+// zeros) as float, every thread of the block issuing independent loads so that many are in flight.
+template <int THREADS, typename T, typename RowPtr>
+__device__ __forceinline__ void stage_rows(float* dst, int ld, int rows, int kdim, RowPtr row_ptr) {
+  const int total = rows * ld;
+#pragma unroll 4
+  for (int e = threadIdx.x; e < total; e += THREADS) {
+    const int r = e / ld, c = e % ld;
+    const T* src = row_ptr(r);
+    dst[e] = src != nullptr && c < kdim ? cuda::to_float(src[c]) : 0.f;
+  }
+}
+
+// Scales staged query rows [r0, r1) in place to ((x * inv) * scale), one warp per row; inv comes from
+// row_inv_norm on the staged (exactly converted) values, so every kernel gets the same bits.
+template <int THREADS>
+__device__ __forceinline__ void normalise_staged_queries(float* rows, int ld, int r0, int r1, int kdim, bool l2norm,
+                                                         float scale) {
+  const int lane = threadIdx.x % kWarp;
+  for (int r = r0 + static_cast<int>(threadIdx.x) / kWarp; r < r1; r += THREADS / kWarp) {
+    float* row = rows + r * ld;
+    const float inv = row_inv_norm(row, kdim, lane, l2norm);
+    for (int e = lane; e < kdim; e += kWarp) row[e] = (row[e] * inv) * scale;
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kNormThreads) gdn_normalize_keys_kernel(
     const T* __restrict__ k, int64_t k_sb, int64_t k_sn, int64_t k_sh, int num_nodes, int heads, int kdim, bool l2norm,
@@ -173,18 +199,14 @@ __global__ void __launch_bounds__(kGramThreads) gdn_tree_gram_kernel(
   int* par = reinterpret_cast<int*>(kn + sh.heads * krow);         // [N]
   int* path = par + n;                                              // path[a] = a-th ancestor of i
   __shared__ int path_len;
-  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const int tid = threadIdx.x;
 
   for (int j = tid; j <= i; j += kGramThreads) par[j] = cuda::checked_parent(parent[b * pa_sb + j * pa_sn], j);
-  for (int h = warp; h < sh.heads; h += kGramThreads / kWarp) {
-    const T* qrow = q + b * q_sb + i * q_sn + h * q_sh;
-    const float inv = row_inv_norm(qrow, kdim, lane, sh.l2norm);
-    const float* krow_src = stash_k + b * sk_sb + i * sk_sn + h * sk_sh;
-    for (int e = lane; e < krow; e += kWarp) {
-      qn[h * krow + e] = e < kdim ? (cuda::to_float(qrow[e]) * inv) * sh.scale : 0.f;
-      kn[h * krow + e] = e < kdim ? krow_src[e] : 0.f;
-    }
-  }
+  stage_rows<kGramThreads, T>(qn, krow, sh.heads, kdim, [&](int h) { return q + b * q_sb + i * q_sn + h * q_sh; });
+  stage_rows<kGramThreads, float>(kn, krow, sh.heads, kdim,
+                                  [&](int h) { return stash_k + b * sk_sb + i * sk_sn + h * sk_sh; });
+  __syncthreads();
+  normalise_staged_queries<kGramThreads>(qn, krow, 0, sh.heads, kdim, sh.l2norm, sh.scale);
   __syncthreads();
   if (tid == 0) {
     int len = 0;
@@ -341,8 +363,10 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_tree_main_kernel(
     beta_s[i] = beta[b * be_sb + i * be_sn + hv * be_sh];
   }
   const float* h0_src = state + b * st_sb + hv * st_sh;
-  for (int r = warp; r < lay.krows; r += kWarps) {
-    h0[r * kGdnTileV + lane] = r < kdim && col_ok ? h0_src[r * st_sk + col * st_sv] : 0.f;
+#pragma unroll 4
+  for (int e = tid; e < lay.krows * kGdnTileV; e += kGdnThreads) {
+    const int r = e / kGdnTileV, c = v0 + e % kGdnTileV;
+    h0[e] = r < kdim && c < sh.vdim ? h0_src[r * st_sk + c * st_sv] : 0.f;
   }
   __syncthreads();
   for (int i = tid; i < n; i += kGdnThreads) {
@@ -370,20 +394,14 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_tree_main_kernel(
   const int rg = tid % 16, cg = tid / 16;  // rows rg + 16 m (m = 0..3), columns 2 cg, 2 cg + 1
   for (int c0 = 0; c0 < n; c0 += kGdnChunk) {
     __syncthreads();  // previous chunk's reads of the staging rows are done
-    for (int r = warp; r < 2 * kGdnChunk; r += kWarps) {
-      float* dst = stage + r * kpad;
-      const int i = c0 + r % kGdnChunk;
-      if (i >= n) {
-        for (int e = lane; e < kpad; e += kWarp) dst[e] = 0.f;
-      } else if (r < kGdnChunk) {
-        const float* src = stash_k + b * sk_sb + i * sk_sn + h * sk_sh;
-        for (int e = lane; e < kpad; e += kWarp) dst[e] = e < kdim ? src[e] : 0.f;
-      } else {
-        const T* src = q + b * q_sb + i * q_sn + h * q_sh;
-        const float inv = row_inv_norm(src, kdim, lane, sh.l2norm);
-        for (int e = lane; e < kpad; e += kWarp) dst[e] = e < kdim ? (cuda::to_float(src[e]) * inv) * sh.scale : 0.f;
-      }
-    }
+    stage_rows<kGdnThreads, float>(stage, kpad, kGdnChunk, kdim, [&](int r) {
+      return c0 + r < n ? stash_k + b * sk_sb + (c0 + r) * sk_sn + h * sk_sh : nullptr;
+    });
+    stage_rows<kGdnThreads, T>(stage + kGdnChunk * kpad, kpad, kGdnChunk, kdim, [&](int r) {
+      return c0 + r < n ? q + b * q_sb + (c0 + r) * q_sn + h * q_sh : nullptr;
+    });
+    __syncthreads();
+    normalise_staged_queries<kGdnThreads>(stage, kpad, kGdnChunk, 2 * kGdnChunk, kdim, sh.l2norm, sh.scale);
     __syncthreads();
     float acc[4][2] = {};
     if (n - c0 > kGdnChunk / 2) {
@@ -425,15 +443,17 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_tree_main_kernel(
   }
   __syncthreads();
 
-  // Coefficient and node at distance a from i, from the cache or (a > 16) read back from the workspace.
-  auto ancestor_term = [&](int i, int a, int& j_cached, bool for_u) {
-    if (a < kDist) {
-      j_cached = anc[i * kDist + a];
-      return for_u ? coef_u[i * kDist + a] : coef_o[i * kDist + a];
-    }
-    j_cached = par[j_cached];
-    const float w = expf(cumg[i] - cumg[j_cached]);
-    return w * gram_h[(static_cast<int64_t>(i) * n + a) * 2 + (for_u ? 0 : 1)];
+  // The node at distance a from i and its coefficient (u: e^{G_i - G_j} k_i.k_j, else e^{G_i - G_j} q_i.k_j),
+  // from the cache, or for a > 16 from the node at distance a - 1 (`prev`) and the workspace.
+  struct Term {
+    float coef;
+    int node;
+  };
+  auto ancestor_term = [&](int i, int a, int prev, bool for_u) -> Term {
+    if (a < kDist) return {for_u ? coef_u[i * kDist + a] : coef_o[i * kDist + a], anc[i * kDist + a]};
+    const int j = par[prev];
+    const float w = expf(cumg[i] - cumg[j]);
+    return {w * gram_h[(static_cast<int64_t>(i) * n + a) * 2 + (for_u ? 0 : 1)], j};
   };
 
   // ---- u, level by level ----
@@ -444,8 +464,9 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_tree_main_kernel(
       float acc = 0.f;
       int j = i;
       for (int a = 1; a <= d; ++a) {
-        const float c = ancestor_term(i, a, j, true);
-        acc = fmaf(c, u[j * kGdnTileV + lane], acc);
+        const Term t = ancestor_term(i, a, j, true);
+        j = t.node;
+        acc = fmaf(t.coef, u[j * kGdnTileV + lane], acc);
       }
       u[i * kGdnTileV + lane] = beta_s[i] * (u[i * kGdnTileV + lane] - acc);
     }
@@ -457,8 +478,9 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_tree_main_kernel(
     float o = qh[i * kGdnTileV + lane];
     int j = i;
     for (int a = 0; a <= dep[i]; ++a) {
-      const float c = ancestor_term(i, a, j, false);
-      o = fmaf(c, u[j * kGdnTileV + lane], o);
+      const Term t = ancestor_term(i, a, j, false);
+      j = t.node;
+      o = fmaf(t.coef, u[j * kGdnTileV + lane], o);
     }
     if (col_ok) {
       out[b * o_sb + i * o_sn + hv * o_sh + col] = cuda::from_float<T>(o);

@@ -345,7 +345,8 @@ __global__ void __launch_bounds__(kSampleThreads) sample_full_kernel(const T* __
     }
     __syncthreads();
     // A crossing the chunk total saw but no element did is a rounding gap: take the chunk's last id.
-    token = chosen_id != cuda::kNoId ? chosen_id : std::min<int64_t>(c0 + kSampleChunk, a.vocab) - 1;
+    const int64_t chunk_end = c0 + kSampleChunk < a.vocab ? c0 + kSampleChunk : a.vocab;
+    token = chosen_id != cuda::kNoId ? chosen_id : chunk_end - 1;
   }
   if (threadIdx.x == 0) a.token[static_cast<int64_t>(b) * a.num_nodes + i] = token;
 }
