@@ -1,6 +1,8 @@
 // CUDA implementations of the build ops: per-depth top-K with log-softmax, the best-first tree, and
 // the attention mask of the verify block. Semantics: ddtree_ext/reference.py; argument checks: the
 // device-agnostic check_* functions shared with the CPU ops.
+#include <algorithm>
+
 #include "cuda_common.cuh"
 #include "ops.h"
 #include "row_topk.cuh"
@@ -13,35 +15,88 @@ using cuda::kWarp;
 
 // ==== topk_logprobs ============================================================================
 //
-// One block per (b, depth) row: one pass over the vocabulary (row_topk.cuh), then warp 0 writes the
-// top k with their log-softmax values.
+// A draft's 15 rows alone would occupy 15 multiprocessors, so each row is split into segments: one
+// block per (row, segment) makes one pass over its segment (row_topk.cuh) and writes its softmax
+// statistics and best K_CAP pairs; then one warp per row merges the segments in a fixed order and
+// writes the top k with their log-softmax values.
 
-constexpr int kTopkThreads = 512;
-constexpr int kTopkMaxFast = 32;  // larger k takes the sort-based path
+constexpr int kTopkThreads = 256;
+constexpr int kTopkMaxFast = 32;            // larger k takes the sort-based path
+constexpr int kTopkMaxSegments = cuda::kWarp;  // one warp merges a row's segments
+constexpr int64_t kTopkMinSegment = 4096;   // elements: below this a segment is mostly overhead
 
 template <typename T, int K_CAP>
-__global__ void __launch_bounds__(kTopkThreads) topk_logprobs_kernel(
-    const T* __restrict__ logits, int64_t lg_sb, int64_t lg_sl, int64_t vocab, int num_depths, int k,
-    float* __restrict__ logp, int64_t lp_sb, int64_t lp_sl, int64_t lp_sk, int64_t* __restrict__ tokens,
-    int64_t tk_sb, int64_t tk_sl, int64_t tk_sk) {
+__global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
+    const T* __restrict__ logits, int64_t lg_sb, int64_t lg_sl, int64_t vocab, int num_depths, int segments,
+    int64_t seg_len, float* __restrict__ part_val, int* __restrict__ part_id, float* __restrict__ part_stats) {
   __shared__ cuda::RowTopKSmem<K_CAP, kTopkThreads> sm;
-  const int b = blockIdx.x / num_depths, l = blockIdx.x % num_depths;
-  cuda::row_softmax_topk<T, K_CAP, kTopkThreads>(logits + b * lg_sb + l * lg_sl, vocab, [](float x) { return x; },
-                                                 sm);
-  const float log_norm = logf(sm.s);
-  for (int r = threadIdx.x; r < k; r += kTopkThreads) {
-    logp[b * lp_sb + l * lp_sl + r * lp_sk] = (sm.val[r] - sm.m) - log_norm;
-    tokens[b * tk_sb + l * tk_sl + r * tk_sk] = sm.id[r];
+  const int row = blockIdx.x / segments, seg = blockIdx.x % segments;
+  const int b = row / num_depths, l = row % num_depths;
+  const int64_t start = seg * seg_len;
+  const int64_t len = start + seg_len < vocab ? seg_len : vocab - start;
+  cuda::row_softmax_topk<T, K_CAP, kTopkThreads>(logits + b * lg_sb + l * lg_sl + start, len,
+                                                 static_cast<int>(start), [](float x) { return x; }, sm);
+  const int64_t part = static_cast<int64_t>(blockIdx.x);
+  for (int r = threadIdx.x; r < K_CAP; r += kTopkThreads) {
+    part_val[part * K_CAP + r] = sm.val[r];
+    part_id[part * K_CAP + r] = sm.id[r];
+  }
+  if (threadIdx.x == 0) {
+    part_stats[2 * part] = sm.m;
+    part_stats[2 * part + 1] = sm.s;
+  }
+}
+
+template <int K_CAP>
+__global__ void __launch_bounds__(cuda::kWarp) topk_merge_kernel(
+    const float* __restrict__ part_val, const int* __restrict__ part_id, const float* __restrict__ part_stats,
+    int num_depths, int segments, int k, float* __restrict__ logp, int64_t lp_sb, int64_t lp_sl, int64_t lp_sk,
+    int64_t* __restrict__ tokens, int64_t tk_sb, int64_t tk_sl, int64_t tk_sk) {
+  __shared__ float val[K_CAP];
+  __shared__ int id[K_CAP];
+  __shared__ float log_norm, max_logit;
+  const int row = blockIdx.x, b = row / num_depths, l = row % num_depths;
+  const int64_t first = static_cast<int64_t>(row) * segments;
+  cuda::warp_merge_lists(part_val + first * K_CAP, part_id + first * K_CAP, K_CAP, segments, K_CAP, val, id);
+  if (threadIdx.x == 0) {
+    cuda::MaxSum total;
+    for (int s = 0; s < segments; ++s) total.merge(part_stats[2 * (first + s)], part_stats[2 * (first + s) + 1]);
+    log_norm = logf(total.s);
+    max_logit = total.m;
+  }
+  __syncwarp();
+  for (int r = threadIdx.x; r < k; r += cuda::kWarp) {
+    logp[b * lp_sb + l * lp_sl + r * lp_sk] = (val[r] - max_logit) - log_norm;
+    tokens[b * tk_sb + l * tk_sl + r * tk_sk] = id[r];
   }
 }
 
 template <typename T, int K_CAP>
 void launch_topk(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens) {
-  const int64_t bsz = logits.size(0), depths = logits.size(1), vocab = logits.size(2);
-  topk_logprobs_kernel<T, K_CAP><<<static_cast<unsigned>(bsz * depths), kTopkThreads, 0, cuda::current_stream()>>>(
+  const int64_t bsz = logits.size(0), depths = logits.size(1), vocab = logits.size(2), rows = bsz * depths;
+  // Enough blocks to fill the GPU about twice, segments of at least kTopkMinSegment elements, starting
+  // on 16-byte boundaries of the row.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int64_t segments = std::clamp<int64_t>(cuda::ceil_div(2 * sms, rows), 1, kTopkMaxSegments);
+  segments = std::min(segments, std::max<int64_t>(1, vocab / kTopkMinSegment));
+  const int64_t seg_len = cuda::ceil_div(cuda::ceil_div(vocab, segments), 8) * 8;
+  segments = cuda::ceil_div(vocab, seg_len);
+  // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture.
+  const auto f32 = logits.options().dtype(at::kFloat);
+  const at::Tensor part_val = at::empty({rows, segments, K_CAP}, f32);
+  const at::Tensor part_id = at::empty({rows, segments, K_CAP}, logits.options().dtype(at::kInt));
+  const at::Tensor part_stats = at::empty({rows, segments, 2}, f32);
+  const cudaStream_t stream = cuda::current_stream();
+  topk_segment_kernel<T, K_CAP><<<static_cast<unsigned>(rows * segments), kTopkThreads, 0, stream>>>(
       logits.data_ptr<T>(), logits.stride(0), logits.stride(1), vocab, static_cast<int>(depths),
-      static_cast<int>(logp.size(2)), logp.data_ptr<float>(), logp.stride(0), logp.stride(1), logp.stride(2),
-      tokens.data_ptr<int64_t>(), tokens.stride(0), tokens.stride(1), tokens.stride(2));
+      static_cast<int>(segments), seg_len, part_val.data_ptr<float>(), part_id.data_ptr<int>(),
+      part_stats.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  topk_merge_kernel<K_CAP><<<static_cast<unsigned>(rows), cuda::kWarp, 0, stream>>>(
+      part_val.data_ptr<float>(), part_id.data_ptr<int>(), part_stats.data_ptr<float>(), static_cast<int>(depths),
+      static_cast<int>(segments), static_cast<int>(logp.size(2)), logp.data_ptr<float>(), logp.stride(0),
+      logp.stride(1), logp.stride(2), tokens.data_ptr<int64_t>(), tokens.stride(0), tokens.stride(1),
+      tokens.stride(2));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -17,24 +17,26 @@ constexpr int kNoId = 0x7fffffff;
 
 __device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) { return a > b || (a == b && ia < ib); }
 
-// (max, sum of exp(x - max)) of a running softmax; -inf elements contribute nothing.
+// (max, sum of exp(x - max)) of a running softmax; -inf elements contribute nothing. The hardware exp
+// (__expf: a few ulps, about 2e-6 relative for arguments down to -30) keeps the per-element cost low;
+// it moves log(sum) by ~1e-6, far inside the float32 tolerance of the log-probabilities.
 struct MaxSum {
   float m = -INFINITY;
   float s = 0.f;
 
   __device__ __forceinline__ void add(float x) {
     if (x > m) {
-      s = s * expf(m - x) + 1.f;
+      s = s * __expf(m - x) + 1.f;
       m = x;
     } else if (x != -INFINITY) {
-      s += expf(x - m);
+      s += __expf(x - m);
     }
   }
 
   __device__ __forceinline__ void merge(float m2, float s2) {
     const float mm = fmaxf(m, m2);
     if (mm == -INFINITY) return;
-    s = (m == -INFINITY ? 0.f : s * expf(m - mm)) + (m2 == -INFINITY ? 0.f : s2 * expf(m2 - mm));
+    s = (m == -INFINITY ? 0.f : s * __expf(m - mm)) + (m2 == -INFINITY ? 0.f : s2 * __expf(m2 - mm));
     m = mm;
   }
 };
@@ -113,9 +115,30 @@ __device__ __forceinline__ void for_each_in_row(const T* row, int64_t n, F&& f) 
   for (int64_t i = head + packs * kVec + threadIdx.x; i < n; i += THREADS) f(to_float(row[i]), i);
 }
 
+// Merges `lists` (<= 32) descending lists of K_CAP (value, id) pairs, list l at vals[l * stride] /
+// ids[l * stride], into the best K_CAP, written to out_val / out_id. Called by one whole warp.
+__device__ __forceinline__ void warp_merge_lists(const float* vals, const int* ids, int stride, int lists, int k_cap,
+                                                 float* out_val, int* out_id) {
+  const int lane = threadIdx.x % kWarp;
+  int pos = 0;  // lane l walks list l
+  for (int r = 0; r < k_cap; ++r) {
+    const bool live = lane < lists && pos < k_cap;
+    float v = live ? vals[lane * stride + pos] : -INFINITY;
+    int id = live ? ids[lane * stride + pos] : kNoId;
+    const int mine = id;
+    warp_best(v, id);
+    if (live && mine == id) ++pos;
+    if (lane == 0) {
+      out_val[r] = v;
+      out_id[r] = id;
+    }
+  }
+}
+
 template <int K_CAP, int THREADS>
 struct RowTopKSmem {
   static constexpr int kWarps = THREADS / kWarp;
+  static_assert(kWarps <= kWarp, "one warp merges the per-warp lists");
   float warp_val[kWarps][K_CAP];
   int warp_id[kWarps][K_CAP];
   float warp_m[kWarps], warp_s[kWarps];
@@ -124,11 +147,13 @@ struct RowTopKSmem {
   float m, s;        // softmax max and sum of exp(x - m) over the row
 };
 
-// Scans row[0, n) with every thread of the block, taking transform(x) as the value of element x.
-// Afterwards (following a barrier) sm.val / sm.id hold the best min(K_CAP, n) pairs and sm.m / sm.s
-// the softmax statistics. Must be called by all THREADS threads.
+// Scans row[0, n) with every thread of the block, taking transform(x) as the value of element x and
+// id_offset + i as the id of element i. Afterwards (following a barrier) sm.val / sm.id hold the best
+// min(K_CAP, n) pairs (padded with (-inf, kNoId)) and sm.m / sm.s the softmax statistics. Must be
+// called by all THREADS threads.
 template <typename T, int K_CAP, int THREADS, typename Transform>
-__device__ void row_softmax_topk(const T* row, int64_t n, Transform transform, RowTopKSmem<K_CAP, THREADS>& sm) {
+__device__ void row_softmax_topk(const T* row, int64_t n, int id_offset, Transform transform,
+                                 RowTopKSmem<K_CAP, THREADS>& sm) {
   constexpr int kWarps = THREADS / kWarp;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   MaxSum ms;
@@ -137,7 +162,7 @@ __device__ void row_softmax_topk(const T* row, int64_t n, Transform transform, R
   for_each_in_row<T, THREADS>(row, n, [&](float x, int64_t i) {
     const float v = transform(x);
     ms.add(v);
-    top.insert(v, static_cast<int>(i));
+    top.insert(v, id_offset + static_cast<int>(i));
   });
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) {
@@ -162,22 +187,10 @@ __device__ void row_softmax_topk(const T* row, int64_t n, Transform transform, R
   }
   __syncthreads();
   if (warp == 0) {
-    MaxSum total;
-    for (int w = 0; w < kWarps; ++w) total.merge(sm.warp_m[w], sm.warp_s[w]);  // same order in every lane
-    int pos = 0;  // lane w < kWarps walks the list of warp w
-    for (int r = 0; r < K_CAP; ++r) {
-      const bool live = lane < kWarps && pos < K_CAP;
-      float v = live ? sm.warp_val[lane][pos] : -INFINITY;
-      int id = live ? sm.warp_id[lane][pos] : kNoId;
-      const int mine = id;
-      warp_best(v, id);
-      if (live && mine == id) ++pos;
-      if (lane == 0) {
-        sm.val[r] = v;
-        sm.id[r] = id;
-      }
-    }
+    warp_merge_lists(&sm.warp_val[0][0], &sm.warp_id[0][0], K_CAP, kWarps, K_CAP, sm.val, sm.id);
     if (lane == 0) {
+      MaxSum total;
+      for (int w = 0; w < kWarps; ++w) total.merge(sm.warp_m[w], sm.warp_s[w]);
       sm.m = total.m;
       sm.s = total.s;
     }

@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_kernel(const T* _
   float u;
   if (!sample_target(a, b, i, u)) return;
   const float temperature = a.temperature;
-  cuda::row_softmax_topk<T, K_CAP, kSampleThreads>(logits + b * lg_sb + i * lg_sn, a.vocab,
+  cuda::row_softmax_topk<T, K_CAP, kSampleThreads>(logits + b * lg_sb + i * lg_sn, a.vocab, 0,
                                                    [temperature](float x) { return x / temperature; }, sm);
   if (threadIdx.x >= kWarp) return;
   const int lane = threadIdx.x;
