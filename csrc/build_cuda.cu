@@ -1,8 +1,6 @@
 // CUDA implementations of the build ops: per-depth top-K with log-softmax, the best-first tree, and
 // the attention mask of the verify block. Semantics: ddtree_ext/reference.py; argument checks: the
 // device-agnostic check_* functions shared with the CPU ops.
-#include <algorithm>
-
 #include "cuda_common.cuh"
 #include "ops.h"
 #include "row_topk.cuh"
@@ -21,9 +19,7 @@ using cuda::kWarp;
 // writes the top k with their log-softmax values.
 
 constexpr int kTopkThreads = 256;
-constexpr int kTopkMaxFast = 32;            // larger k takes the sort-based path
-constexpr int kTopkMaxSegments = cuda::kWarp;  // one warp merges a row's segments
-constexpr int64_t kTopkMinSegment = 4096;   // elements: below this a segment is mostly overhead
+constexpr int kTopkMaxFast = 32;  // larger k takes the sort-based path
 
 template <typename T, int K_CAP>
 __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
@@ -74,13 +70,7 @@ __global__ void __launch_bounds__(cuda::kWarp) topk_merge_kernel(
 template <typename T, int K_CAP>
 void launch_topk(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens) {
   const int64_t bsz = logits.size(0), depths = logits.size(1), vocab = logits.size(2), rows = bsz * depths;
-  // Enough blocks to fill the GPU about twice, segments of at least kTopkMinSegment elements, starting
-  // on 16-byte boundaries of the row.
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int64_t segments = std::clamp<int64_t>(cuda::ceil_div(2 * sms, rows), 1, kTopkMaxSegments);
-  segments = std::min(segments, std::max<int64_t>(1, vocab / kTopkMinSegment));
-  const int64_t seg_len = cuda::ceil_div(cuda::ceil_div(vocab, segments), 8) * 8;
-  segments = cuda::ceil_div(vocab, seg_len);
+  const auto [segments, seg_len] = cuda::split_rows(rows, vocab);
   // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture.
   const auto f32 = logits.options().dtype(at::kFloat);
   const at::Tensor part_val = at::empty({rows, segments, K_CAP}, f32);

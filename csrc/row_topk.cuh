@@ -8,6 +8,8 @@
 // and a fixed warp order, so they are deterministic too.
 #pragma once
 
+#include <algorithm>
+
 #include "cuda_common.cuh"
 
 namespace ddtree {
@@ -149,9 +151,9 @@ struct RowTopKSmem {
 
 // Scans row[0, n) with every thread of the block, taking transform(x) as the value of element x and
 // id_offset + i as the id of element i. Afterwards (following a barrier) sm.val / sm.id hold the best
-// min(K_CAP, n) pairs (padded with (-inf, kNoId)) and sm.m / sm.s the softmax statistics. Must be
-// called by all THREADS threads.
-template <typename T, int K_CAP, int THREADS, typename Transform>
+// min(K_CAP, n) pairs (padded with (-inf, kNoId)) and sm.m / sm.s the softmax statistics (sm.s stays 0
+// without WITH_SUM, which saves an exp per element). Must be called by all THREADS threads.
+template <typename T, int K_CAP, int THREADS, bool WITH_SUM = true, typename Transform>
 __device__ void row_softmax_topk(const T* row, int64_t n, int id_offset, Transform transform,
                                  RowTopKSmem<K_CAP, THREADS>& sm) {
   constexpr int kWarps = THREADS / kWarp;
@@ -161,7 +163,11 @@ __device__ void row_softmax_topk(const T* row, int64_t n, int id_offset, Transfo
   top.clear();
   for_each_in_row<T, THREADS>(row, n, [&](float x, int64_t i) {
     const float v = transform(x);
-    ms.add(v);
+    if constexpr (WITH_SUM) {
+      ms.add(v);
+    } else {
+      ms.m = fmaxf(ms.m, v);
+    }
     top.insert(v, id_offset + static_cast<int>(i));
   });
 #pragma unroll
@@ -196,6 +202,23 @@ __device__ void row_softmax_topk(const T* row, int64_t n, int id_offset, Transfo
     }
   }
   __syncthreads();
+}
+
+// How a one-pass scan splits rows of n elements over blocks: enough (row, segment) blocks to fill the
+// GPU about twice, segments of at least kMinRowSegment elements starting on 8-element (16-byte for
+// 16-bit types) boundaries, at most kWarp segments per row (one warp merges them).
+constexpr int64_t kMinRowSegment = 4096;
+
+struct RowSplit {
+  int64_t segments, length;
+};
+
+inline RowSplit split_rows(int64_t rows, int64_t n) {
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int64_t segments = std::min<int64_t>(std::max<int64_t>(1, ceil_div(2 * sms, std::max<int64_t>(rows, 1))), kWarp);
+  segments = std::min(segments, std::max<int64_t>(1, n / kMinRowSegment));
+  const int64_t length = ceil_div(ceil_div(n, segments), 8) * 8;
+  return {ceil_div(n, length), length};
 }
 
 }  // namespace cuda

@@ -4,8 +4,9 @@
 // walk_sample: the token the target draws at a node depends only on that node's logits and on
 // uniform[b, depth], so every reachable node draws its token in parallel first (depths come from the
 // child links); the walk itself is then the greedy walk over those tokens. Draws:
-//   * top_k in [1, 64]: one pass (row_topk.cuh) gives the sorted top-k; thread 0 applies top_p and
-//     the inverse CDF over those <= 64 tokens in the reference's orders;
+//   * top_k in [1, 64]: one pass over each node's row, split into segments over several blocks
+//     (row_topk.cuh), gives the sorted top-k; one warp per node merges the segments and applies top_p
+//     and the inverse CDF over those <= 64 tokens in the reference's orders;
 //   * no top_k, no top_p: a max pass, then chunked prefix sums in ascending id order;
 //   * anything else (top_p over the whole vocabulary, top_k > 64): the same rule through a stable
 //     sort of every node's row in ATen on the device (exact, heavier).
@@ -182,34 +183,63 @@ __device__ __forceinline__ bool sample_target(const SampleArgs& a, int b, int i,
   return true;
 }
 
+// top_k in [1, 64], step 1: one block per (node, vocabulary segment) of the reachable nodes, with its
+// best K_CAP (x, id) pairs and its max x.
 template <typename T, int K_CAP>
-__global__ void __launch_bounds__(kSampleThreads) sample_top_k_kernel(const T* __restrict__ logits, int64_t lg_sb,
-                                                                      int64_t lg_sn, SampleArgs a) {
+__global__ void __launch_bounds__(kSampleThreads) sample_top_k_segment_kernel(
+    const T* __restrict__ logits, int64_t lg_sb, int64_t lg_sn, SampleArgs a, int segments, int64_t seg_len,
+    float* __restrict__ part_val, int* __restrict__ part_id, float* __restrict__ part_max) {
   __shared__ cuda::RowTopKSmem<K_CAP, kSampleThreads> sm;
+  const int i = blockIdx.x / segments, seg = blockIdx.x % segments, b = blockIdx.y;
+  const int64_t slot = static_cast<int64_t>(b) * a.num_nodes + i;
+  const int d = a.depth[slot];
+  if (d < 0 || d >= a.max_accept) return;  // no walk reaches this node: nothing to draw
+  const int64_t start = seg * seg_len;
+  const int64_t len = start + seg_len < a.vocab ? seg_len : a.vocab - start;
+  const float temperature = a.temperature;
+  cuda::row_softmax_topk<T, K_CAP, kSampleThreads, /*WITH_SUM=*/false>(
+      logits + b * lg_sb + i * lg_sn + start, len, static_cast<int>(start),
+      [temperature](float x) { return x / temperature; }, sm);
+  const int64_t part = slot * segments + seg;
+  for (int r = threadIdx.x; r < K_CAP; r += kSampleThreads) {
+    part_val[part * K_CAP + r] = sm.val[r];
+    part_id[part * K_CAP + r] = sm.id[r];
+  }
+  if (threadIdx.x == 0) part_max[part] = sm.m;
+}
+
+// top_k in [1, 64], step 2: one warp per node merges the segments into the node's top k, applies top_p
+// over them in descending order, and draws by inverse CDF in ascending id order.
+template <int K_CAP>
+__global__ void __launch_bounds__(kWarp) sample_top_k_draw_kernel(SampleArgs a, int segments,
+                                                                  const float* __restrict__ part_val,
+                                                                  const int* __restrict__ part_id,
+                                                                  const float* __restrict__ part_max) {
+  __shared__ float val[K_CAP];
+  __shared__ int id[K_CAP];
   __shared__ bool keep[K_CAP];
   __shared__ float weight_by_id[K_CAP];  // exp(x - max x) of the kept tokens, ascending id
   __shared__ int id_by_id[K_CAP];
   __shared__ int kept;
-  const int i = blockIdx.x, b = blockIdx.y;
+  const int i = blockIdx.x, b = blockIdx.y, lane = threadIdx.x;
   float u;
   if (!sample_target(a, b, i, u)) return;
-  const float temperature = a.temperature;
-  cuda::row_softmax_topk<T, K_CAP, kSampleThreads>(logits + b * lg_sb + i * lg_sn, a.vocab, 0,
-                                                   [temperature](float x) { return x / temperature; }, sm);
-  if (threadIdx.x >= kWarp) return;
-  const int lane = threadIdx.x;
-  const int k = static_cast<int>(a.top_k < a.vocab ? a.top_k : a.vocab);
+  const int64_t first = (static_cast<int64_t>(b) * a.num_nodes + i) * segments;
+  cuda::warp_merge_lists(part_val + first * K_CAP, part_id + first * K_CAP, K_CAP, segments, K_CAP, val, id);
+  float m = -INFINITY;  // the row's max x, the reference point of every weight (as on the CPU)
+  for (int s = 0; s < segments; ++s) m = fmaxf(m, part_max[first + s]);
+  const int k = a.top_k;
   if (lane == 0) {
     // top_p over the top_k set in descending order: keep a token while the mass ranked above it is
     // below top_p of the set's mass (masses in double, like the CPU op).
     double mass = 0;
-    for (int r = 0; r < k; ++r) mass += expf(sm.val[r] - sm.m);
+    for (int r = 0; r < k; ++r) mass += expf(val[r] - m);
     const double target = a.top_p * mass;
     double above = 0;
     int count = 0;
     for (int r = 0; r < K_CAP; ++r) {
       const bool on = r < k && (a.top_p >= 1.0 || above < target);
-      if (r < k) above += expf(sm.val[r] - sm.m);
+      if (r < k) above += expf(val[r] - m);
       keep[r] = on;
       count += on;
     }
@@ -220,9 +250,9 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_kernel(const T* _
   for (int r = lane; r < K_CAP; r += kWarp) {
     if (!keep[r]) continue;
     int pos = 0;
-    for (int s = 0; s < K_CAP; ++s) pos += keep[s] && sm.id[s] < sm.id[r];
-    id_by_id[pos] = sm.id[r];
-    weight_by_id[pos] = expf(sm.val[r] - sm.m);
+    for (int s = 0; s < K_CAP; ++s) pos += keep[s] && id[s] < id[r];
+    id_by_id[pos] = id[r];
+    weight_by_id[pos] = expf(val[r] - m);
   }
   __syncwarp();
   if (lane != 0) return;
@@ -242,6 +272,26 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_kernel(const T* _
     }
   }
   a.token[static_cast<int64_t>(b) * a.num_nodes + i] = token;
+}
+
+template <typename T, int K_CAP>
+void launch_sample_top_k(const at::Tensor& logits, const SampleArgs& args, int64_t bsz, cudaStream_t stream) {
+  const int64_t n = args.num_nodes;
+  const auto [segments, seg_len] = cuda::split_rows(bsz * n, args.vocab);
+  // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture.
+  const auto f32 = logits.options().dtype(at::kFloat);
+  const at::Tensor part_val = at::empty({bsz, n, segments, K_CAP}, f32);
+  const at::Tensor part_id = at::empty({bsz, n, segments, K_CAP}, logits.options().dtype(at::kInt));
+  const at::Tensor part_max = at::empty({bsz, n, segments}, f32);
+  sample_top_k_segment_kernel<T, K_CAP>
+      <<<dim3(static_cast<unsigned>(n * segments), static_cast<unsigned>(bsz)), kSampleThreads, 0, stream>>>(
+          logits.data_ptr<T>(), logits.stride(0), logits.stride(1), args, static_cast<int>(segments), seg_len,
+          part_val.data_ptr<float>(), part_id.data_ptr<int>(), part_max.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  sample_top_k_draw_kernel<K_CAP><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(bsz)), kWarp, 0, stream>>>(
+      args, static_cast<int>(segments), part_val.data_ptr<float>(), part_id.data_ptr<int>(),
+      part_max.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Inclusive prefix sum over the block in a fixed order (warp shuffles, then warp totals); also returns
@@ -418,26 +468,23 @@ void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
                         static_cast<int>(n), static_cast<int>(uniform.size(1)), vocab,
                         static_cast<float>(temperature), top_p, static_cast<int>(k_on),
                         token.data_ptr<int64_t>()};
-  const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(bsz));
   if (k_on > kSampleMaxTopK || (k_on == 0 && p_on)) {
     sample_by_sort(logits, uniform, depth, temperature, top_k, top_p, token);
   } else {
     DDTREE_CUDA_DISPATCH_FLOAT(logits.scalar_type(), op, [&] {
-      const scalar_t* lg = logits.data_ptr<scalar_t>();
-      auto launch = [&](auto kernel, size_t smem) {
-        kernel<<<grid, kSampleThreads, smem, stream>>>(lg, logits.stride(0), logits.stride(1), args);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      };
       if (k_on == 0) {
-        launch(sample_full_kernel<scalar_t>, sizeof(double) * cuda::ceil_div(vocab, kSampleChunk));
+        sample_full_kernel<scalar_t><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(bsz)), kSampleThreads,
+                                       sizeof(double) * cuda::ceil_div(vocab, kSampleChunk), stream>>>(
+            logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), args);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
       } else if (k_on <= 8) {
-        launch(sample_top_k_kernel<scalar_t, 8>, 0);
+        launch_sample_top_k<scalar_t, 8>(logits, args, bsz, stream);
       } else if (k_on <= 16) {
-        launch(sample_top_k_kernel<scalar_t, 16>, 0);
+        launch_sample_top_k<scalar_t, 16>(logits, args, bsz, stream);
       } else if (k_on <= 32) {
-        launch(sample_top_k_kernel<scalar_t, 32>, 0);
+        launch_sample_top_k<scalar_t, 32>(logits, args, bsz, stream);
       } else {
-        launch(sample_top_k_kernel<scalar_t, 64>, 0);
+        launch_sample_top_k<scalar_t, 64>(logits, args, bsz, stream);
       }
     });
   }

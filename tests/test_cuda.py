@@ -98,7 +98,15 @@ def random_topk(bsz: int, depths: int, k: int, gen: torch.Generator, ties: bool)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize(
     "shape,k",
-    [((2, 3, 1000), 1), ((2, 3, 1000), 8), ((1, 4, 7), 7), ((3, 2, 4099), 16), ((1, 2, 5000), 32), ((2, 2, 3000), 40)],
+    [
+        ((2, 3, 1000), 1),
+        ((2, 3, 1000), 8),
+        ((1, 4, 7), 7),
+        ((3, 2, 4099), 16),
+        ((1, 2, 5000), 32),
+        ((2, 2, 3000), 40),  # above the register lists: sort-based
+        ((1, 2, 60001), 8),  # rows split over several blocks (ties across segments with "ties")
+    ],
 )
 @pytest.mark.parametrize("layout", ["contiguous", "ties", "unaligned"])
 def test_topk_logprobs(dtype, shape, k, layout):
