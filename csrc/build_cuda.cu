@@ -117,6 +117,20 @@ __device__ __forceinline__ uint32_t ordered_bits(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Largest key over the warp. On sm_80+ two single-instruction reductions (the high words, then the low
+// words of the lanes holding the highest high word); a low word is never 0 for a real key (parent and
+// rank are < 0xffff), and an empty lane (key 0) never holds the highest high word unless all are empty.
+__device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned hi = static_cast<unsigned>(key >> 32);
+  const unsigned max_hi = __reduce_max_sync(kFullMask, hi);
+  const unsigned max_lo = __reduce_max_sync(kFullMask, hi == max_hi ? static_cast<unsigned>(key) : 0u);
+  return (static_cast<uint64_t>(max_hi) << 32) | max_lo;
+#else
+  return cuda::warp_max_u64(key);
+#endif
+}
+
 __device__ __forceinline__ uint64_t candidate_key(float score, int parent, int rank) {
   return (static_cast<uint64_t>(ordered_bits(score)) << 32) |
          (static_cast<uint64_t>(kMaxKeyField - parent) << 16) | static_cast<uint64_t>(kMaxKeyField - rank);
@@ -243,7 +257,7 @@ __global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(
     rescan();
 
     while (taken < budget) {
-      const uint64_t best = cuda::warp_max_u64(my_best);
+      const uint64_t best = warp_max_key(my_best);
       if (best == 0) break;  // K ** depth ran out: the rest is padding
       const int owner = __ffs(__ballot_sync(kFullMask, my_best == best)) - 1;
       const int slot = __shfl_sync(kFullMask, my_best_slot, owner);

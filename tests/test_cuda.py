@@ -275,12 +275,12 @@ def gdn_inputs(bsz, n, heads, value_heads, kdim, vdim, dtype, gen, shape="random
     )
 
 
-@functools.lru_cache(maxsize=None)
 def _fla_ops():
+    """fla's (chunk, fused_recurrent) gated delta rule kernels, or skip the calling test."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-    except ImportError:
-        return None
+    except Exception as e:  # not installed, or its Triton stack does not load here
+        pytest.skip(f"flash-linear-attention is not importable: {e}")
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
@@ -380,7 +380,6 @@ def test_tree_gated_delta_rule_qwen36_shape(dtype, budget):
     assert_gdn_close(got, gdn_recurrence_fp64(x, 128**-0.5), dtype, "vs float64 recurrence")
 
 
-@pytest.mark.skipif(_fla_ops() is None, reason="flash-linear-attention is not importable")
 @pytest.mark.parametrize("kernel", ["fused_recurrent", "chunk"])
 def test_tree_gated_delta_rule_chain_matches_fla(kernel):
     """On a chain the tree op is the ordinary recurrence; the committed state after the whole chain
