@@ -17,8 +17,6 @@
 namespace ddtree {
 namespace {
 
-using cuda::kWarp;
-
 constexpr int kMaxLayersPerLaunch = 32;
 
 template <typename T>

@@ -13,7 +13,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <limits>
 
 #include "checks.h"
 
@@ -137,7 +136,7 @@ __device__ __forceinline__ float warp_sum_squares(const T* row, int n, int lane)
   return warp_sum(acc);
 }
 
-// 1 / sqrt(sum + eps), correctly rounded (no rsqrt approximation) so it matches the CPU op.
+// 1 / sqrt(sum + eps) with correctly rounded sqrt and division (no rsqrt approximation), as on the CPU.
 __device__ __forceinline__ float inv_l2_norm(float sum_squares, float eps) { return 1.0f / sqrtf(sum_squares + eps); }
 
 }  // namespace cuda

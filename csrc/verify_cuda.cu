@@ -104,7 +104,8 @@ void launch_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10
 
 // ==== tree_gated_delta_rule ====================================================================
 //
-// Three launches, all reading the committed state H0 once and writing no per-node state:
+// Three launches; the committed state H0 is read once (by the third) and no per-node state is formed.
+// Queries are normalised where they are used (kernels 2 and 3) by the same arithmetic, bit for bit.
 //  1. normalize_keys   stash_k = l2-normalised k (one warp per (b, node, key head)).
 //  2. tree_gram        per (b, node i): G_i (cumulative log decay, root first, = stash_cumg) and, for
 //                      each key head and each node j on the path root..i, k_i.k_j and (scale q_i).k_j
