@@ -194,6 +194,11 @@ class TargetAdapter:
         self._check_tokens("verify", tree.token, state)
         if int(state.prefix_len.min()) < 1:
             raise ValueError("TargetAdapter.verify: the state holds no committed tokens; call prefill first")
+        if not torch.equal(tree.position[:, 0], state.prefix_len):
+            raise ValueError(
+                f"TargetAdapter.verify: tree root position {tree.position[:, 0].tolist()} != the state's prefix_len "
+                f"{state.prefix_len.tolist()} (tree built for another prefix)"
+            )
         num_nodes = tree.token.shape[1]
         kv_len = int(state.prefix_len.max()) + num_nodes
         mask = _ops.tree_attention_mask(tree.ancestor_mask, state.prefix_len, kv_len, dtype=self._mask_dtype)

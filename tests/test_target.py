@@ -277,6 +277,8 @@ def test_call_order_is_checked(hybrid):
     adapter.prefill(_tokens(gen, 1, 4), state)
     with pytest.raises(ValueError, match="empty"):
         adapter.prefill(_tokens(gen, 1, 4), state)
+    with pytest.raises(ValueError, match="prefix_len"):
+        adapter.verify(tree, state)  # built for the empty state
     adapter.verify(reference.tree_from_parents(tree.parent, tree.token, state.prefix_len), state)
     with pytest.raises(ValueError, match="commit"):
         adapter.forward_chain(_tokens(gen, 1, 1), state)
