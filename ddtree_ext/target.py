@@ -142,6 +142,7 @@ class TargetAdapter:
 
     @property
     def device(self) -> torch.device:
+        """Where the embeddings (and so the token inputs and prefix_len) live."""
         return self.embed_tokens.weight.device
 
     # ---- state -----------------------------------------------------------------------------------
