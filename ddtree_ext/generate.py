@@ -156,7 +156,7 @@ def generate(
     speculative = method != "autoregressive"
     adapter = _as_adapter(target, draft if speculative else None)
     if speculative:
-        draft.check_target(adapter)
+        draft.check_target(adapter.config)
     input_ids = _check_prompt(input_ids, attention_mask, adapter, max_new_tokens)
 
     prompt_len = input_ids.shape[1]
@@ -381,10 +381,15 @@ def _as_adapter(target, draft) -> "TargetAdapter":
     """The target as a TargetAdapter tapping the draft's layers (ValueError for unsupported models)."""
     from ddtree_ext.target import TargetAdapter
 
-    taps = tuple(draft.target_layer_ids) if draft is not None else ()
-    if isinstance(target, TargetAdapter):
-        return target
-    return TargetAdapter(target, taps)
+    taps = [int(i) for i in draft.target_layer_ids] if draft is not None else []
+    if not isinstance(target, TargetAdapter):
+        return TargetAdapter(target, taps)
+    if draft is not None and list(target.tap_layer_ids) != taps:
+        raise ValueError(
+            f"generate: target: the TargetAdapter taps layers {list(target.tap_layer_ids)}, the draft reads "
+            f"target_layer_ids {taps}"
+        )
+    return target
 
 
 def _check_prompt(input_ids, attention_mask, adapter: "TargetAdapter", max_new_tokens: int) -> torch.Tensor:
@@ -415,7 +420,7 @@ def _check_prompt(input_ids, attention_mask, adapter: "TargetAdapter", max_new_t
             f"generate: max_new_tokens: prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"target's max_position_embeddings ({limit})"
         )
-    return input_ids.to(device=adapter.model.device, dtype=torch.long)
+    return input_ids.to(device=adapter.device, dtype=torch.long)
 
 
 def _eos_set(eos_token_id) -> frozenset:
