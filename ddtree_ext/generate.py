@@ -156,7 +156,10 @@ def generate(
     speculative = method != "autoregressive"
     adapter = _as_adapter(target, draft if speculative else None)
     if speculative:
-        draft.check_target(adapter.config)
+        try:
+            draft.check_target(adapter.config)
+        except ValueError as e:
+            raise ValueError(f"generate: draft does not match the target: {e}") from e
     input_ids = _check_prompt(input_ids, attention_mask, adapter, max_new_tokens)
 
     prompt_len = input_ids.shape[1]
@@ -383,7 +386,10 @@ def _as_adapter(target, draft) -> "TargetAdapter":
 
     taps = [int(i) for i in draft.target_layer_ids] if draft is not None else []
     if not isinstance(target, TargetAdapter):
-        return TargetAdapter(target, taps)
+        try:
+            return TargetAdapter(target, taps)
+        except ValueError as e:
+            raise ValueError(f"generate: target: {e}") from e
     if draft is not None and list(target.tap_layer_ids) != taps:
         raise ValueError(
             f"generate: target: the TargetAdapter taps layers {list(target.tap_layer_ids)}, the draft reads "
