@@ -13,16 +13,17 @@ import pytest
 import torch
 
 from conftest import random_parents, rel_err
-from ddtree_ext import reference, target
+from ddtree_ext import ops, reference, target
 from ddtree_ext.ops import Walk
 from ddtree_ext.target import SUPPORTED_ARCHITECTURES, TargetAdapter
 from ddtree_ext.tiny import TINY_VOCAB, make_tiny_target, tiny_qwen3_5_config
 
 LIN, FULL = "linear_attention", "full_attention"
-# Tolerances for float32 tiny models: logits in absolute terms (they are O(1)..O(10)), hidden states
-# and cache tensors relative to their largest entry.
-LOGIT_ATOL = 1e-4
-STATE_RTOL = 1e-5
+# Whole-model float32 comparisons, relative to the largest reference entry (conftest.rel_err). The HF
+# chunked/recurrent GDN kernels and the tree ops round differently (~1e-7 per op), and the tiny random
+# models amplify that through the layers to ~1e-6..3e-5 in logits, taps and caches, without drifting
+# over rounds; a real error (wrong mask, window or state) is O(1).
+MODEL_RTOL = 1e-4
 
 TARGETS = {
     "qwen3": dict(family="qwen3"),
@@ -51,9 +52,9 @@ def reference_ops(monkeypatch):
         target,
         "_ops",
         SimpleNamespace(
-            tree_attention_mask=reference.tree_attention_mask,
-            tree_conv1d=reference.tree_conv1d,
-            tree_gated_delta_rule=reference.tree_gated_delta_rule,
+            tree_attention_mask=ops.tree_attention_mask,
+            tree_conv1d=ops.tree_conv1d,
+            tree_gated_delta_rule=ops.tree_gated_delta_rule,
             commit_kv=_inplace(reference.commit_kv),
             commit_gdn_state=_inplace(reference.commit_gdn_state),
             commit_conv_state=_inplace(reference.commit_conv_state),
@@ -93,10 +94,10 @@ def _assert_verify_matches_paths(adapter, prompt, tree, logits, taps):
     for i in range(tree.token.shape[1]):
         path = reference.path_to(parent, 0, i)
         ref_logits, ref_taps = _stock_last(adapter, torch.cat([prompt, tree.token[:, path]], dim=1))
-        err = (logits[0, i] - ref_logits).abs().max().item()
-        assert err < LOGIT_ATOL, f"node {i} (path {path}): logits max abs error {err:.2e}"
+        err = rel_err(logits[0, i], ref_logits)
+        assert err < MODEL_RTOL, f"node {i} (path {path}): logits relative error {err:.2e}"
         assert int(logits[0, i].argmax()) == int(ref_logits.argmax()), f"node {i}: argmax differs"
-        assert rel_err(taps[0, i], ref_taps) < STATE_RTOL * 5, f"node {i}: taps differ"
+        assert rel_err(taps[0, i], ref_taps) < MODEL_RTOL, f"node {i}: taps differ"
 
 
 TREE_SHAPES = ("random", "chain", "star", "draft")
@@ -161,18 +162,18 @@ def test_commit_equals_chain_forward_over_rounds(adapter):
 
         chain_logits, _ = adapter.forward_chain(tree.token[:, path], chain_state)
         assert torch.equal(tree_state.prefix_len, chain_state.prefix_len)
-        assert (tree_logits[0, path] - chain_logits[0]).abs().max().item() < LOGIT_ATOL, f"round {rnd}"
+        assert rel_err(tree_logits[0, path], chain_logits[0]) < MODEL_RTOL, f"round {rnd}"
         expected = _cache_tensors(adapter, chain_state)
         for name, actual in _cache_tensors(adapter, tree_state).items():
             assert actual.shape == expected[name].shape, f"round {rnd}: {name} shape"
-            assert rel_err(actual, expected[name]) < STATE_RTOL, f"round {rnd}: {name} differs"
+            assert rel_err(actual, expected[name]) < MODEL_RTOL, f"round {rnd}: {name} differs"
         root = walk.next_token[:, None]
 
     # The state stays usable by the stock forward: the next chain forward agrees on both.
     nxt = torch.cat([root, _tokens(gen, 1, 3)], dim=1)
     a, _ = adapter.forward_chain(nxt, tree_state)
     b, _ = adapter.forward_chain(nxt, chain_state)
-    assert (a - b).abs().max().item() < LOGIT_ATOL
+    assert rel_err(a, b) < MODEL_RTOL
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
@@ -194,7 +195,7 @@ def test_chain_forward_matches_one_stock_forward(adapter):
     last, _ = adapter.prefill(tokens[:, :4], state)
     rest, _ = adapter.forward_chain(tokens[:, 4:], state)
     full = adapter.model(input_ids=tokens).logits.float()
-    assert (torch.cat([last[:, None], rest], dim=1) - full[:, 3:]).abs().max().item() < LOGIT_ATOL
+    assert rel_err(torch.cat([last[:, None], rest], dim=1), full[:, 3:]) < MODEL_RTOL
     assert torch.equal(state.prefix_len, torch.tensor([10]))
 
 
@@ -220,7 +221,7 @@ def test_conditional_generation_uses_its_text_model():
     logits, _ = adapter.prefill(prompt, state)
     with torch.no_grad():
         stock = model(input_ids=prompt).logits
-    assert (logits - stock[:, -1]).abs().max().item() < LOGIT_ATOL
+    assert rel_err(logits, stock[:, -1]) < MODEL_RTOL
     tree = _random_tree(gen, state.prefix_len, 6, "random")
     tree_logits, taps = adapter.verify(tree, state)
     _assert_verify_matches_paths(adapter, prompt, tree, tree_logits, taps)
@@ -319,4 +320,4 @@ def test_failed_verify_restores_layers_and_cache(hybrid, monkeypatch):
     nxt = _tokens(gen, 1, 2)
     logits, _ = adapter.forward_chain(nxt, state)
     stock = hybrid(input_ids=torch.cat([prompt, nxt], dim=1)).logits[:, -2:]
-    assert (logits - stock).abs().max().item() < LOGIT_ATOL
+    assert rel_err(logits, stock) < MODEL_RTOL
