@@ -55,6 +55,7 @@ void tree_gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const a
 void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& first_child,
                 const at::Tensor& next_sibling, const at::Tensor& accepted, const at::Tensor& accept_len,
                 const at::Tensor& next_token);
+void check_walk_greedy(const at::Tensor& node_token, const at::Tensor& target_token);
 void walk_greedy_cpu(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                      const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
                      at::Tensor& next_token);

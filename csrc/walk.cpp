@@ -1,4 +1,15 @@
-// STUB: replaced by the implementation of this op group.
+// Walk: follow the target's tokens from the root down the draft tree and report the accepted path.
+// Greedy follows the target's argmax; sampling draws the target's token at each visited node by the
+// rule of reference.sample_token. The check_* functions are metadata-only and shared with the CUDA
+// implementations; the CPU implementations add value checks (tree links, uniforms) before writing.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
 #include "checks.h"
 #include "ops.h"
 
@@ -7,24 +18,286 @@ namespace ddtree {
 void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& first_child,
                 const at::Tensor& next_sibling, const at::Tensor& accepted, const at::Tensor& accept_len,
                 const at::Tensor& next_token) {
-  TORCH_CHECK(false, "check_walk: not implemented yet");
+  DDTREE_CHECK_DIM(op, node_token, 2);
+  DDTREE_CHECK_DTYPE(op, node_token, at::kLong);
+  const int64_t batch = node_token.size(0), num_nodes = node_token.size(1);
+  DDTREE_CHECK(op, num_nodes >= 1, "node_token must hold at least the root, got shape ",
+               shape_str(node_token.sizes()));
+  DDTREE_CHECK_DTYPE(op, first_child, at::kInt);
+  DDTREE_CHECK_SHAPE(op, first_child, {batch, num_nodes});
+  DDTREE_CHECK_DTYPE(op, next_sibling, at::kInt);
+  DDTREE_CHECK_SHAPE(op, next_sibling, {batch, num_nodes});
+  DDTREE_CHECK_DTYPE(op, accepted, at::kInt);
+  DDTREE_CHECK_DIM(op, accepted, 2);
+  DDTREE_CHECK(op, accepted.size(0) == batch && accepted.size(1) >= 1, "accepted must have shape [", batch,
+               ", D] with D >= 1, got ", shape_str(accepted.sizes()));
+  DDTREE_CHECK_DTYPE(op, accept_len, at::kInt);
+  DDTREE_CHECK_SHAPE(op, accept_len, {batch});
+  DDTREE_CHECK_DTYPE(op, next_token, at::kLong);
+  DDTREE_CHECK_SHAPE(op, next_token, {batch});
+  DDTREE_CHECK_SAME_DEVICE(op, node_token, first_child);
+  DDTREE_CHECK_SAME_DEVICE(op, node_token, next_sibling);
+  DDTREE_CHECK_SAME_DEVICE(op, node_token, accepted);
+  DDTREE_CHECK_SAME_DEVICE(op, node_token, accept_len);
+  DDTREE_CHECK_SAME_DEVICE(op, node_token, next_token);
+  DDTREE_CHECK_CONTIGUOUS(op, node_token);
+  DDTREE_CHECK_CONTIGUOUS(op, first_child);
+  DDTREE_CHECK_CONTIGUOUS(op, next_sibling);
+  DDTREE_CHECK_CONTIGUOUS(op, accepted);
+  DDTREE_CHECK_CONTIGUOUS(op, accept_len);
+  DDTREE_CHECK_CONTIGUOUS(op, next_token);
 }
 
-void walk_greedy_cpu(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
-                     const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
-                     at::Tensor& next_token) {
-  TORCH_CHECK(false, "walk_greedy_cpu: not implemented yet");
+void check_walk_greedy(const at::Tensor& node_token, const at::Tensor& target_token) {
+  constexpr const char* op = "walk_greedy";
+  DDTREE_CHECK_DTYPE(op, target_token, at::kLong);
+  DDTREE_CHECK_SHAPE(op, target_token, {node_token.size(0), node_token.size(1)});
+  DDTREE_CHECK_SAME_DEVICE(op, node_token, target_token);
+  DDTREE_CHECK_CONTIGUOUS(op, target_token);
 }
 
 void check_walk_sample(const at::Tensor& node_token, const at::Tensor& logits, const at::Tensor& uniform,
                        double temperature, int64_t top_k, double top_p, const at::Tensor& accepted) {
-  TORCH_CHECK(false, "check_walk_sample: not implemented yet");
+  constexpr const char* op = "walk_sample";
+  const int64_t batch = node_token.size(0), num_nodes = node_token.size(1);
+  DDTREE_CHECK_FLOAT(op, logits);
+  DDTREE_CHECK_DIM(op, logits, 3);
+  DDTREE_CHECK(op, logits.size(0) == batch && logits.size(1) == num_nodes && logits.size(2) >= 1,
+               "logits must have shape [", batch, ", ", num_nodes, ", V] with V >= 1, got ",
+               shape_str(logits.sizes()));
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, logits);
+  DDTREE_CHECK_SAME_DEVICE(op, node_token, logits);
+  DDTREE_CHECK_DTYPE(op, uniform, at::kFloat);
+  DDTREE_CHECK_SHAPE(op, uniform, {batch, accepted.size(1)});
+  DDTREE_CHECK_SAME_DEVICE(op, node_token, uniform);
+  DDTREE_CHECK_CONTIGUOUS(op, uniform);
+  DDTREE_CHECK(op, std::isfinite(temperature) && temperature > 0, "temperature must be finite and > 0, got ",
+               temperature);
+  DDTREE_CHECK(op, top_k >= 0, "top_k must be >= 0 (0 = off), got ", top_k);
+  DDTREE_CHECK(op, top_p > 0 && top_p <= 1, "top_p must be in (0, 1] (1 = off), got ", top_p);
+}
+
+namespace {
+
+// Child links must point forward, to a larger index inside the row: the walk then visits strictly
+// increasing node indices, so it stays in bounds and cannot loop.
+void check_forward_links_cpu(const char* op, const char* name, const at::Tensor& link) {
+  const int64_t batch = link.size(0), num_nodes = link.size(1);
+  const int32_t* data = link.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < num_nodes; ++i) {
+      const int64_t to = data[b * num_nodes + i];
+      DDTREE_CHECK(op, to == -1 || (to > i && to < num_nodes), name, "[", b, ", ", i,
+                   "] must be -1 or a node index in (", i, ", ", num_nodes, "), got ", to);
+    }
+  }
+}
+
+void check_uniform_values_cpu(const at::Tensor& uniform) {
+  const float* data = uniform.data_ptr<float>();
+  const int64_t depths = uniform.size(1);
+  for (int64_t e = 0; e < uniform.numel(); ++e) {
+    DDTREE_CHECK("walk_sample", data[e] >= 0.0f && data[e] < 1.0f, "uniform[", e / depths, ", ", e % depths,
+                 "] must be in [0, 1), got ", data[e]);
+  }
+}
+
+// Raw views of one batch of trees and of the walk's outputs.
+struct TreeRows {
+  const int64_t* token;
+  const int32_t* first_child;
+  const int32_t* next_sibling;
+  int64_t num_nodes;
+};
+
+struct WalkRows {
+  int32_t* accepted;
+  int32_t* accept_len;
+  int64_t* next_token;
+  int64_t max_accept;
+};
+
+TreeRows tree_rows(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling) {
+  return {node_token.data_ptr<int64_t>(), first_child.data_ptr<int32_t>(), next_sibling.data_ptr<int32_t>(),
+          node_token.size(1)};
+}
+
+WalkRows walk_rows(at::Tensor& accepted, at::Tensor& accept_len, at::Tensor& next_token) {
+  return {accepted.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), next_token.data_ptr<int64_t>(),
+          accepted.size(1)};
+}
+
+// Walks row b from the root: record the node, take the target's token t there (token_at(node, d) for
+// the d-th node of the path), move to the first child (by index) carrying t, stop when none does or
+// the path holds max_accept nodes. t at the last node is the bonus token.
+template <typename TokenAt>
+void walk_row(const TreeRows& tree, int64_t b, TokenAt&& token_at, const WalkRows& out) {
+  const int64_t row = b * tree.num_nodes;
+  int32_t* accepted = out.accepted + b * out.max_accept;
+  int64_t node = 0, len = 0, token = 0;
+  for (;;) {
+    accepted[len] = static_cast<int32_t>(node);
+    token = token_at(node, len);
+    ++len;
+    if (len == out.max_accept) break;
+    int64_t child = tree.first_child[row + node];
+    while (child >= 0 && tree.token[row + child] != token) child = tree.next_sibling[row + child];
+    if (child < 0) break;
+    node = child;
+  }
+  std::fill(accepted + len, accepted + out.max_accept, -1);
+  out.accept_len[b] = static_cast<int32_t>(len);
+  out.next_token[b] = token;
+}
+
+// Draws one token per call from a row of logits by the rule of reference.sample_token:
+// x = float32(logits) / temperature; keep the top_k largest x (ties: lower id first), then the
+// shortest prefix of those, in that descending order, whose renormalised mass reaches top_p; draw by
+// inverse CDF over the kept tokens in ascending id order. Without filters that is a few streaming
+// passes; the filters need only selections (nth_element, a mass-weighted quickselect), never a sort
+// of the vocabulary. One sampler per thread: it owns the scratch rows.
+template <typename scalar_t>
+class TokenSampler {
+ public:
+  TokenSampler(int64_t vocab, double temperature, int64_t top_k, double top_p)
+      : vocab_(vocab),
+        temperature_(static_cast<float>(temperature)),
+        top_k_count_(top_k > 0 && top_k < vocab ? top_k : vocab),
+        top_p_(top_p),
+        scaled_(vocab),
+        weight_(vocab) {}
+
+  int64_t operator()(const scalar_t* logits, float u) {
+    float max_x = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < vocab_; ++i) {
+      scaled_[i] = static_cast<float>(logits[i]) / temperature_;
+      max_x = std::max(max_x, scaled_[i]);
+    }
+    for (int64_t i = 0; i < vocab_; ++i) weight_[i] = std::exp(scaled_[i] - max_x);
+    const int64_t last_kept = top_k_count_ < vocab_ || top_p_ < 1.0 ? drop_filtered() : vocab_ - 1;
+    // The total and the scan add the same terms in the same order, so for u < 1 the scan always hits.
+    double total = 0;
+    for (int64_t i = 0; i < vocab_; ++i) total += weight_[i];
+    const double threshold = static_cast<double>(u) * total;
+    double cum = 0;
+    for (int64_t i = 0; i < vocab_; ++i) {
+      cum += weight_[i];
+      if (cum > threshold) return i;
+    }
+    return last_kept;  // only with non-finite logits
+  }
+
+ private:
+  struct Ranked {
+    float x;
+    int32_t id;
+  };
+
+  // The sampling order: larger x first, the lower id first among equal x.
+  static bool ranks_above(const Ranked& a, const Ranked& b) { return a.x > b.x || (a.x == b.x && a.id < b.id); }
+
+  // Zeroes the weight of every token top_k or top_p drops; returns the largest kept id. The kept set
+  // is always "ranks at or above a cut token", so one selection finds it.
+  int64_t drop_filtered() {
+    ranked_.resize(vocab_);
+    for (int64_t i = 0; i < vocab_; ++i) ranked_[i] = {scaled_[i], static_cast<int32_t>(i)};
+    const auto first = ranked_.begin(), last = first + top_k_count_;
+    if (top_k_count_ < vocab_) std::nth_element(first, last - 1, ranked_.end(), ranks_above);
+    const Ranked cut = top_p_ < 1.0 ? top_p_cut(first, last) : last[-1];
+    int64_t last_kept = -1;
+    for (int64_t i = 0; i < vocab_; ++i) {
+      const Ranked token{scaled_[i], static_cast<int32_t>(i)};
+      if (ranks_above(cut, token)) {
+        weight_[i] = 0.0f;
+      } else {
+        last_kept = i;
+      }
+    }
+    return last_kept;
+  }
+
+  // The last token top_p keeps among [first, last) (the top_k set): the first, in the sampling order,
+  // whose mass together with everything ranked above it reaches top_p of the set's mass. A quickselect
+  // that descends by mass instead of by rank: expected linear time.
+  Ranked top_p_cut(typename std::vector<Ranked>::iterator first, typename std::vector<Ranked>::iterator last) {
+    double mass = 0;
+    for (auto it = first; it != last; ++it) mass += weight_[it->id];
+    const double target = top_p_ * mass;
+    double above = 0;  // mass of the tokens ranked above [first, last)
+    while (last - first > 1) {
+      std::iter_swap(first + (last - first) / 2, last - 1);
+      const Ranked pivot = last[-1];
+      const auto mid = std::partition(first, last - 1, [&](const Ranked& r) { return ranks_above(r, pivot); });
+      std::iter_swap(mid, last - 1);  // [first, mid) ranks above the pivot, now at mid; (mid, last) below
+      double upper = 0;
+      for (auto it = first; it != mid; ++it) upper += weight_[it->id];
+      if (above + upper >= target) {
+        last = mid;
+        continue;
+      }
+      above += upper + weight_[pivot.id];
+      if (above >= target) return pivot;
+      first = mid + 1;
+    }
+    // One token left is the cut; none left means rounding kept the mass short of the target, and the
+    // last pivot, the lowest-ranked token of the set, is the cut.
+    return first < last ? *first : first[-1];
+  }
+
+  int64_t vocab_;
+  float temperature_;
+  int64_t top_k_count_;
+  double top_p_;
+  std::vector<float> scaled_;  // x = logits / temperature
+  std::vector<float> weight_;  // exp(x - max x), zero where dropped
+  std::vector<Ranked> ranked_;
+};
+
+}  // namespace
+
+void walk_greedy_cpu(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
+                     const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
+                     at::Tensor& next_token) {
+  check_walk("walk_greedy", node_token, first_child, next_sibling, accepted, accept_len, next_token);
+  check_walk_greedy(node_token, target_token);
+  check_forward_links_cpu("walk_greedy", "first_child", first_child);
+  check_forward_links_cpu("walk_greedy", "next_sibling", next_sibling);
+
+  const TreeRows tree = tree_rows(node_token, first_child, next_sibling);
+  const WalkRows out = walk_rows(accepted, accept_len, next_token);
+  const int64_t* target = target_token.data_ptr<int64_t>();
+  for (int64_t b = 0; b < node_token.size(0); ++b) {
+    const int64_t* row_target = target + b * tree.num_nodes;
+    walk_row(tree, b, [row_target](int64_t node, int64_t) { return row_target[node]; }, out);
+  }
 }
 
 void walk_sample_cpu(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                      const at::Tensor& logits, const at::Tensor& uniform, double temperature, int64_t top_k,
                      double top_p, at::Tensor& accepted, at::Tensor& accept_len, at::Tensor& next_token) {
-  TORCH_CHECK(false, "walk_sample_cpu: not implemented yet");
+  check_walk("walk_sample", node_token, first_child, next_sibling, accepted, accept_len, next_token);
+  check_walk_sample(node_token, logits, uniform, temperature, top_k, top_p, accepted);
+  check_forward_links_cpu("walk_sample", "first_child", first_child);
+  check_forward_links_cpu("walk_sample", "next_sibling", next_sibling);
+  check_uniform_values_cpu(uniform);
+
+  const TreeRows tree = tree_rows(node_token, first_child, next_sibling);
+  const WalkRows out = walk_rows(accepted, accept_len, next_token);
+  const float* uniform_data = uniform.data_ptr<float>();
+  const int64_t vocab = logits.size(2), stride_b = logits.stride(0), stride_n = logits.stride(1);
+  DDTREE_DISPATCH_FLOAT(logits.scalar_type(), "walk_sample", [&] {
+    const scalar_t* logits_data = logits.const_data_ptr<scalar_t>();
+    at::parallel_for(0, node_token.size(0), 1, [&](int64_t begin, int64_t end) {
+      TokenSampler<scalar_t> sample(vocab, temperature, top_k, top_p);
+      for (int64_t b = begin; b < end; ++b) {
+        const float* row_uniform = uniform_data + b * out.max_accept;
+        const scalar_t* row_logits = logits_data + b * stride_b;
+        walk_row(
+            tree, b,
+            [&](int64_t node, int64_t d) { return sample(row_logits + node * stride_n, row_uniform[d]); }, out);
+      }
+    });
+  });
 }
 
 }  // namespace ddtree
