@@ -7,13 +7,11 @@ chain forward over the same accepted tokens. Models are tiny float32 ones of the
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from conftest import random_parents, rel_err
-from ddtree_ext import ops, reference, target
+from ddtree_ext import reference, target
 from ddtree_ext.ops import Walk
 from ddtree_ext.target import SUPPORTED_ARCHITECTURES, TargetAdapter
 from ddtree_ext.tiny import TINY_VOCAB, make_tiny_target, tiny_qwen3_5_config
@@ -34,32 +32,6 @@ TARGETS = {
     ),
 }
 TAPS = (2, 0)  # deliberately not sorted: taps are concatenated in the given order
-
-
-def _inplace(reference_fn):
-    """The reference commit functions return new tensors; the ops write into the given ones."""
-
-    def run(tensors, *args):
-        for t, new in zip(tensors, reference_fn(tensors, *args)):
-            t.copy_(new)
-
-    return run
-
-
-@pytest.fixture(autouse=True)
-def reference_ops(monkeypatch):
-    monkeypatch.setattr(
-        target,
-        "_ops",
-        SimpleNamespace(
-            tree_attention_mask=ops.tree_attention_mask,
-            tree_conv1d=ops.tree_conv1d,
-            tree_gated_delta_rule=ops.tree_gated_delta_rule,
-            commit_kv=_inplace(reference.commit_kv),
-            commit_gdn_state=_inplace(reference.commit_gdn_state),
-            commit_conv_state=_inplace(reference.commit_conv_state),
-        ),
-    )
 
 
 @pytest.fixture(scope="module", params=list(TARGETS), ids=list(TARGETS))
