@@ -97,7 +97,8 @@ class TargetAdapter:
         arch = type(model).__name__
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"TargetAdapter: model: unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"TargetAdapter: model: unsupported architecture {arch}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         self.model = model
         # Qwen3_5ForConditionalGeneration keeps its text model one level deeper; prompts are text only.
@@ -254,7 +255,8 @@ class TargetAdapter:
             raise ValueError(f"TargetAdapter.{op}: tokens must have shape [B, T] with T >= 1, got {list(tokens.shape)}")
         if tokens.shape[0] != state.prefix_len.shape[0]:
             raise ValueError(
-                f"TargetAdapter.{op}: batch {tokens.shape[0]} does not match the state's batch {state.prefix_len.shape[0]}"
+                f"TargetAdapter.{op}: batch {tokens.shape[0]} does not match the state's batch "
+                f"{state.prefix_len.shape[0]}"
             )
         if state.pending is not None:
             raise ValueError(f"TargetAdapter.{op}: the last verify is not committed yet; call commit first")

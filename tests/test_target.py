@@ -142,7 +142,8 @@ def _rounds(adapter, seed, num_rounds):
         root = walk.next_token[:, None]
     # The states stay usable by the stock forward: the next chain forward agrees on both.
     nxt = torch.cat([root, _tokens(gen, 1, 3)], dim=1)
-    yield num_rounds, adapter.forward_chain(nxt, tree_state)[0][0], adapter.forward_chain(nxt, chain_state)[0][0], tree_state, chain_state
+    tree_next, chain_next = adapter.forward_chain(nxt, tree_state)[0], adapter.forward_chain(nxt, chain_state)[0]
+    yield num_rounds, tree_next[0], chain_next[0], tree_state, chain_state
 
 
 def test_commit_equals_chain_forward_over_rounds(adapter):
@@ -158,7 +159,7 @@ def test_commit_equals_chain_forward_over_rounds(adapter):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_bf16_tree_stays_on_the_chain(attn):
     """In bf16 the tree forward rounds where HF's does, so its logits stay within one bf16 ulp of the
-    largest chain logit (applying the activation before rounding the conv, as a fused kernel would, is several ulps off)."""
+    largest chain logit (activating the conv before rounding it, as a fused kernel would, is several ulps off)."""
     model = make_tiny_target("qwen3_5", seed=3, dtype=torch.bfloat16, attn_implementation=attn)
     adapter = TargetAdapter(model)
     for rnd, tree_logits, chain_logits, _, _ in _rounds(adapter, seed=5, num_rounds=8):
@@ -195,7 +196,9 @@ def test_conditional_generation_uses_its_text_model():
     text = tiny_qwen3_5_config(layer_types=(LIN, FULL), initializer_range=0.2)
     config = Qwen3_5Config(
         text_config=text.to_dict(),
-        vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=text.hidden_size),
+        vision_config=dict(
+            depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=text.hidden_size
+        ),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
