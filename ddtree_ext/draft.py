@@ -351,15 +351,22 @@ class DFlashDraftModel(nn.Module):
     ) -> "DFlashDraftModel":
         """Load a z-lab checkpoint: ``config.json`` + ``model.safetensors`` or a sharded
         ``model.safetensors.index.json``. ``path`` is a local directory; anything else is fetched with
-        ``huggingface_hub.snapshot_download``. ``dtype`` defaults to the config's ``dtype``, else the dtype the weights are stored in; ``device`` to the CPU.
-        Every expected weight must be present and no other (ValueError listing them)."""
+        ``huggingface_hub.snapshot_download``. ``dtype`` defaults to the config's ``dtype``, else the
+        dtype the weights are stored in; ``device`` to the CPU. Every expected weight must be present and
+        no other (ValueError listing them)."""
         directory = os.fspath(path)
         if not os.path.isdir(directory):
             from huggingface_hub import snapshot_download
 
             directory = snapshot_download(directory, allow_patterns=["*.json", "*.safetensors"])
         with open(os.path.join(directory, "config.json")) as f:
-            config = draft_config_from_dict(json.load(f))
+            raw = json.load(f)
+        if "DFlash2DraftModel" in (raw.get("architectures") or ()):
+            raise ValueError(
+                f"DFlashDraftModel.from_pretrained({path!s}): DFlash2 drafts (candidate selector, convolutions) "
+                "are not supported"
+            )
+        config = draft_config_from_dict(raw)
         tensors = _read_safetensors(directory)
         device = torch.device(device) if device is not None else torch.device("cpu")
         if dtype is None:

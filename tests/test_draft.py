@@ -19,6 +19,7 @@ from ddtree_ext.tiny import (
     make_predictable_target,
     make_tiny_draft,
     make_tiny_target,
+    target_taps,
     tiny_draft_config,
 )
 
@@ -126,6 +127,14 @@ def test_from_pretrained_rejects_mismatched_weights(target, tmp_path, edit, mess
     save_zlab_checkpoint(make_tiny_draft(target), tmp_path)
     _edit_checkpoint(tmp_path, edit)
     with pytest.raises(ValueError, match=message):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_rejects_dflash2(target, tmp_path):
+    save_zlab_checkpoint(make_tiny_draft(target), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["DFlash2DraftModel"]}))
+    with pytest.raises(ValueError, match="DFlash2"):
         DFlashDraftModel.from_pretrained(tmp_path)
 
 
@@ -368,6 +377,18 @@ def test_make_agreeing_draft_is_deterministic(target):
     b = make_agreeing_draft(target, seed=5, steps=3, num_prompts=8, batch_size=4, new_tokens=12)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(pa, pb), name
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_target_taps_are_the_tapped_layer_outputs(family):
+    """The hooks record what z-lab reads as hidden_states[id + 1] (ids short of the last layer, whose
+    hidden_states entry is post-norm), in the order asked for."""
+    target = make_tiny_target(family)
+    ids = [2, 0, 1]
+    input_ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden_states = target(input_ids=input_ids, output_hidden_states=True).hidden_states
+    assert torch.equal(target_taps(target, input_ids, ids), torch.cat([hidden_states[i + 1] for i in ids], dim=-1))
 
 
 @pytest.fixture(scope="module")
