@@ -235,7 +235,7 @@ def test_propose_rejects_batch_change(target):
             draft.propose(random_context(draft, 1, 3), random_bonus(1, 256), cache, **propose_args(target))
 
 
-@pytest.mark.parametrize("splits", [(5, 7), (1,) * 12, (11, 1)])
+@pytest.mark.parametrize("splits", [(5, 7), (3, 1, 1, 1, 6), (11, 1)])
 def test_context_appended_in_pieces_equals_one_call(target, splits):
     """Context K/V land at their own positions however they are appended, and the blocks proposed on
     the way (with other bonus tokens) leave nothing behind: scratch rows are poisoned between calls."""
