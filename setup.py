@@ -51,7 +51,9 @@ def make_extension():
     cpp_sources, cuda_sources = read_sources()
     use_cuda = want_cuda(torch.version.cuda is not None, CUDA_HOME)
     define = [("DDTREE_VERSION", f'"{VERSION}"')]
-    cxx_flags = ["-O3"]
+    # at::parallel_for is inline OpenMP in torch's headers: without -fopenmp the CPU ops run on one thread.
+    cxx_flags = ["-O3", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     include_dirs = [str(ROOT / "csrc")]
     if use_cuda:
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or RELEASE_CUDA_ARCHS
@@ -64,6 +66,7 @@ def make_extension():
             include_dirs=include_dirs,
             define_macros=define,
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+            extra_link_args=link_flags,
         )
     else:
         ext = CppExtension(
@@ -72,6 +75,7 @@ def make_extension():
             include_dirs=include_dirs,
             define_macros=define,
             extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=link_flags,
         )
     return ext, BuildExtension.with_options(use_ninja=True)
 

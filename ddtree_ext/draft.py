@@ -75,7 +75,6 @@ class DFlashDraftCache:
                 store[i] = new
 
 
-
 class DFlashAttention(nn.Module):
     """Attention of the block's queries over [context ; block] keys and values."""
 
@@ -330,7 +329,7 @@ class DFlashDraftModel(nn.Module):
         cache._reserve(batch, start + self.block_size, attn.num_kv_heads, attn.head_dim, self.fc.weight)
 
         context = self.hidden_norm(self.fc(context_hidden.to(dtype)))
-        block_ids = torch.full((batch, self.block_size), self.mask_token_id, dtype=torch.int64, device=bonus_token.device)
+        block_ids = bonus_token.new_full((batch, self.block_size), self.mask_token_id)
         block_ids[:, 0] = bonus_token
         hidden = (embed_tokens(block_ids) * self.input_embedding_scale).to(dtype)
         positions = torch.arange(cache.length, start + self.block_size, device=hidden.device)
@@ -347,22 +346,31 @@ class DFlashDraftModel(nn.Module):
         return logits
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device=None) -> "DFlashDraftModel":
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device=None
+    ) -> "DFlashDraftModel":
         """Load a z-lab checkpoint: ``config.json`` + ``model.safetensors`` or a sharded
         ``model.safetensors.index.json``. ``path`` is a local directory; anything else is fetched with
-        ``huggingface_hub.snapshot_download``. ``dtype`` defaults to the dtype the weights are stored in.
-        Every expected weight must be present and no other (ValueError listing them)."""
+        ``huggingface_hub.snapshot_download``. ``dtype`` defaults to the config's ``dtype``, else the
+        dtype the weights are stored in; ``device`` to the CPU. Every expected weight must be present and
+        no other (ValueError listing them)."""
         directory = os.fspath(path)
         if not os.path.isdir(directory):
             from huggingface_hub import snapshot_download
 
             directory = snapshot_download(directory, allow_patterns=["*.json", "*.safetensors"])
         with open(os.path.join(directory, "config.json")) as f:
-            config = draft_config_from_dict(json.load(f))
+            raw = json.load(f)
+        if "DFlash2DraftModel" in (raw.get("architectures") or ()):
+            raise ValueError(
+                f"DFlashDraftModel.from_pretrained({path!s}): DFlash2 drafts (candidate selector, convolutions) "
+                "are not supported"
+            )
+        config = draft_config_from_dict(raw)
         tensors = _read_safetensors(directory)
         device = torch.device(device) if device is not None else torch.device("cpu")
         if dtype is None:
-            dtype = next(iter(tensors.values())).dtype
+            dtype = _config_dtype(config) or next(iter(tensors.values())).dtype
 
         with torch.device("meta"):
             model = cls(config)
@@ -374,7 +382,11 @@ class DFlashDraftModel(nn.Module):
                 f"DFlashDraftModel.from_pretrained({path!s}): checkpoint does not match the config: "
                 f"missing weights {_names(missing)}; unexpected weights {_names(unexpected)}"
             )
-        wrong_shape = [f"{n} {tuple(t.shape)} != {tuple(expected[n])}" for n, t in tensors.items() if t.shape != expected[n]]
+        wrong_shape = [
+            f"{name} {tuple(t.shape)} != {tuple(expected[name])}"
+            for name, t in tensors.items()
+            if t.shape != expected[name]
+        ]
         if wrong_shape:
             raise ValueError(f"DFlashDraftModel.from_pretrained({path!s}): weight shapes differ: {_names(wrong_shape)}")
         model.load_state_dict({n: t.to(device=device, dtype=dtype) for n, t in tensors.items()}, assign=True)
@@ -383,6 +395,14 @@ class DFlashDraftModel(nn.Module):
 
         model.rotary_emb = Qwen3RotaryEmbedding(config).to(device)
         return model.eval()
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    """The dtype a config.json declares (transformers reads older files' ``torch_dtype`` into it)."""
+    declared = getattr(config, "dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if isinstance(declared, torch.dtype) else None
 
 
 def _names(names: list[str], limit: int = 20) -> str:

@@ -43,6 +43,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
@@ -95,7 +97,8 @@ class TargetAdapter:
         arch = type(model).__name__
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"TargetAdapter: model: unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"TargetAdapter: model: unsupported architecture {arch}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         self.model = model
         # Qwen3_5ForConditionalGeneration keeps its text model one level deeper; prompts are text only.
@@ -118,10 +121,6 @@ class TargetAdapter:
         self.is_hybrid = _LINEAR_ATTENTION in self.layer_types
         self.attention_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _FULL_ATTENTION]
         self.gdn_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _LINEAR_ATTENTION]
-        for i in self.gdn_layer_ids:
-            act = self.text_model.layers[i].linear_attn.activation
-            if act not in ("silu", "swish"):
-                raise ValueError(f"TargetAdapter: model: GDN layer {i} uses conv activation {act!r}; only silu is supported")
 
         attn_impl = self.config._attn_implementation
         if attn_impl not in _TREE_MASK_IMPLEMENTATIONS:
@@ -149,8 +148,6 @@ class TargetAdapter:
 
     def new_state(self, batch_size: int = 1) -> TargetState:
         """An empty state: a fresh HF ``DynamicCache`` of the model's layer types, prefix_len [B] = 0."""
-        from transformers import DynamicCache
-
         if batch_size != 1:
             raise ValueError(f"TargetAdapter.new_state: batch_size must be 1, got {batch_size}")
         return TargetState(
@@ -258,7 +255,8 @@ class TargetAdapter:
             raise ValueError(f"TargetAdapter.{op}: tokens must have shape [B, T] with T >= 1, got {list(tokens.shape)}")
         if tokens.shape[0] != state.prefix_len.shape[0]:
             raise ValueError(
-                f"TargetAdapter.{op}: batch {tokens.shape[0]} does not match the state's batch {state.prefix_len.shape[0]}"
+                f"TargetAdapter.{op}: batch {tokens.shape[0]} does not match the state's batch "
+                f"{state.prefix_len.shape[0]}"
             )
         if state.pending is not None:
             raise ValueError(f"TargetAdapter.{op}: the last verify is not committed yet; call commit first")
@@ -363,7 +361,10 @@ def _gdn_tree_forward(
     b = gdn.in_proj_b(hidden_states)
     a = gdn.in_proj_a(hidden_states)
 
-    conv_out = _ops.tree_conv1d(mixed_qkv, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, conv_state, parent, silu=True)
+    # HF's torch conv (causal_conv1d_fn / causal_conv1d_update fallbacks) rounds the conv to the model
+    # dtype before the activation; doing the same keeps bf16 tree logits equal to the chain's.
+    conv = _ops.tree_conv1d(mixed_qkv, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, conv_state, parent, silu=False)
+    conv_out = ACT2FN[gdn.activation](conv)
     query, key, value = torch.split(conv_out, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
     query = query.reshape(batch, num_nodes, -1, gdn.head_k_dim)
     key = key.reshape(batch, num_nodes, -1, gdn.head_k_dim)

@@ -3,11 +3,14 @@
 The model classes are the real transformers ones, built from small configs with seeded random weights
 (nothing is downloaded). Sizes keep the structure that matters: Qwen3.5 hybrids interleave GDN
 ("linear_attention") and full-attention layers, with a grouped value-head ratio (HV / H) of 1 or 3.
+Tiny DFlash drafts go with them: random ones, and ones trained in seconds to agree with a
+predictable target (:func:`make_predictable_target`, :func:`make_agreeing_draft`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -81,13 +84,14 @@ def make_tiny_target(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     initializer_range: float = 0.2,
+    lm_head_range: float | None = None,
     **config_kw,
 ):
     """A tiny random target: ``family`` is "qwen3" (Qwen3ForCausalLM) or "qwen3_5" (Qwen3_5ForCausalLM).
-    Weights come from the model's own initialiser under ``torch.manual_seed(seed)``. The default
-    ``initializer_range`` (wider than HF's 0.02) gives peaked outputs that depend on the whole context;
-    smaller values keep the residual stream closer to the current token's embedding, which makes the
-    greedy continuation learnable by a tiny draft (see :func:`make_agreeing_draft`)."""
+    Weights come from the model's own initialiser under ``torch.manual_seed(seed)`` with std
+    ``initializer_range``; the LM head is then rescaled to std ``lm_head_range`` (default: unchanged).
+    The default 0.2 (wider than HF's 0.02) gives peaked outputs that depend chaotically on the whole
+    context; see :func:`make_predictable_target` for the other regime."""
     from transformers import Qwen3_5ForCausalLM, Qwen3ForCausalLM
 
     if family == "qwen3":
@@ -100,7 +104,31 @@ def make_tiny_target(
         torch.manual_seed(seed)
         config.initializer_range = initializer_range
         model = cls(config)
+    if lm_head_range is not None:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(lm_head_range / initializer_range)
     return model.to(dtype).eval()
+
+
+# Per family: small enough that the current token's embedding dominates the residual stream (the
+# layers add roughly initializer_range * hidden_size relative to it), large enough that the context
+# still decides about a fifth of the greedy tokens at depth 1 (GDN layers add less than attention).
+PREDICTABLE_INITIALIZER_RANGE = {"qwen3": 0.005, "qwen3_5": 0.015}
+
+
+def make_predictable_target(family: str = "qwen3_5", *, seed: int = 0, vocab_size: int = 64, **kw):
+    """A tiny target whose greedy continuations a tiny draft can learn (see :func:`make_agreeing_draft`).
+
+    The default targets' greedy tokens are a chaotic function of the whole context: a tiny draft
+    trained on them stays at chance. Here the layers are initialised small next to the embeddings
+    (:data:`PREDICTABLE_INITIALIZER_RANGE`), so greedy continuations settle into short cycles whose
+    exits depend on the context, over a 64-token vocabulary; the LM head keeps std 0.2 for peaked
+    output distributions. Other arguments go to :func:`make_tiny_target`."""
+    if family not in PREDICTABLE_INITIALIZER_RANGE:
+        raise ValueError(f"make_predictable_target: family must be 'qwen3' or 'qwen3_5', got {family!r}")
+    kw.setdefault("initializer_range", PREDICTABLE_INITIALIZER_RANGE[family])
+    kw.setdefault("lm_head_range", 0.2)
+    return make_tiny_target(family, seed=seed, vocab_size=vocab_size, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,6 +138,19 @@ def make_tiny_target(
 
 def _text_config(target):
     return target.config.get_text_config()
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Run on one intra-op thread: these tensors are too small to gain from more (on a busy 2-core
+    machine two threads made training 6x slower), and float reductions then do not depend on the
+    machine's core count, so a seed gives the same draft everywhere."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def tiny_draft_config(
@@ -131,8 +172,7 @@ def tiny_draft_config(
 
     num_target_layers = target_config.num_hidden_layers
     if target_layer_ids is None:
-        last = max(1, num_target_layers - 2)
-        target_layer_ids = sorted({round(1 + i * (last - 1) / 2) for i in range(3)})
+        target_layer_ids = torch.linspace(1, max(1, num_target_layers - 2), 3).round().int().unique().tolist()
     if layer_types is None:
         layer_types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
     kw = dict(
@@ -215,30 +255,37 @@ def greedy_rollouts(target, num_prompts: int, prompt_len: int, new_tokens: int) 
         )
 
 
-def draft_agreement(draft, target, *, seed: int = 1, num_prompts: int = 32, prompt_len: int = 16, new_tokens: int = 32, top_k: int = 4):
-    """Per-depth agreement of ``draft`` with the target's greedy continuations of fresh random prompts.
+class Agreement(NamedTuple):
+    """How often a draft's proposals match the target's greedy tokens (see :func:`draft_agreement`)."""
 
-    Walks each rollout the way generation does (one context row appended per call), proposing at every
-    root position p >= prompt_len that has block_size - 1 greedy tokens after it. Returns float tensors
-    (top1 [block_size - 1], topk [block_size - 1]): the fraction of proposals whose depth-d argmax /
-    top-k contains the target's greedy token at p + d."""
-    with torch.random.fork_rng(devices=[]):
+    top1: torch.Tensor  # [block_size - 1] float: depth-d argmax == greedy token at p + d
+    topk: torch.Tensor  # [block_size - 1] float: greedy token at p + d among the depth-d top-k
+    chain_accept_length: float  # mean tokens per round of the chain ("dflash") method: 1 + accepted
+
+
+def draft_agreement(
+    draft, target, *, seed: int = 1, num_prompts: int = 32, prompt_len: int = 16, new_tokens: int = 32, top_k: int = 4
+) -> Agreement:
+    """Agreement of ``draft`` with the target's greedy continuations of random prompts drawn under
+    ``seed`` (the default differs from :func:`make_agreeing_draft`'s, so these are held out).
+
+    Walks each rollout the way generation does (context appended row by row) and proposes at every root
+    position p >= prompt_len that has block_size - 1 greedy tokens after it."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), _one_thread():
         torch.manual_seed(seed)
         sequences = greedy_rollouts(target, num_prompts, prompt_len, new_tokens)
-    taps = target_taps(target, sequences, draft.target_layer_ids)
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    depth = draft.block_size - 1
-    top1 = torch.zeros(depth)
-    topk = torch.zeros(depth)
-    roots = range(prompt_len, sequences.shape[1] - depth)
-    cache = draft.new_cache()
-    with torch.no_grad():
-        for p in roots:
+        taps = target_taps(target, sequences, draft.target_layer_ids)
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        depth = draft.block_size - 1
+        hits, hits_k = [], []
+        cache = draft.new_cache()
+        for p in range(prompt_len, sequences.shape[1] - depth):
             logits = draft.propose(taps[:, cache.length : p], sequences[:, p], cache, embed_tokens=embed, lm_head=head)
             labels = sequences[:, p + 1 : p + 1 + depth]
-            top1 += (logits.argmax(-1) == labels).float().mean(0)
-            topk += (logits.topk(top_k, dim=-1).indices == labels[..., None]).any(-1).float().mean(0)
-    return top1 / len(roots), topk / len(roots)
+            hits.append(logits.argmax(-1) == labels)
+            hits_k.append((logits.topk(top_k, dim=-1).indices == labels[..., None]).any(-1))
+    hits, hits_k = torch.cat(hits).float(), torch.cat(hits_k).float()
+    return Agreement(hits.mean(0), hits_k.mean(0), 1.0 + hits.cumprod(1).sum(1).mean().item())
 
 
 def make_agreeing_draft(
@@ -251,35 +298,49 @@ def make_agreeing_draft(
     prompt_len: int = 16,
     new_tokens: int = 48,
     lr: float = 3e-3,
+    weight_std: float = 0.05,
     **config_kw,
 ):
-    """A tiny draft trained to agree with ``target``'s greedy continuations (for DDTree tests that need
-    deep and off-spine acceptance). fp32 targets only.
+    """A tiny draft trained to agree with ``target``'s greedy continuations, for DDTree tests that need
+    deep and off-spine acceptance. Meant for a float32 :func:`make_predictable_target`: on the default
+    (chaotic) tiny targets no tiny draft gets above chance.
 
     Data: ``num_prompts`` random prompts and their greedy continuations. Each Adam step picks
     ``batch_size`` rollouts and one root position p >= prompt_len, and trains exactly what inference
     runs: ``propose`` on a fresh cache with the taps of positions 0 .. p - 1 as context, the token at
     p as bonus, and cross-entropy against the greedy tokens at p + 1 .. p + block_size - 1.
-    Deterministic given ``seed``."""
+    Deterministic given ``seed``.
+
+    Measured with the defaults (about 10 s on one core), held out (:func:`draft_agreement`), depth 1 -> 7:
+    qwen3_5 top-1 0.72 -> 0.47, top-4 0.88 -> 0.73, chain accept length 4.3 tokens per round of 8;
+    qwen3 top-1 0.76 -> 0.45, top-4 0.92 -> 0.75, 4.1. About one root in six has the greedy token in
+    the depth-1 top-4 but not the top-1."""
     if target.dtype != torch.float32:
         raise ValueError(f"make_agreeing_draft: target must be float32, got {target.dtype}")
-    draft = make_tiny_draft(target, seed=seed, **config_kw)
+    draft = make_tiny_draft(target, seed=seed, weight_std=weight_std, **config_kw)
     depth = draft.block_size - 1
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _one_thread():
         torch.manual_seed(seed)
         sequences = greedy_rollouts(target, num_prompts, prompt_len, new_tokens)
         taps = target_taps(target, sequences, draft.target_layer_ids)
         # The target's embedding and head are used frozen (detached): training touches only the draft.
         embed_weight = target.get_input_embeddings().weight.detach()
         head_weight = target.get_output_embeddings().weight.detach()
-        embed = lambda ids: F.embedding(ids, embed_weight)  # noqa: E731
-        head = lambda hidden: F.linear(hidden, head_weight)  # noqa: E731
+
+        def embed(ids):
+            return F.embedding(ids, embed_weight)
+
+        def head(hidden):
+            return F.linear(hidden, head_weight)
+
         optimizer = torch.optim.Adam(draft.parameters(), lr=lr)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
         for _ in range(steps):
             rows = torch.randperm(num_prompts)[:batch_size]
             p = int(torch.randint(prompt_len, sequences.shape[1] - depth, ()))
-            logits = draft.propose(taps[rows, :p], sequences[rows, p], draft.new_cache(), embed_tokens=embed, lm_head=head)
+            logits = draft.propose(
+                taps[rows, :p], sequences[rows, p], draft.new_cache(), embed_tokens=embed, lm_head=head
+            )
             loss = F.cross_entropy(logits.flatten(0, 1), sequences[rows, p + 1 : p + 1 + depth].flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -11,9 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import RTOL, assert_close
+from conftest import assert_close
 from ddtree_ext.draft import DFlashDraftModel
-from ddtree_ext.tiny import draft_agreement, make_agreeing_draft, make_tiny_draft, make_tiny_target
+from ddtree_ext.tiny import (
+    draft_agreement,
+    make_agreeing_draft,
+    make_predictable_target,
+    make_tiny_draft,
+    make_tiny_target,
+    target_taps,
+    tiny_draft_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +93,16 @@ def test_from_pretrained_round_trip(target, tmp_path, shards, prefix):
 def test_from_pretrained_dtype(target, tmp_path):
     draft = make_tiny_draft(target)
     save_zlab_checkpoint(draft, tmp_path)
-    loaded = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)  # float32 weights, the config says bfloat16
     assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    assert DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).fc.weight.dtype == torch.float32
     target_bf16 = make_tiny_target("qwen3", dtype=torch.bfloat16)
     with torch.no_grad():
-        logits = loaded.propose(random_context(draft, 1, 5), random_bonus(1, 256), loaded.new_cache(), **propose_args(target_bf16))
+        logits = loaded.propose(
+            random_context(draft, 1, 5), random_bonus(1, 256), loaded.new_cache(), **propose_args(target_bf16)
+        )
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
@@ -114,6 +127,14 @@ def test_from_pretrained_rejects_mismatched_weights(target, tmp_path, edit, mess
     save_zlab_checkpoint(make_tiny_draft(target), tmp_path)
     _edit_checkpoint(tmp_path, edit)
     with pytest.raises(ValueError, match=message):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_rejects_dflash2(target, tmp_path):
+    save_zlab_checkpoint(make_tiny_draft(target), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["DFlash2DraftModel"]}))
+    with pytest.raises(ValueError, match="DFlash2"):
         DFlashDraftModel.from_pretrained(tmp_path)
 
 
@@ -142,8 +163,6 @@ def test_from_pretrained_without_weights(target, tmp_path):
     ],
 )
 def test_config_validation(target, attributes, message):
-    from ddtree_ext.tiny import tiny_draft_config
-
     config = tiny_draft_config(target.config)
     for name, value in attributes.items():  # set after construction: Qwen3Config validates some itself
         setattr(config, name, value)
@@ -216,7 +235,7 @@ def test_propose_rejects_batch_change(target):
             draft.propose(random_context(draft, 1, 3), random_bonus(1, 256), cache, **propose_args(target))
 
 
-@pytest.mark.parametrize("splits", [(5, 7), (1,) * 12, (11, 1)])
+@pytest.mark.parametrize("splits", [(5, 7), (3, 1, 1, 1, 6), (11, 1)])
 def test_context_appended_in_pieces_equals_one_call(target, splits):
     """Context K/V land at their own positions however they are appended, and the blocks proposed on
     the way (with other bonus tokens) leave nothing behind: scratch rows are poisoned between calls."""
@@ -237,8 +256,8 @@ def test_context_appended_in_pieces_equals_one_call(target, splits):
                     buffer[:, :, cache.length :] = float("nan")
     assert_close(actual, expected, torch.float32, "logits")
     for i in range(len(draft.layers)):
-        assert_close(cache.keys[i][:, :, : cache.length], one_cache.keys[i][:, :, : one_cache.length], torch.float32, "keys")
-        assert_close(cache.values[i][:, :, : cache.length], one_cache.values[i][:, :, : one_cache.length], torch.float32, "values")
+        for name, pieces, whole in (("keys", cache.keys, one_cache.keys), ("values", cache.values, one_cache.values)):
+            assert_close(pieces[i][:, :, : cache.length], whole[i][:, :, : one_cache.length], torch.float32, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,16 +306,19 @@ def dense_reference(draft, target, context_hidden, bonus):
         p = f"layers.{i}."
         h = rms(x, w[p + "input_layernorm.weight"])
         kv_in = torch.cat([context, h], dim=1)
-        q = rope(rms((h @ w[p + "self_attn.q_proj.weight"].T).view(batch, block, heads, dim), w[p + "self_attn.q_norm.weight"]), q_rows)
-        k = rms((kv_in @ w[p + "self_attn.k_proj.weight"].T).view(batch, -1, kv_heads, dim), w[p + "self_attn.k_norm.weight"])
-        k = rope(k, kv_rows).repeat_interleave(heads // kv_heads, dim=2)
-        v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(batch, -1, kv_heads, dim).repeat_interleave(heads // kv_heads, dim=2)
+        q = (h @ w[p + "self_attn.q_proj.weight"].T).view(batch, block, heads, dim)
+        q = rope(rms(q, w[p + "self_attn.q_norm.weight"]), q_rows)
+        k = (kv_in @ w[p + "self_attn.k_proj.weight"].T).view(batch, -1, kv_heads, dim)
+        k = rope(rms(k, w[p + "self_attn.k_norm.weight"]), kv_rows).repeat_interleave(heads // kv_heads, dim=2)
+        v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(batch, -1, kv_heads, dim)
+        v = v.repeat_interleave(heads // kv_heads, dim=2)
         allowed = torch.tensor([[visible(layer_type, int(qp), int(kp)) for kp in kv_rows] for qp in q_rows])
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dim)
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         x = x + torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, block, -1) @ w[p + "self_attn.o_proj.weight"].T
         h = rms(x, w[p + "post_attention_layernorm.weight"])
-        x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        gated = F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
+        x = x + gated @ w[p + "mlp.down_proj.weight"].T
     logits = rms(x[:, 1:], w["norm.weight"]) @ head_weight.T * dflash.get("output_multiplier", 1.0)
     cap = dflash.get("final_logit_softcapping")
     return torch.tanh(logits / cap) * cap if cap else logits
@@ -355,3 +377,37 @@ def test_make_agreeing_draft_is_deterministic(target):
     b = make_agreeing_draft(target, seed=5, steps=3, num_prompts=8, batch_size=4, new_tokens=12)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(pa, pb), name
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_target_taps_are_the_tapped_layer_outputs(family):
+    """The hooks record what z-lab reads as hidden_states[id + 1] (ids short of the last layer, whose
+    hidden_states entry is post-norm), in the order asked for."""
+    target = make_tiny_target(family)
+    ids = [2, 0, 1]
+    input_ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden_states = target(input_ids=input_ids, output_hidden_states=True).hidden_states
+    assert torch.equal(target_taps(target, input_ids, ids), torch.cat([hidden_states[i + 1] for i in ids], dim=-1))
+
+
+@pytest.fixture(scope="module")
+def agreeing_pair():
+    target = make_predictable_target("qwen3_5")
+    return target, make_agreeing_draft(target)
+
+
+def test_agreeing_draft_agrees(agreeing_pair):
+    target, draft = agreeing_pair
+    agreement = draft_agreement(draft, target)
+    assert agreement.top1[0] > 0.6 and agreement.top1[-1] > 0.3, agreement
+    assert (agreement.topk >= agreement.top1).all()
+    assert agreement.topk[0] > agreement.top1[0] + 0.05, "top-2..4 should catch some depth-1 misses"
+    assert agreement.chain_accept_length > 3.0, agreement
+
+
+def test_untrained_draft_does_not_agree(agreeing_pair):
+    """The bounds above are not met by chance: the same draft before training fails them."""
+    target, _ = agreeing_pair
+    agreement = draft_agreement(make_tiny_draft(target, weight_std=0.05), target)
+    assert agreement.top1[0] < 0.3 and agreement.chain_accept_length < 2.0, agreement
