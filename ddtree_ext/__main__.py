@@ -10,6 +10,7 @@ all three methods greedily and checks that their outputs are identical.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
@@ -82,7 +83,9 @@ def _generate(args) -> int:
         if any(a.endswith("ForConditionalGeneration") for a in architectures)
         else AutoModelForCausalLM
     )
-    target = auto_class.from_pretrained(args.target, dtype=dtype, device_map=str(device)).eval()
+    # A device_map loads straight to the device but needs accelerate; without it, load then move.
+    device_map = str(device) if importlib.util.find_spec("accelerate") is not None else None
+    target = auto_class.from_pretrained(args.target, dtype=dtype, device_map=device_map).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     draft = None
     if args.draft is not None:

@@ -151,7 +151,7 @@ def generate(
         target's max_position_embeddings, a draft that does not match the target, or an
         unsupported target architecture.
     """
-    _check_options(method, tree_budget, temperature, top_k, top_p, max_new_tokens, draft, draft_top_k)
+    _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k)
     eos = _eos_set(eos_token_id)
     speculative = method != "autoregressive"
     adapter = _as_adapter(target, draft if speculative else None)
@@ -360,7 +360,7 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_options(method, tree_budget, temperature, top_k, top_p, max_new_tokens, draft, draft_top_k) -> None:
+def _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k) -> None:
     if method not in METHODS:
         raise ValueError(f"generate: method must be one of {METHODS}, got {method!r}")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -376,6 +376,8 @@ def _check_options(method, tree_budget, temperature, top_k, top_p, max_new_token
         raise ValueError(f"generate: top_k must be None or an int >= 0, got {top_k!r}")
     if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"generate: top_p must be None or in (0, 1], got {top_p!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
+        raise ValueError(f"generate: seed must be None or an int in [0, 2**64), got {seed!r}")
     if method != "autoregressive" and draft is None:
         raise ValueError(f"generate: draft is required for method={method!r} (only 'autoregressive' runs without)")
 

@@ -45,6 +45,16 @@ RANDOM, AGREEING = "random", "agreeing"
 # ---- models, prompts and reference outputs (built once per session) ---------------------------
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy machine the idle ones spin:
+    one thread runs this file about twice as fast. Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @functools.lru_cache(maxsize=None)
 def pair(kind: str, name: str):
     """(target, draft) of ``kind`` for the target configuration ``name``."""
@@ -402,6 +412,7 @@ BAD_INPUTS = [
     ("top_p", dict(top_p=0.0)),
     ("top_p", dict(top_p=1.5)),
     ("top_k", dict(top_k=-1)),
+    ("seed", dict(seed=-1)),
     ("max_new_tokens", dict(max_new_tokens=0)),
     ("max_new_tokens", dict(max_new_tokens=5000)),  # prompt + 5000 > max_position_embeddings 4096
     ("eos_token_id", dict(eos_token_id="</s>")),
@@ -455,3 +466,38 @@ def test_cli_demo_reports_identical_outputs(capsys):
     assert main(["generate"]) == 0
     out = capsys.readouterr().out
     assert "identical" in out and "autoregressive:" in out and "ddtree:" in out
+
+
+def _save_byte_tokenizer(directory) -> None:
+    """A 256-token byte-level tokenizer (no merges): one token per byte, like the tiny targets' vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(directory)
+
+
+def test_cli_with_checkpoints(tmp_path, capsys):
+    """--target / --draft directories: the target and tokenizer load through the Auto classes, the draft
+    through DFlashDraftModel.from_pretrained; the text streams, then the statistics."""
+    from safetensors.torch import save_file
+
+    from ddtree_ext.__main__ import main
+
+    target, draft = pair(RANDOM, HYBRID)
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
+    target.save_pretrained(target_dir)
+    _save_byte_tokenizer(target_dir)
+    draft_dir.mkdir()
+    draft.config.to_json_file(draft_dir / "config.json")
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, draft_dir / "model.safetensors")
+
+    common = ["generate", "--target", str(target_dir), "--prompt", "hello", "--max-new-tokens", "12", "--device", "cpu"]
+    assert main([*common, "--draft", str(draft_dir), "--budget", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ddtree, budget 8: 12 new tokens after a 5-token prompt" in out and "tokens/s" in out
+    assert main([*common, "--method", "autoregressive"]) == 0
+    assert "autoregressive: 12 new tokens" in capsys.readouterr().out
