@@ -191,6 +191,56 @@ def test_tree_accepts_at_least_the_chain_each_round(name):
     assert dflash.accept_lengths[0] == chain[0]
 
 
+def tiny_conditional_generation():
+    """A tiny Qwen3_5ForConditionalGeneration (the Qwen3.6-27B checkpoint class) with a small vision tower."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from ddtree_ext.tiny import tiny_qwen3_5_config
+
+    text = tiny_qwen3_5_config(layer_types=(LIN, LIN, LIN, FULL), initializer_range=0.2)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=text.hidden_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.to_dict(), vision_config=vision)).eval()
+
+
+def test_conditional_generation_target(tmp_path, capsys):
+    """Text prompts on the vision-language class: exact against its own generate, and the CLI loads such a
+    checkpoint through AutoModelForImageTextToText."""
+    from ddtree_ext.__main__ import main
+
+    target = tiny_conditional_generation()
+    draft = make_tiny_draft(target, seed=1)
+    ids = prompt(41, target.config.get_text_config().vocab_size)
+    with torch.no_grad():
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=100, min_new_tokens=100,
+                              do_sample=False, pad_token_id=0)
+    for method in ("ddtree", "dflash", "autoregressive"):
+        assert_same_tokens(generate(target, draft, ids, 100, method=method, tree_budget=16), ref)
+
+    target.save_pretrained(tmp_path)
+    _save_byte_tokenizer(tmp_path)
+    assert main(["generate", "--target", str(tmp_path), "--method", "autoregressive", "--max-new-tokens", "5",
+                 "--device", "cpu"]) == 0
+    assert "autoregressive: 5 new tokens" in capsys.readouterr().out
+
+
+def test_bfloat16_pair_runs():
+    """bf16 weights (the GPU dtype) flow through every stage; tree and chain rounding differ from the stock
+    decode step in bf16, so only the prefill's token is compared with HF."""
+    target = make_tiny_target("qwen3_5", seed=3, dtype=torch.bfloat16)
+    draft = make_tiny_draft(target, seed=1)
+    ids = prompt(43, target.config.vocab_size)
+    with torch.no_grad():
+        first = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                                pad_token_id=0)[0, -1]
+    for method in ("ddtree", "dflash", "autoregressive"):
+        for temperature in (0.0, 1.0):
+            out = generate(target, draft, ids, 40, method=method, temperature=temperature, seed=0)
+            assert out.shape == (1, PROMPT_LEN + 40) and out.dtype == torch.int64
+            assert temperature > 0 or out[0, PROMPT_LEN] == first
+
+
 # ---- stopping: max_new_tokens and EOS ----------------------------------------------------------
 
 
