@@ -18,6 +18,7 @@ import torch
 
 from ddtree_ext import generate
 from ddtree_ext.generate import MAX_TREE_BUDGET, GenerationStats
+from ddtree_ext.target import TargetAdapter
 from ddtree_ext.tiny import (
     make_agreeing_draft,
     make_predictable_target,
@@ -476,6 +477,7 @@ BAD_INPUTS = [
     ("draft", dict(draft=None)),
     ("draft", dict(draft=_draft_of_another_target)),
     ("target", dict(target=_unsupported_target)),
+    ("target", dict(target=lambda: TargetAdapter(pair(RANDOM, HYBRID)[0], (0,)))),  # taps != the draft's
 ]
 
 
@@ -494,6 +496,14 @@ def test_all_ones_attention_mask_and_int32_prompt_accepted():
     ids = pair_prompt(RANDOM, HYBRID, 31)
     out = generate(target, draft, ids.int(), 10, attention_mask=torch.ones_like(ids))
     assert_same_tokens(out, hf_greedy(RANDOM, HYBRID, 31, 10))
+
+
+def test_a_ready_target_adapter_is_reused():
+    target, draft = pair(AGREEING, HYBRID)
+    adapter = TargetAdapter(target, draft.target_layer_ids)
+    for _ in range(2):
+        out = generate(adapter, draft, pair_prompt(AGREEING, HYBRID, 11), 40)
+        assert_same_tokens(out, hf_greedy(AGREEING, HYBRID, 11, 40))
 
 
 # ---- stats and the CLI -------------------------------------------------------------------------
