@@ -32,6 +32,9 @@ What this relies on in transformers (checked on 5.17 and 5.24):
   the text model's signature.
 * ``Qwen3_5GatedDeltaNet`` exposes ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
   ``conv1d``, ``A_log``, ``dt_bias``, ``norm``, ``out_proj`` and the head sizes.
+* Rounding points follow HF's torch kernels (its fallbacks when causal-conv1d / fla are not installed):
+  the conv is rounded to the model dtype before its activation. With causal-conv1d installed HF
+  applies the activation in float32 inside the kernel, and bf16 chains and trees then differ by ulps.
 """
 
 from __future__ import annotations
