@@ -18,6 +18,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 # The built-in demo: a fixed prompt and length, short enough to finish in seconds on two CPU cores.
 DEMO_PROMPT_LEN = 16
 DEMO_NEW_TOKENS = 64
+DEFAULT_NEW_TOKENS = 128
 
 
 def main(argv=None) -> int:
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     gen.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
     gen.add_argument("--method", choices=("ddtree", "dflash", "autoregressive"), default="ddtree")
     gen.add_argument("--budget", type=int, default=64, help="DDTree nodes per round besides the root (1..256)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=int, default=None, help=f"default {DEFAULT_NEW_TOKENS} ({DEMO_NEW_TOKENS} in the demo)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
@@ -58,13 +59,14 @@ def main(argv=None) -> int:
         info["torch"] = torch.__version__
         print(json.dumps(info, indent=2))
         return 0
-    if args.target is None and args.draft is None:
-        return _demo(args)
-    if args.target is None:
-        parser.error("--draft needs --target")
-    if args.draft is None and args.method != "autoregressive":
-        parser.error(f"--method {args.method} needs --draft (only autoregressive runs without)")
-    return _generate(args)
+    if args.target is None and args.draft is not None:
+        gen.error("--draft needs --target")
+    if args.target is not None and args.draft is None and args.method != "autoregressive":
+        gen.error(f"--method {args.method} needs --draft (only autoregressive runs without)")
+    try:
+        return _demo(args) if args.target is None else _generate(args)
+    except ValueError as e:  # generate()'s argument checks: a usage error, not a crash
+        gen.error(str(e))
 
 
 def _generate(args) -> int:
@@ -101,7 +103,7 @@ def _generate(args) -> int:
         target,
         draft,
         input_ids.to(device),
-        args.max_new_tokens,
+        args.max_new_tokens or DEFAULT_NEW_TOKENS,
         method=args.method,
         tree_budget=args.budget,
         temperature=args.temperature,
@@ -126,6 +128,7 @@ def _demo(args) -> int:
 
     target = make_tiny_target("qwen3_5")
     draft = make_tiny_draft(target)
+    new_tokens = args.max_new_tokens or DEMO_NEW_TOKENS
     prompt = torch.randint(0, TINY_VOCAB, (1, DEMO_PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     print(
         f"Built-in demo: tiny random Qwen3.5 hybrid target ({target.config.num_hidden_layers} layers: "
@@ -136,7 +139,7 @@ def _demo(args) -> int:
     outputs = {}
     for method in ("autoregressive", "dflash", "ddtree"):
         ids, stats = generate(
-            target, draft, prompt, DEMO_NEW_TOKENS, method=method, tree_budget=args.budget, return_stats=True
+            target, draft, prompt, new_tokens, method=method, tree_budget=args.budget, return_stats=True
         )
         outputs[method] = ids[0, DEMO_PROMPT_LEN:].tolist()
         print(f"\n{method}: {outputs[method]}")
@@ -146,7 +149,7 @@ def _demo(args) -> int:
     if not identical:
         print("FAIL: the three methods produced different outputs", file=sys.stderr)
         return 1
-    print(f"OK: ddtree, dflash and autoregressive outputs are identical ({DEMO_NEW_TOKENS} greedy tokens).")
+    print(f"OK: ddtree, dflash and autoregressive outputs are identical ({new_tokens} greedy tokens).")
     print(
         "Random weights make the draft accept almost nothing (tau near 1), so the speeds above mean nothing; "
         "run with --target and --draft for a real measurement."

@@ -528,6 +528,18 @@ def test_cli_demo_reports_identical_outputs(capsys):
     assert "identical" in out and "autoregressive:" in out and "ddtree:" in out
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [(["--budget", "0"], "tree_budget"), (["--draft", "some/draft"], "--draft needs --target")],
+)
+def test_cli_usage_errors(capsys, argv, message):
+    from ddtree_ext.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["generate", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 def _save_byte_tokenizer(directory) -> None:
     """A 256-token byte-level tokenizer (no merges): one token per byte, like the tiny targets' vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
