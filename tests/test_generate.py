@@ -135,6 +135,17 @@ def test_greedy_equals_hf_generate(name, method, budget):
         assert stats.tau > 1.5, f"the agreeing draft should accept deep paths, tau {stats.tau:.2f}"
 
 
+@pytest.mark.parametrize("spine", [True, False], ids=["spine", "best-first"])
+@pytest.mark.parametrize("draft_top_k", [1, 3, 16])
+def test_greedy_tree_shapes(draft_top_k, spine):
+    """Other tree shapes: pure best-first, narrow and wide top-K; K = 1 leaves most of a 64-node budget
+    as padding nodes, which verify and commit must ignore."""
+    target, draft = pair(AGREEING, HYBRID)
+    ids = pair_prompt(AGREEING, HYBRID, SWEEP_PROMPT)
+    out = generate(target, draft, ids, 300, tree_budget=64, spine=spine, draft_top_k=draft_top_k)
+    assert_same_tokens(out, hf_greedy(AGREEING, HYBRID, SWEEP_PROMPT, LONG)[:, : PROMPT_LEN + 300])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt_seed", range(10))
 def test_greedy_many_prompts(prompt_seed):
