@@ -46,16 +46,6 @@ RANDOM, AGREEING = "random", "agreeing"
 # ---- models, prompts and reference outputs (built once per session) ---------------------------
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine the idle ones spin:
-    one thread runs this file about twice as fast. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @functools.lru_cache(maxsize=None)
 def pair(kind: str, name: str):
     """(target, draft) of ``kind`` for the target configuration ``name``."""
