@@ -9,6 +9,19 @@ path, in place).
 from ddtree_ext import ops, reference
 from ddtree_ext._loader import build_info
 
+# Rebinds the name ``generate`` from the submodule to the function: ``ddtree_ext.generate(...)``.
+# Import the module's other names with ``from ddtree_ext.generate import ...``.
+from ddtree_ext.generate import GenerationStats, generate
+
 __version__ = "0.1.0"
 
-__all__ = ["build_info", "ops", "reference", "__version__"]
+__all__ = ["DFlashDraftModel", "GenerationStats", "build_info", "generate", "ops", "reference", "__version__"]
+
+
+def __getattr__(name):
+    # The draft pulls in transformers: load it on first use so that importing the package stays light.
+    if name == "DFlashDraftModel":
+        from ddtree_ext.draft import DFlashDraftModel
+
+        return DFlashDraftModel
+    raise AttributeError(f"module 'ddtree_ext' has no attribute {name!r}")

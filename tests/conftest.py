@@ -57,6 +57,26 @@ def random_parents(n: int, gen: torch.Generator, shape: str = "random", max_dept
     return parent
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Run the suite on one intra-op thread: the tiny models gain nothing from more, and on a busy
+    2-core machine idle OpenMP threads spin (tiny-model calls ran up to 50x slower with two).
+    Tests that exercise the ops' parallel loops ask for ``threads`` explicitly."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture
+def threads():
+    """Two intra-op threads for the duration of a test, so the ops' at::parallel_for loops really split."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield 2
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture
 def gen():
     g = torch.Generator().manual_seed(1234)

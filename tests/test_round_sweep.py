@@ -29,7 +29,7 @@ def _random_round(gen: torch.Generator):
     return n, parent, accepted, accept_len
 
 
-def test_rounds_over_random_trees():
+def test_rounds_over_random_trees(threads):
     gen = torch.Generator().manual_seed(2024)
     randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     for _ in range(NUM_TREES // ROWS):

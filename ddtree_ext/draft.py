@@ -1,0 +1,438 @@
+"""Native DFlash block-diffusion draft model (z-lab checkpoint format, no remote code).
+
+A DFlash draft is a small stack of Qwen3-style decoder layers with no embedding and no LM head of its
+own: it borrows the target's. One call of :meth:`DFlashDraftModel.propose` predicts the
+``block_size - 1`` tokens that follow the root ("bonus") token, all at once:
+
+* context features = ``hidden_norm(fc(concat of the target's tapped layer outputs))``, one row per
+  committed target position; their per-layer K/V are kept in a :class:`DFlashDraftCache`;
+* the block = the target's embeddings of ``[bonus, mask x (block_size - 1)]`` at positions
+  ``start .. start + block_size - 1`` (``start`` = context rows held);
+* every layer: queries from the block only, keys/values from ``[context ; block]``; q_norm/k_norm
+  per head before rotate-half RoPE; a ``full_attention`` layer is non-causal, a ``sliding_attention``
+  layer is causal and windowed, unless the config's ``is_causal`` overrides causality for all layers;
+* logits of block rows 1.. through the target's LM head (optional ``output_multiplier`` and
+  ``final_logit_softcapping``).
+
+The math follows z-lab's public ``dflash/model.py``; the cache replaces its DynamicCache + crop
+with a growable buffer whose rows past ``length`` are scratch for the block's K/V.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+_CHECKPOINT_PREFIX = "model."  # some exporters prefix every weight name; accepted and stripped
+
+
+def _draft_value(config, name: str, default=None):
+    """A DFlash setting: ``dflash_config[name]`` first, then the top-level config attribute."""
+    dflash = getattr(config, "dflash_config", None) or {}
+    return dflash.get(name, getattr(config, name, default))
+
+
+class DFlashDraftCache:
+    """Context K/V of every draft layer for one batch of sequences.
+
+    ``keys[i]`` / ``values[i]``: ``[B, num_key_value_heads, capacity, head_dim]`` in the draft's dtype,
+    RoPE already applied to keys. Rows ``0 .. length - 1`` are the context (row = absolute position);
+    rows past ``length`` are scratch where :meth:`DFlashDraftModel.propose` writes the block's K/V for
+    the duration of one call, so the block is never part of the cache. Buffers are allocated on the
+    first call and grow by doubling.
+    """
+
+    def __init__(self, num_layers: int):
+        self.length = 0
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def _reserve(self, batch: int, rows: int, heads: int, head_dim: int, like: torch.Tensor) -> None:
+        """Make room for ``rows`` rows (context + block scratch), keeping the context rows."""
+        if self.keys[0] is not None and self.keys[0].shape[0] != batch:
+            raise ValueError(
+                f"DFlashDraftModel.propose: cache holds batch size {self.keys[0].shape[0]}, got {batch}"
+            )
+        if rows <= self.capacity:
+            return
+        capacity = max(rows, 2 * self.capacity)
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = like.new_empty(batch, heads, capacity, head_dim)
+                if old is not None:
+                    new[:, :, : self.length] = old[:, :, : self.length]
+                store[i] = new
+
+
+class DFlashAttention(nn.Module):
+    """Attention of the block's queries over [context ; block] keys and values."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+        layer_type = config.layer_types[layer_idx]
+        is_causal = getattr(config, "is_causal", None)
+        # z-lab's rule: sliding layers are causal, full layers are not, unless the config says otherwise.
+        self.is_causal = layer_type == SLIDING_ATTENTION if is_causal is None else bool(is_causal)
+        self.sliding_window = config.sliding_window if layer_type == SLIDING_ATTENTION else None
+
+    def _heads(self, proj: nn.Linear, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """[B, S, hidden] -> [B, heads, S, head_dim]."""
+        return proj(x).view(*x.shape[:-1], heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, block, context, cos, sin, cache_keys, cache_values, start):
+        """block [B, S, hidden] (normed), context [B, T, hidden] (new context rows), cos/sin
+        [1, 1, T + S, head_dim] for positions start - T .. start + S - 1; cache_keys/values this layer's
+        buffers. Writes the new context K/V at rows start - T .. start - 1 and the block's K/V at the
+        scratch rows start .. start + S - 1, then attends. Returns [B, S, hidden]."""
+        from transformers.models.qwen3.modeling_qwen3 import rotate_half
+
+        block_len, ctx_len = block.shape[1], context.shape[1]
+        query = self.q_norm(self._heads(self.q_proj, block, self.num_heads))
+        kv_input = torch.cat([context, block], dim=1)
+        key = self.k_norm(self._heads(self.k_proj, kv_input, self.num_kv_heads))
+        value = self._heads(self.v_proj, kv_input, self.num_kv_heads)
+        query = query * cos[:, :, ctx_len:] + rotate_half(query) * sin[:, :, ctx_len:]
+        key = key * cos + rotate_half(key) * sin
+
+        end = start + block_len
+        cache_keys[:, :, start - ctx_len : end] = key
+        cache_values[:, :, start - ctx_len : end] = value
+        # A windowed layer skips context rows no block query can see (they stay cached: row == position).
+        first = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
+        attn = F.scaled_dot_product_attention(
+            query,
+            cache_keys[:, :, first:end],
+            cache_values[:, :, first:end],
+            attn_mask=self.mask(start, block_len, first, block.device),
+            scale=self.head_dim**-0.5,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(attn.transpose(1, 2).reshape(*block.shape[:-1], self.num_heads * self.head_dim))
+
+    def mask(self, start: int, block_len: int, first: int, device) -> torch.Tensor | None:
+        """Boolean [block_len, start + block_len - first] (True = attend) of queries at positions
+        start .. start + block_len - 1 over keys at positions first .. start + block_len - 1;
+        None when every key is visible."""
+        if not self.is_causal and self.sliding_window is None:
+            return None
+        query_pos = torch.arange(start, start + block_len, device=device)[:, None]
+        key_pos = torch.arange(first, start + block_len, device=device)[None, :]
+        visible = torch.ones(block_len, key_pos.shape[1], dtype=torch.bool, device=device)
+        if self.is_causal:
+            visible &= key_pos <= query_pos
+        if self.sliding_window is not None:
+            visible &= query_pos - key_pos < self.sliding_window
+            if not self.is_causal:
+                visible &= key_pos - query_pos < self.sliding_window
+        return visible
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm residual layer: block attention over [context ; block], then a SwiGLU MLP."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
+
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, context, cos, sin, cache_keys, cache_values, start):
+        hidden = hidden + self.self_attn(
+            self.input_layernorm(hidden), context, cos, sin, cache_keys, cache_values, start
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _validate_config(config) -> None:
+    """ValueError naming the first DFlash setting that cannot work."""
+    where = "DFlashDraftModel config"
+    block_size = _draft_value(config, "block_size", 16)
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(f"{where}: block_size must be an int >= 2, got {block_size!r}")
+    mask_token_id = _draft_value(config, "mask_token_id")
+    if not isinstance(mask_token_id, int) or mask_token_id < 0:
+        raise ValueError(f"{where}: dflash_config.mask_token_id must be a non-negative int, got {mask_token_id!r}")
+    ids = _draft_value(config, "target_layer_ids")
+    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ValueError(
+            f"{where}: dflash_config.target_layer_ids must be a non-empty list of layer indices, got {ids!r}"
+        )
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        if len(layer_types) != config.num_hidden_layers:
+            raise ValueError(
+                f"{where}: layer_types has {len(layer_types)} entries for {config.num_hidden_layers} layers"
+            )
+        unknown = sorted(set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ValueError(f"{where}: layer_types must be {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}, got {unknown}")
+        window = getattr(config, "sliding_window", None)
+        if SLIDING_ATTENTION in layer_types and not (isinstance(window, int) and window >= 1):
+            raise ValueError(
+                f"{where}: sliding_attention layers need a positive sliding_window, got {window!r} "
+                "(Qwen3Config drops sliding_window unless use_sliding_window=True)"
+            )
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(
+            f"{where}: num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({config.num_key_value_heads})"
+        )
+
+
+def draft_config_from_dict(raw: dict):
+    """A Qwen3Config from a z-lab ``config.json`` dict.
+
+    Explicit ``sliding_attention`` layers keep the checkpoint's ``sliding_window``: Qwen3Config would
+    drop it unless ``use_sliding_window`` is set, and z-lab's drafts were trained windowed.
+    """
+    from transformers import Qwen3Config
+
+    raw = dict(raw)
+    if SLIDING_ATTENTION in (raw.get("layer_types") or ()) and raw.get("sliding_window") is not None:
+        raw["use_sliding_window"] = True
+    return Qwen3Config.from_dict(raw)
+
+
+class DFlashDraftModel(nn.Module):
+    """The DFlash draft (see the module docstring). Weight names are z-lab's: ``layers.{i}.self_attn.
+    {q,k,v,o}_proj``, ``layers.{i}.self_attn.{q,k}_norm``, ``layers.{i}.mlp.{gate,up,down}_proj``,
+    ``layers.{i}.{input,post_attention}_layernorm``, ``norm``, ``fc``, ``hidden_norm``."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+        if getattr(config, "layer_types", None) is None:
+            config.layer_types = [FULL_ATTENTION] * config.num_hidden_layers
+        _validate_config(config)
+        self.config = config
+        self.block_size: int = _draft_value(config, "block_size", 16)
+        self.mask_token_id: int = _draft_value(config, "mask_token_id")
+        self.target_layer_ids: list[int] = list(_draft_value(config, "target_layer_ids"))
+        self.input_embedding_scale = float(_draft_value(config, "input_embedding_scale", 1.0))
+        self.output_multiplier = float(_draft_value(config, "output_multiplier", 1.0))
+        softcap = _draft_value(config, "final_logit_softcapping")
+        self.final_logit_softcapping = float(softcap) if softcap is not None and float(softcap) > 0 else None
+
+        hidden = config.hidden_size
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    @property
+    def context_hidden_size(self) -> int:
+        """Last dim of ``propose``'s context_hidden: len(target_layer_ids) * target hidden size."""
+        return self.fc.in_features
+
+    def check_target(self, target_config) -> None:
+        """ValueError listing every way this draft cannot serve a target with this TEXT config
+        (``hidden_size``, ``num_hidden_layers``, ``vocab_size``)."""
+        problems = []
+        hidden = target_config.hidden_size
+        if hidden != self.config.hidden_size:
+            problems.append(
+                f"hidden_size: the draft runs on the target's embeddings and LM head at width "
+                f"{self.config.hidden_size}, target has {hidden}"
+            )
+        if len(self.target_layer_ids) * hidden != self.fc.in_features:
+            problems.append(
+                f"hidden_size: fc takes {self.fc.in_features} = {len(self.target_layer_ids)} taps x "
+                f"{self.fc.in_features // len(self.target_layer_ids)}, the target's taps give "
+                f"{len(self.target_layer_ids)} x {hidden}"
+            )
+        if self.mask_token_id >= target_config.vocab_size:
+            problems.append(
+                f"vocab_size: mask_token_id {self.mask_token_id} is outside the target's vocabulary "
+                f"of {target_config.vocab_size}"
+            )
+        num_layers = target_config.num_hidden_layers
+        out_of_range = [i for i in self.target_layer_ids if i >= num_layers]
+        if out_of_range:
+            problems.append(f"target_layer_ids: {out_of_range} out of range for a target of {num_layers} layers")
+        expected_layers = getattr(self.config, "num_target_layers", None)
+        if expected_layers is not None and expected_layers != num_layers:
+            problems.append(
+                f"num_target_layers: the draft was trained for {expected_layers} target layers, target has {num_layers}"
+            )
+        if problems:
+            raise ValueError("DFlashDraftModel.check_target: " + "; ".join(problems))
+
+    def new_cache(self) -> DFlashDraftCache:
+        """An empty cache (length 0); buffers are allocated by the first ``propose``."""
+        return DFlashDraftCache(len(self.layers))
+
+    def propose(
+        self,
+        context_hidden: torch.Tensor,
+        bonus_token: torch.Tensor,
+        cache: DFlashDraftCache,
+        *,
+        embed_tokens: Callable[[torch.Tensor], torch.Tensor],
+        lm_head: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Append context rows to the cache and draft the block after the bonus token.
+
+        context_hidden: [B, T, context_hidden_size] (T >= 1), the concat in target_layer_ids order of
+            the target's tapped layer outputs for the newly committed positions
+            cache.length .. cache.length + T - 1; they become permanent context (cache.length += T).
+        bonus_token: [B] int64, the root token, at position cache.length (after appending).
+        embed_tokens / lm_head: the target's token embedding and LM head (same dtype as the draft).
+        Returns float32 logits [B, block_size - 1, V] for positions cache.length + 1 ..
+        cache.length + block_size - 1. Runs with whatever grad mode the caller set.
+        """
+        where = "DFlashDraftModel.propose"
+        if context_hidden.dim() != 3 or context_hidden.shape[1] < 1 or context_hidden.shape[2] != self.fc.in_features:
+            raise ValueError(
+                f"{where}: context_hidden must be [B, T >= 1, {self.fc.in_features}], got {tuple(context_hidden.shape)}"
+            )
+        batch, ctx_len = context_hidden.shape[:2]
+        if bonus_token.shape != (batch,) or bonus_token.dtype != torch.int64:
+            raise ValueError(
+                f"{where}: bonus_token must be [{batch}] int64, got {tuple(bonus_token.shape)} {bonus_token.dtype}"
+            )
+        dtype = self.fc.weight.dtype
+        start = cache.length + ctx_len  # position of the bonus token
+        attn = self.layers[0].self_attn
+        cache._reserve(batch, start + self.block_size, attn.num_kv_heads, attn.head_dim, self.fc.weight)
+
+        context = self.hidden_norm(self.fc(context_hidden.to(dtype)))
+        block_ids = bonus_token.new_full((batch, self.block_size), self.mask_token_id)
+        block_ids[:, 0] = bonus_token
+        hidden = (embed_tokens(block_ids) * self.input_embedding_scale).to(dtype)
+        positions = torch.arange(cache.length, start + self.block_size, device=hidden.device)
+        cos, sin = (t.unsqueeze(1) for t in self.rotary_emb(hidden, positions[None]))
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], start)
+        cache.length = start
+
+        logits = lm_head(self.norm(hidden[:, 1:])).float()
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device=None
+    ) -> "DFlashDraftModel":
+        """Load a z-lab checkpoint: ``config.json`` + ``model.safetensors`` or a sharded
+        ``model.safetensors.index.json``. ``path`` is a local directory; anything else is fetched with
+        ``huggingface_hub.snapshot_download``. ``dtype`` defaults to the config's ``dtype``, else the
+        dtype the weights are stored in; ``device`` to the CPU. Every expected weight must be present and
+        no other (ValueError listing them)."""
+        directory = os.fspath(path)
+        if not os.path.isdir(directory):
+            from huggingface_hub import snapshot_download
+
+            directory = snapshot_download(directory, allow_patterns=["*.json", "*.safetensors"])
+        with open(os.path.join(directory, "config.json")) as f:
+            raw = json.load(f)
+        if "DFlash2DraftModel" in (raw.get("architectures") or ()):
+            raise ValueError(
+                f"DFlashDraftModel.from_pretrained({path!s}): DFlash2 drafts (candidate selector, convolutions) "
+                "are not supported"
+            )
+        config = draft_config_from_dict(raw)
+        tensors = _read_safetensors(directory)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if dtype is None:
+            dtype = _config_dtype(config) or next(iter(tensors.values())).dtype
+
+        with torch.device("meta"):
+            model = cls(config)
+        expected = {name: p.shape for name, p in model.state_dict().items()}
+        missing = sorted(set(expected) - set(tensors))
+        unexpected = sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"DFlashDraftModel.from_pretrained({path!s}): checkpoint does not match the config: "
+                f"missing weights {_names(missing)}; unexpected weights {_names(unexpected)}"
+            )
+        wrong_shape = [
+            f"{name} {tuple(t.shape)} != {tuple(expected[name])}"
+            for name, t in tensors.items()
+            if t.shape != expected[name]
+        ]
+        if wrong_shape:
+            raise ValueError(f"DFlashDraftModel.from_pretrained({path!s}): weight shapes differ: {_names(wrong_shape)}")
+        model.load_state_dict({n: t.to(device=device, dtype=dtype) for n, t in tensors.items()}, assign=True)
+        # The RoPE tables are computed, not stored: build them on the real device.
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+        model.rotary_emb = Qwen3RotaryEmbedding(config).to(device)
+        return model.eval()
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    """The dtype a config.json declares (transformers reads older files' ``torch_dtype`` into it)."""
+    declared = getattr(config, "dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if isinstance(declared, torch.dtype) else None
+
+
+def _names(names: list[str], limit: int = 20) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _read_safetensors(directory: str) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (one file or an index of shards), names without a
+    leading ``model.``."""
+    from safetensors.torch import load_file
+
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        with open(index) as f:
+            files = sorted({os.path.join(directory, shard) for shard in json.load(f)["weight_map"].values()})
+    else:
+        raise ValueError(
+            f"DFlashDraftModel.from_pretrained: no model.safetensors or model.safetensors.index.json in {directory}"
+        )
+    tensors = {}
+    for file in files:
+        for name, tensor in load_file(file).items():
+            short = name.removeprefix(_CHECKPOINT_PREFIX)
+            if short in tensors:
+                raise ValueError(f"DFlashDraftModel.from_pretrained: weight {short!r} appears twice in {directory}")
+            tensors[short] = tensor
+    return tensors

@@ -1,0 +1,442 @@
+"""generate(): exact speculative decoding of a Hugging Face target with a DDTree over a DFlash draft.
+
+One round, for the last emitted token (the root, not yet run through the target) at position
+``prefix``: the draft proposes a block of per-depth distributions -> the tree is built from their
+top-K -> ONE target forward verifies every node -> the walk accepts the longest path the target
+agrees with -> the target's caches and the draft's context commit that path. The tokens emitted
+per round are the accepted path (root excluded) plus the target's own token at its end (the bonus),
+which becomes the next root.
+
+Every emitted token is the target's choice given its true prefix (argmax, or a draw by the one
+sampling rule of :func:`ddtree_ext.ops.walk_sample`), so all three methods produce the target's own
+greedy output and sample the target's own distribution. For sampling, the uniform that draws the
+token at sequence position ``p`` is the ``p``-th draw of a stream seeded by ``seed``, whatever the
+method: with one seed the three methods draw the same tokens (up to float rounding of the logits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ddtree_ext import ops
+
+if TYPE_CHECKING:  # the runtime imports are lazy: importing ddtree_ext must not pull in transformers
+    from ddtree_ext.draft import DFlashDraftModel
+    from ddtree_ext.target import TargetAdapter
+
+METHODS = ("ddtree", "dflash", "autoregressive")
+MAX_TREE_BUDGET = 256  # the largest tree the compiled ops support (nodes besides the root)
+STAGES = ("prefill", "draft", "build", "verify", "walk", "commit")
+
+
+@dataclass
+class GenerationStats:
+    """What one :func:`generate` call did and where its time went.
+
+    A round is one target forward after the prefill (a tree verify, or one autoregressive step).
+    ``accept_lengths[r]`` = tokens committed by round r = accepted tree tokens + the bonus token
+    (always 1 for autoregressive). The prefill emits the first new token outside any round, and the
+    last round may be cut short by ``max_new_tokens`` or EOS, so ``new_tokens`` can differ from
+    ``1 + sum(accept_lengths)``.
+
+    ``spine_accept_lengths`` (greedy DDTree with the spine only): per round, what the spine alone
+    (the draft's top-1 chain, i.e. DFlash's chain when the budget is at least ``block_size - 1``)
+    would have committed on the same verify; ``accept_lengths[r] > spine_accept_lengths[r]`` means
+    the tree accepted a node off the spine. ``stage_time_s`` holds the seconds spent per stage of
+    :data:`STAGES` (device time from CUDA events on GPUs, host time on CPU).
+    """
+
+    method: str
+    tree_budget: int  # nodes verified per round besides the root (0 for autoregressive)
+    prompt_tokens: int
+    new_tokens: int = 0
+    accept_lengths: List[int] = field(default_factory=list)
+    spine_accept_lengths: Optional[List[int]] = None
+    wall_time_s: float = 0.0
+    stage_time_s: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: tokens committed per round (NaN before the first round)."""
+        return sum(self.accept_lengths) / self.rounds if self.rounds else math.nan
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of wall time, prefill included."""
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else math.nan
+
+    def summary(self) -> str:
+        budget = f", budget {self.tree_budget}" if self.method != "autoregressive" else ""
+        lines = [
+            f"{self.method}{budget}: {self.new_tokens} new tokens after a {self.prompt_tokens}-token prompt "
+            f"in {self.rounds} rounds, tau {self.tau:.2f}",
+            f"wall {self.wall_time_s:.3f} s, {self.tokens_per_s:.1f} tokens/s",
+        ]
+        if self.stage_time_s:
+            total = sum(self.stage_time_s.values()) or 1.0
+            lines.append(
+                "stages: "
+                + ", ".join(f"{s} {t * 1e3:.1f} ms ({100 * t / total:.0f}%)" for s, t in self.stage_time_s.items())
+            )
+        return "\n".join(lines)
+
+
+def generate(
+    target,
+    draft: Optional["DFlashDraftModel"],
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    method: str = "ddtree",
+    tree_budget: int = 64,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    eos_token_id: Union[int, Sequence[int], None] = None,
+    seed: Optional[int] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    streamer=None,
+    return_stats: bool = False,
+    spine: bool = True,
+    draft_top_k: int = 8,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, GenerationStats]]:
+    """Generate ``max_new_tokens`` tokens (fewer if EOS) after ``input_ids``, exactly as the target would.
+
+    Args:
+        target: a loaded Hugging Face model (Qwen3ForCausalLM, Qwen3_5ForCausalLM, or
+            Qwen3_5ForConditionalGeneration with a text prompt), or a ready
+            :class:`ddtree_ext.target.TargetAdapter` (its taps must be the draft's target layers).
+        draft: a :class:`ddtree_ext.draft.DFlashDraftModel` trained for this target; ``None`` (or
+            anything: it is unused) for ``method="autoregressive"``.
+        input_ids: [1, T] integer token ids (T >= 1), on any device (moved to the target's).
+        max_new_tokens: exact number of tokens to generate unless EOS comes first (>= 1).
+        method: "ddtree" (a tree of ``tree_budget`` nodes plus the root per round), "dflash" (the
+            draft's top-1 block as one chain of ``block_size - 1`` nodes; ``tree_budget``, ``spine``
+            and ``draft_top_k`` are ignored) or "autoregressive" (one target step per token).
+        tree_budget: 1..256 tree nodes besides the root verified per DDTree round.
+        temperature: 0 = greedy (argmax; ties go to the lower token id, like ``torch.argmax``);
+            > 0 samples by :func:`ddtree_ext.ops.walk_sample`'s rule, after ``top_k`` (None or 0 = off;
+            unlike HF, no implicit 50) and ``top_p`` (None or 1 = off). Both are ignored when greedy.
+        eos_token_id: an id or a list of ids; generation stops after the first one emitted (the EOS
+            is included in the output). None (the default) never stops early: the target's
+            generation_config is not consulted.
+        seed: seeds the uniforms of sampling (reproducible output); None draws the seed from
+            torch's global generator, so ``torch.manual_seed`` also makes a run reproducible.
+        attention_mask: accepted only when all ones (no padding), as [1, T].
+        streamer: an HF streamer (e.g. ``transformers.TextStreamer``): receives the prompt, then
+            the new tokens of every round, then ``end()``.
+        return_stats: also return a :class:`GenerationStats`.
+        spine: DDTree only: force the draft's top-1 chain into the tree before best-first.
+        draft_top_k: DDTree only: candidates per depth the tree is built from (1..vocab).
+
+    Returns:
+        int64 [1, T + new] on the target's device (prompt then new tokens), like HF ``generate``;
+        with ``return_stats`` the pair ``(ids, stats)``.
+
+    Raises:
+        ValueError naming the argument, before any model forward, for: an unknown method, a
+        budget outside 1..256, a negative temperature, top_p outside (0, 1], a negative top_k,
+        a non-integer/empty/out-of-vocabulary prompt or one that is not [1, T] (batch > 1 is not
+        supported yet), an attention_mask with padding, a prompt plus max_new_tokens beyond the
+        target's max_position_embeddings, a draft that does not match the target, or an
+        unsupported target architecture.
+    """
+    _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k)
+    eos = _eos_set(eos_token_id)
+    speculative = method != "autoregressive"
+    adapter = _as_adapter(target, draft if speculative else None)
+    if speculative:
+        try:
+            draft.check_target(adapter.config)
+        except ValueError as e:
+            raise ValueError(f"generate: draft does not match the target: {e}") from e
+    input_ids = _check_prompt(input_ids, attention_mask, adapter, max_new_tokens)
+
+    prompt_len = input_ids.shape[1]
+    device = input_ids.device
+    if speculative:
+        max_accept = draft.block_size
+        budget = tree_budget if method == "ddtree" else draft.block_size - 1
+        top_k_draft = min(draft_top_k, adapter.vocab_size) if method == "ddtree" else 1
+        use_spine = spine if method == "ddtree" else True
+    else:
+        max_accept, budget = 1, 0
+    # The spine statistic needs the greedy target tokens on the spine nodes 1..S (see GenerationStats).
+    spine_len = min(budget, max_accept - 1) if return_stats and method == "ddtree" and spine and temperature == 0 else 0
+    stats = GenerationStats(
+        method=method, tree_budget=budget, prompt_tokens=prompt_len, spine_accept_lengths=[] if spine_len else None
+    )
+    acceptor = _Acceptor(temperature, top_k, top_p, seed, prompt_len + max_new_tokens + max_accept, device)
+    clock = _StageClock(device)
+    out_tokens: List[int] = []
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    def emit(tokens: List[int]) -> bool:
+        """Appends the round's tokens (cut at EOS and at max_new_tokens); True when generation is done."""
+        tokens = tokens[: max_new_tokens - len(out_tokens)]
+        done = len(out_tokens) + len(tokens) == max_new_tokens
+        for i, t in enumerate(tokens):
+            if t in eos:
+                tokens, done = tokens[: i + 1], True
+                break
+        out_tokens.extend(tokens)
+        if streamer is not None:
+            streamer.put(torch.tensor(tokens, dtype=torch.long))
+        return done
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        state = adapter.new_state(1)
+        root_tree = _root_only_tree(1, device)
+        root_walk = ops.empty_walk(1, 1, device)
+        with clock("prefill"):
+            logits, context = adapter.prefill(input_ids, state)
+            root = acceptor.walk(root_tree, logits[:, None], prompt_len - 1, root_walk).next_token.clone()
+        done = emit(root.tolist())
+        prefix = prompt_len
+        if speculative:
+            draft_cache = draft.new_cache()
+            tree_buf = ops.empty_tree(1, budget, device)
+            walk_buf = ops.empty_walk(1, max_accept, device)
+        while not done:
+            if speculative:
+                with clock("draft"):
+                    draft_logits = draft.propose(
+                        context, root, draft_cache, embed_tokens=adapter.embed_tokens, lm_head=adapter.lm_head
+                    )
+                with clock("build"):
+                    topk = ops.topk_logprobs(draft_logits, top_k_draft)
+                    tree = ops.build_tree(
+                        topk.logp, topk.tokens, root, state.prefix_len, budget, spine=use_spine, out=tree_buf
+                    )
+                with clock("verify"):
+                    logits, taps = adapter.verify(tree, state)
+                with clock("walk"):
+                    walk = acceptor.walk(tree, logits, prefix, walk_buf)
+            else:
+                tree = root_tree
+                with clock("verify"):
+                    logits, _ = adapter.forward_chain(root[:, None], state)
+                with clock("walk"):
+                    walk = acceptor.walk(tree, logits, prefix, root_walk)
+            accept_len, tokens, spine_accept = _read_round(tree, walk, logits, spine_len)
+            stats.accept_lengths.append(accept_len)
+            if spine_len:
+                stats.spine_accept_lengths.append(spine_accept)
+            done = emit(tokens)
+            if done:  # nothing after this round is needed: skip its commit
+                break
+            if speculative:
+                with clock("commit"):
+                    adapter.commit(walk, state)
+                    context = ops.gather_rows(taps, walk.accepted, walk.accept_len)[:, :accept_len]
+            prefix += accept_len
+            root = walk.next_token.clone()  # the walk buffer is rewritten next round
+    if streamer is not None:
+        streamer.end()
+    stats.stage_time_s = clock.seconds()
+    stats.wall_time_s = time.perf_counter() - start
+    stats.new_tokens = len(out_tokens)
+
+    ids = torch.cat([input_ids, torch.tensor([out_tokens], dtype=torch.long, device=device)], dim=1)
+    return (ids, stats) if return_stats else ids
+
+
+# ---- the acceptance rule ---------------------------------------------------------------------
+
+
+class _Acceptor:
+    """The one rule that picks every emitted token, for all methods: the walk over a tree (a root-only
+    tree for autoregressive steps and for the token after the prefill).
+
+    Greedy: :func:`ops.walk_greedy` on the target's argmax. Sampling: :func:`ops.walk_sample` with
+    the uniform of sequence position p drawing the token at p, from one stream of ``length``
+    uniforms drawn up front on the CPU (same numbers on every device).
+    """
+
+    def __init__(self, temperature, top_k, top_p, seed, length: int, device: torch.device):
+        self.temperature = float(temperature)
+        self.top_k = int(top_k or 0)
+        self.top_p = 1.0 if top_p is None else float(top_p)
+        self.uniform = None
+        if self.temperature > 0:
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+            gen = torch.Generator().manual_seed(int(seed))
+            self.uniform = torch.rand(1, length, generator=gen, dtype=torch.float32).to(device)
+
+    def walk(self, tree: ops.Tree, logits: torch.Tensor, position: int, out: ops.Walk) -> ops.Walk:
+        """Walk ``tree`` whose root sits at sequence ``position`` (logits [1, N, V]: the target's at
+        every node); writes ``out`` (its width = the longest path) and returns it."""
+        if self.uniform is None:
+            return ops.walk_greedy(tree, logits.argmax(-1), out.accepted.shape[1], out=out)
+        depth = out.accepted.shape[1]
+        # The node at depth d sits at position + d and draws the token at position + d + 1.
+        uniform = self.uniform[:, position + 1 : position + 1 + depth]
+        return ops.walk_sample(
+            tree, logits, uniform, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, out=out
+        )
+
+
+def _root_only_tree(batch: int, device: torch.device) -> ops.Tree:
+    """A tree of the root alone: walking it draws exactly one token, the target's at the root."""
+    tree = ops.empty_tree(batch, 0, device)
+    tree.token.zero_()
+    tree.parent.fill_(-1)
+    tree.depth.zero_()
+    tree.num_nodes.fill_(1)
+    tree.first_child.fill_(-1)
+    tree.next_sibling.fill_(-1)
+    tree.ancestor_mask.fill_(1)
+    tree.position.zero_()
+    return tree
+
+
+def _read_round(tree: ops.Tree, walk: ops.Walk, logits: torch.Tensor, spine_len: int) -> Tuple[int, List[int], int]:
+    """The round's single host read: (accept_len, tokens emitted = accepted path without the root then
+    the bonus, spine accept length or 0)."""
+    path = tree.token.gather(1, walk.accepted.clamp(min=0).long())
+    parts = [walk.accept_len[:, None].long(), path[:, 1:], walk.next_token[:, None]]
+    if spine_len:
+        # Spine node d (index d, parent d - 1) is accepted iff its token is the target's at node d - 1.
+        hits = tree.token[:, 1 : spine_len + 1] == logits[:, :spine_len].argmax(-1)
+        parts.append(hits.long().cumprod(1).sum(1, keepdim=True) + 1)
+    row = torch.cat(parts, dim=1)[0].tolist()
+    accept_len = row[0]
+    depth = walk.accepted.shape[1]
+    tokens = row[1:accept_len] + [row[depth]]
+    return accept_len, tokens, row[depth + 1] if spine_len else 0
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+
+class _StageClock:
+    """Accumulates time per stage: CUDA events on a GPU (read once at the end, no sync per stage),
+    perf_counter on the CPU where ops run synchronously."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host = dict.fromkeys(STAGES, 0.0)
+        self.events: List[tuple] = []
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            yield
+            end.record()
+            self.events.append((stage, begin, end))
+        else:
+            t = time.perf_counter()
+            yield
+            self.host[stage] += time.perf_counter() - t
+
+    def seconds(self) -> Dict[str, float]:
+        totals = dict(self.host)
+        if self.events:
+            torch.cuda.synchronize()
+            for stage, begin, end in self.events:
+                totals[stage] += begin.elapsed_time(end) / 1e3
+        return {s: t for s, t in totals.items() if t > 0}
+
+
+# ---- argument checks (all before any model work) ----------------------------------------------
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k) -> None:
+    if method not in METHODS:
+        raise ValueError(f"generate: method must be one of {METHODS}, got {method!r}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if method == "ddtree":
+        if not _is_int(tree_budget) or not 1 <= tree_budget <= MAX_TREE_BUDGET:
+            raise ValueError(f"generate: tree_budget must be an int in 1..{MAX_TREE_BUDGET}, got {tree_budget!r}")
+        if not _is_int(draft_top_k) or draft_top_k < 1:
+            raise ValueError(f"generate: draft_top_k must be an int >= 1, got {draft_top_k!r}")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        raise ValueError(f"generate: top_k must be None or an int >= 0, got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"generate: top_p must be None or in (0, 1], got {top_p!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
+        raise ValueError(f"generate: seed must be None or an int in [0, 2**64), got {seed!r}")
+    if method != "autoregressive" and draft is None:
+        raise ValueError(f"generate: draft is required for method={method!r} (only 'autoregressive' runs without)")
+
+
+def _as_adapter(target, draft) -> "TargetAdapter":
+    """The target as a TargetAdapter tapping the draft's layers (ValueError for unsupported models)."""
+    from ddtree_ext.target import TargetAdapter
+
+    taps = [int(i) for i in draft.target_layer_ids] if draft is not None else []
+    if not isinstance(target, TargetAdapter):
+        try:
+            return TargetAdapter(target, taps)
+        except ValueError as e:
+            raise ValueError(f"generate: target: {e}") from e
+    if draft is not None and list(target.tap_layer_ids) != taps:
+        raise ValueError(
+            f"generate: target: the TargetAdapter taps layers {list(target.tap_layer_ids)}, the draft reads "
+            f"target_layer_ids {taps}"
+        )
+    return target
+
+
+def _check_prompt(input_ids, attention_mask, adapter: "TargetAdapter", max_new_tokens: int) -> torch.Tensor:
+    """The validated prompt as int64 [1, T] on the target's device."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"generate: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"generate: input_ids must hold integer token ids, got {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"generate: input_ids must have shape [batch, T], got {list(input_ids.shape)}")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"generate: input_ids: batch size > 1 is not supported yet (got {input_ids.shape[0]})")
+    prompt_len = input_ids.shape[1]
+    if prompt_len == 0:
+        raise ValueError("generate: input_ids is empty: the prompt needs at least one token")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= adapter.vocab_size:
+        raise ValueError(f"generate: input_ids must lie in [0, {adapter.vocab_size}), got values in [{lo}, {hi}]")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+            shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+            raise ValueError(f"generate: attention_mask must have the shape of input_ids {list(input_ids.shape)}, got {shape}")
+        if not bool((attention_mask != 0).all()):
+            raise ValueError("generate: attention_mask has zeros (padding), which is not supported yet: pass unpadded ids")
+    limit = adapter.max_position_embeddings
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        raise ValueError(
+            f"generate: max_new_tokens: prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"target's max_position_embeddings ({limit})"
+        )
+    return input_ids.to(device=adapter.device, dtype=torch.long)
+
+
+def _eos_set(eos_token_id) -> frozenset:
+    if eos_token_id is None:
+        return frozenset()
+    ids = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
+    if isinstance(ids, torch.Tensor):
+        ids = ids.flatten().tolist()
+    if not isinstance(ids, Iterable) or not all(_is_int(i) and i >= 0 for i in ids):
+        raise ValueError(f"generate: eos_token_id must be an int >= 0 or a list of them, got {eos_token_id!r}")
+    return frozenset(ids)

@@ -1,0 +1,413 @@
+"""DFlash draft: z-lab checkpoint loading, target checks, propose() against a dense re-derivation,
+cache bookkeeping, and the tiny agreeing draft."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_close
+from ddtree_ext.draft import DFlashDraftModel
+from ddtree_ext.tiny import (
+    draft_agreement,
+    make_agreeing_draft,
+    make_predictable_target,
+    make_tiny_draft,
+    make_tiny_target,
+    target_taps,
+    tiny_draft_config,
+)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_target("qwen3")
+
+
+def propose_args(target):
+    return dict(embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings())
+
+
+def random_context(draft, batch, rows, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, rows, draft.context_hidden_size, generator=gen)
+
+
+def random_bonus(batch, vocab, seed=0):
+    return torch.randint(0, vocab, (batch,), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint format
+# ---------------------------------------------------------------------------------------------
+
+
+def save_zlab_checkpoint(draft, directory, *, shards=1, prefix=""):
+    """Write ``draft`` the way z-lab publishes drafts: a Qwen3 config.json (without
+    use_sliding_window, as theirs) and one safetensors file or an index of shards."""
+    from safetensors.torch import save_file
+
+    config = json.loads(draft.config.to_json_string(use_diff=False))
+    config.pop("use_sliding_window")
+    config["architectures"] = ["DFlashDraftModel"]
+    (directory / "config.json").write_text(json.dumps(config))
+    weights = {prefix + name: t.contiguous() for name, t in draft.state_dict().items()}
+    if shards == 1:
+        save_file(weights, directory / "model.safetensors")
+        return
+    names = sorted(weights)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[s::shards]
+        save_file({n: weights[n] for n in part}, directory / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shards,prefix", [(1, ""), (3, ""), (1, "model.")])
+def test_from_pretrained_round_trip(target, tmp_path, shards, prefix):
+    draft = make_tiny_draft(target, seed=3, sliding_window=4)
+    save_zlab_checkpoint(draft, tmp_path, shards=shards, prefix=prefix)
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+
+    assert loaded.config.sliding_window == 4  # kept although the file has no use_sliding_window
+    assert (loaded.block_size, loaded.mask_token_id, loaded.target_layer_ids) == (
+        draft.block_size,
+        draft.mask_token_id,
+        draft.target_layer_ids,
+    )
+    assert loaded.fc.weight.dtype == torch.float32 and loaded.fc.weight.device.type == "cpu"
+    context, bonus = random_context(draft, 2, 12), random_bonus(2, 256)
+    with torch.no_grad():
+        expected = draft.propose(context, bonus, draft.new_cache(), **propose_args(target))
+        actual = loaded.propose(context, bonus, loaded.new_cache(), **propose_args(target))
+    assert torch.equal(actual, expected)
+
+
+def test_from_pretrained_dtype(target, tmp_path):
+    draft = make_tiny_draft(target)
+    save_zlab_checkpoint(draft, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)  # float32 weights, the config says bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    assert DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).fc.weight.dtype == torch.float32
+    target_bf16 = make_tiny_target("qwen3", dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = loaded.propose(
+            random_context(draft, 1, 5), random_bonus(1, 256), loaded.new_cache(), **propose_args(target_bf16)
+        )
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def _edit_checkpoint(directory, edit):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(directory / "model.safetensors")
+    edit(weights)
+    save_file(weights, directory / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda w: w.pop("layers.1.self_attn.k_norm.weight"), r"missing weights layers\.1\.self_attn\.k_norm\.weight"),
+        (lambda w: w.update({"lm_head.weight": torch.zeros(256, 64)}), r"unexpected weights lm_head\.weight"),
+        (lambda w: w.update({"fc.weight": torch.zeros(64, 100)}), r"fc\.weight \(64, 100\) != \(64, 128\)"),
+    ],
+    ids=["missing", "unexpected", "shape"],
+)
+def test_from_pretrained_rejects_mismatched_weights(target, tmp_path, edit, message):
+    save_zlab_checkpoint(make_tiny_draft(target), tmp_path)
+    _edit_checkpoint(tmp_path, edit)
+    with pytest.raises(ValueError, match=message):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_rejects_dflash2(target, tmp_path):
+    save_zlab_checkpoint(make_tiny_draft(target), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["DFlash2DraftModel"]}))
+    with pytest.raises(ValueError, match="DFlash2"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_without_weights(target, tmp_path):
+    save_zlab_checkpoint(make_tiny_draft(target), tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config validation and target checks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "attributes,message",
+    [
+        (dict(block_size=1), "block_size"),
+        (dict(dflash_config={"mask_token_id": 255, "target_layer_ids": []}), "target_layer_ids"),
+        (dict(dflash_config={"target_layer_ids": [1]}), "mask_token_id"),
+        (dict(layer_types=["sliding_attention", "linear_attention"]), "layer_types"),
+        (dict(layer_types=["full_attention"]), "layer_types has 1 entries for 2 layers"),
+        (dict(sliding_window=None), "sliding_window"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+    ],
+)
+def test_config_validation(target, attributes, message):
+    config = tiny_draft_config(target.config)
+    for name, value in attributes.items():  # set after construction: Qwen3Config validates some itself
+        setattr(config, name, value)
+    with pytest.raises(ValueError, match=message):
+        DFlashDraftModel(config)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_check_target_accepts_its_target(family):
+    target = make_tiny_target(family)
+    make_tiny_draft(target).check_target(target.config)
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (dict(hidden_size=96), "hidden_size"),
+        (dict(vocab_size=200), "vocab_size"),  # mask token 255 is outside
+        (dict(num_hidden_layers=2), "target_layer_ids"),  # taps [1, 2] need 3 layers
+        (dict(num_hidden_layers=6), "num_target_layers"),
+    ],
+)
+def test_check_target_names_the_mismatch(target, change, field):
+    draft = make_tiny_draft(target)
+    text = target.config
+    fields = dict(hidden_size=text.hidden_size, vocab_size=text.vocab_size, num_hidden_layers=text.num_hidden_layers)
+    with pytest.raises(ValueError, match=field):
+        draft.check_target(SimpleNamespace(**{**fields, **change}))
+
+
+# ---------------------------------------------------------------------------------------------
+# propose(): shapes, argument checks, cache bookkeeping
+# ---------------------------------------------------------------------------------------------
+
+
+def test_propose_shapes_and_dtypes(target):
+    draft = make_tiny_draft(target, block_size=6)
+    cache = draft.new_cache()
+    with torch.no_grad():
+        logits = draft.propose(random_context(draft, 3, 7), random_bonus(3, 256), cache, **propose_args(target))
+    assert logits.shape == (3, 5, 256) and logits.dtype == torch.float32
+    assert cache.length == 7
+    assert len(cache.keys) == 2 and cache.keys[0].shape[:2] == (3, 2) and cache.keys[0].shape[3] == 16
+
+
+@pytest.mark.parametrize(
+    "context_shape,bonus,message",
+    [
+        ((1, 4, 100), torch.tensor([3]), "context_hidden"),
+        ((1, 0, 128), torch.tensor([3]), "context_hidden"),
+        ((4, 128), torch.tensor([3]), "context_hidden"),
+        ((1, 4, 128), torch.tensor([3], dtype=torch.int32), "bonus_token"),
+        ((1, 4, 128), torch.tensor([3, 4]), "bonus_token"),
+    ],
+)
+def test_propose_rejects_bad_arguments(target, context_shape, bonus, message):
+    draft = make_tiny_draft(target)
+    cache = draft.new_cache()
+    with pytest.raises(ValueError, match=f"DFlashDraftModel.propose: {message}"):
+        draft.propose(torch.zeros(context_shape), bonus, cache, **propose_args(target))
+    assert cache.length == 0
+
+
+def test_propose_rejects_batch_change(target):
+    draft = make_tiny_draft(target)
+    cache = draft.new_cache()
+    with torch.no_grad():
+        draft.propose(random_context(draft, 2, 3), random_bonus(2, 256), cache, **propose_args(target))
+        with pytest.raises(ValueError, match="batch size 2"):
+            draft.propose(random_context(draft, 1, 3), random_bonus(1, 256), cache, **propose_args(target))
+
+
+@pytest.mark.parametrize("splits", [(5, 7), (3, 1, 1, 1, 6), (11, 1)])
+def test_context_appended_in_pieces_equals_one_call(target, splits):
+    """Context K/V land at their own positions however they are appended, and the blocks proposed on
+    the way (with other bonus tokens) leave nothing behind: scratch rows are poisoned between calls."""
+    draft = make_tiny_draft(target, sliding_window=5)
+    context, bonus = random_context(draft, 2, sum(splits)), random_bonus(2, 256)
+    with torch.no_grad():
+        one_cache = draft.new_cache()
+        expected = draft.propose(context, bonus, one_cache, **propose_args(target))
+
+        cache, start = draft.new_cache(), 0
+        for i, rows in enumerate(splits):
+            piece_bonus = bonus if i == len(splits) - 1 else random_bonus(2, 256, seed=100 + i)
+            actual = draft.propose(context[:, start : start + rows], piece_bonus, cache, **propose_args(target))
+            start += rows
+            assert cache.length == start
+            for store in (cache.keys, cache.values):
+                for buffer in store:
+                    buffer[:, :, cache.length :] = float("nan")
+    assert_close(actual, expected, torch.float32, "logits")
+    for i in range(len(draft.layers)):
+        for name, pieces, whole in (("keys", cache.keys, one_cache.keys), ("values", cache.values, one_cache.values)):
+            assert_close(pieces[i][:, :, : cache.length], whole[i][:, :, : one_cache.length], torch.float32, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# propose() against a dense re-derivation of the DFlash math
+# ---------------------------------------------------------------------------------------------
+
+
+def dense_reference(draft, target, context_hidden, bonus):
+    """Float64 DFlash logits for one block after ALL of ``context_hidden``, written from the definition:
+    dense attention scores with an explicit visibility rule, rotate-half RoPE, x * w RMSNorms."""
+    cfg = draft.config
+    w = {name: t.double() for name, t in draft.state_dict().items()}
+    embed_weight = target.get_input_embeddings().weight.double()
+    head_weight = target.get_output_embeddings().weight.double()
+    dflash = cfg.dflash_config
+    batch, ctx_len = context_hidden.shape[:2]
+    block, heads, kv_heads, dim = draft.block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * weight
+
+    positions = torch.arange(ctx_len + block, dtype=torch.float64)
+    inv_freq = cfg.rope_parameters["rope_theta"] ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angle = torch.cat([positions[:, None] * inv_freq] * 2, dim=-1)  # [T + S, dim]
+
+    def rope(x, rows):  # x [B, n, H, dim] at positions rows
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * angle[rows, None].cos() + rotated * angle[rows, None].sin()
+
+    def visible(layer_type, q, k):
+        sliding = layer_type == "sliding_attention"
+        causal = sliding if getattr(cfg, "is_causal", None) is None else cfg.is_causal
+        if causal and k > q:
+            return False
+        if sliding and q - k >= cfg.sliding_window:
+            return False
+        return not (sliding and not causal and k - q >= cfg.sliding_window)
+
+    context = rms(context_hidden.double() @ w["fc.weight"].T, w["hidden_norm.weight"])
+    ids = torch.full((batch, block), dflash["mask_token_id"])
+    ids[:, 0] = bonus
+    x = F.embedding(ids, embed_weight) * dflash.get("input_embedding_scale", 1.0)
+    q_rows, kv_rows = torch.arange(ctx_len, ctx_len + block), torch.arange(ctx_len + block)
+    for i, layer_type in enumerate(cfg.layer_types):
+        p = f"layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        kv_in = torch.cat([context, h], dim=1)
+        q = (h @ w[p + "self_attn.q_proj.weight"].T).view(batch, block, heads, dim)
+        q = rope(rms(q, w[p + "self_attn.q_norm.weight"]), q_rows)
+        k = (kv_in @ w[p + "self_attn.k_proj.weight"].T).view(batch, -1, kv_heads, dim)
+        k = rope(rms(k, w[p + "self_attn.k_norm.weight"]), kv_rows).repeat_interleave(heads // kv_heads, dim=2)
+        v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(batch, -1, kv_heads, dim)
+        v = v.repeat_interleave(heads // kv_heads, dim=2)
+        allowed = torch.tensor([[visible(layer_type, int(qp), int(kp)) for kp in kv_rows] for qp in q_rows])
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dim)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        x = x + torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, block, -1) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        gated = F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
+        x = x + gated @ w[p + "mlp.down_proj.weight"].T
+    logits = rms(x[:, 1:], w["norm.weight"]) @ head_weight.T * dflash.get("output_multiplier", 1.0)
+    cap = dflash.get("final_logit_softcapping")
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+ATTENTION_CASES = {
+    # z-lab's Qwen3.6 layout: causal windowed sliding layers, non-causal full layer.
+    "sliding+full": dict(layer_types=["sliding_attention", "full_attention"]),
+    "window<block": dict(layer_types=["sliding_attention", "sliding_attention"], sliding_window=3),
+    "is_causal=False": dict(layer_types=["sliding_attention", "full_attention"], is_causal=False),
+    "is_causal=True": dict(layer_types=["full_attention", "full_attention"], is_causal=True),
+    "scaled": dict(
+        layer_types=["sliding_attention", "full_attention"],
+        dflash_config={
+            "mask_token_id": 7,
+            "target_layer_ids": [0, 3],
+            "input_embedding_scale": 1.7,
+            "output_multiplier": 0.4,
+            "final_logit_softcapping": 2.0,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=list(ATTENTION_CASES))
+def test_propose_matches_dense_reference(target, case):
+    kw = {"sliding_window": 6, **ATTENTION_CASES[case]}
+    draft = make_tiny_draft(target, seed=1, **kw)
+    context, bonus = random_context(draft, 2, 13, seed=2), random_bonus(2, 256, seed=2)
+    expected = dense_reference(draft, target, context, bonus)
+    cache = draft.new_cache()
+    with torch.no_grad():
+        draft.propose(context[:, :9], random_bonus(2, 256, seed=9), cache, **propose_args(target))
+        actual = draft.propose(context[:, 9:], bonus, cache, **propose_args(target))
+    assert_close(actual, expected.float(), torch.float32, case)
+
+
+def test_dense_reference_sees_the_window(target):
+    """Guard for the test above: the window and causality do change the logits of this setup."""
+    context, bonus = random_context(make_tiny_draft(target), 1, 13), random_bonus(1, 256)
+    variants = [
+        make_tiny_draft(target, seed=1, layer_types=["sliding_attention"] * 2, sliding_window=w, is_causal=c)
+        for w, c in [(3, None), (100, None), (100, False)]
+    ]
+    logits = [dense_reference(d, target, context, bonus) for d in variants]
+    assert not torch.allclose(logits[0], logits[1]) and not torch.allclose(logits[1], logits[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny agreeing draft
+# ---------------------------------------------------------------------------------------------
+
+
+def test_make_agreeing_draft_is_deterministic(target):
+    a = make_agreeing_draft(target, seed=5, steps=3, num_prompts=8, batch_size=4, new_tokens=12)
+    b = make_agreeing_draft(target, seed=5, steps=3, num_prompts=8, batch_size=4, new_tokens=12)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_target_taps_are_the_tapped_layer_outputs(family):
+    """The hooks record what z-lab reads as hidden_states[id + 1] (ids short of the last layer, whose
+    hidden_states entry is post-norm), in the order asked for."""
+    target = make_tiny_target(family)
+    ids = [2, 0, 1]
+    input_ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden_states = target(input_ids=input_ids, output_hidden_states=True).hidden_states
+    assert torch.equal(target_taps(target, input_ids, ids), torch.cat([hidden_states[i + 1] for i in ids], dim=-1))
+
+
+@pytest.fixture(scope="module")
+def agreeing_pair():
+    target = make_predictable_target("qwen3_5")
+    return target, make_agreeing_draft(target)
+
+
+def test_agreeing_draft_agrees(agreeing_pair):
+    target, draft = agreeing_pair
+    agreement = draft_agreement(draft, target)
+    assert agreement.top1[0] > 0.6 and agreement.top1[-1] > 0.3, agreement
+    assert (agreement.topk >= agreement.top1).all()
+    assert agreement.topk[0] > agreement.top1[0] + 0.05, "top-2..4 should catch some depth-1 misses"
+    assert agreement.chain_accept_length > 3.0, agreement
+
+
+def test_untrained_draft_does_not_agree(agreeing_pair):
+    """The bounds above are not met by chance: the same draft before training fails them."""
+    target, _ = agreeing_pair
+    agreement = draft_agreement(make_tiny_draft(target, weight_std=0.05), target)
+    assert agreement.top1[0] < 0.3 and agreement.chain_accept_length < 2.0, agreement

@@ -1,0 +1,576 @@
+"""generate(): exact end to end on tiny random targets of both families, with the compiled CPU ops.
+
+Greedy output must equal the target's own ``model.generate(do_sample=False)`` token for token over long
+generations, for every method and budget; per round the tree must accept at least what the draft's chain
+accepts on the same state, and agreeing drafts must get deep and off-spine paths accepted (counted here
+from the draft's own ranks, independently of generate()). Sampling must be reproducible, identical across
+methods for one seed (the uniform of a position is shared), and follow the exact target distribution.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from ddtree_ext import generate
+from ddtree_ext.generate import MAX_TREE_BUDGET, GenerationStats
+from ddtree_ext.target import TargetAdapter
+from ddtree_ext.tiny import (
+    make_agreeing_draft,
+    make_predictable_target,
+    make_tiny_draft,
+    make_tiny_target,
+    target_taps,
+)
+
+LIN, FULL = "linear_attention", "full_attention"
+TARGETS = {
+    "qwen3": dict(family="qwen3"),
+    "qwen3_5-lllf-gva3": dict(family="qwen3_5", layer_types=(LIN, LIN, LIN, FULL), value_heads_per_key_head=3),
+    "qwen3_5-lflf-gva1": dict(family="qwen3_5", layer_types=(LIN, FULL, LIN, FULL), value_heads_per_key_head=1),
+}
+HYBRID = "qwen3_5-lllf-gva3"
+BUDGETS = (1, 4, 16, 64, MAX_TREE_BUDGET)
+LONG = 500  # new tokens of the long greedy generations: state carries over hundreds of rounds
+PROMPT_LEN = 12
+# Two kinds of pairs. "random": a random target (chaotic greedy output, vocabulary 256) and a random
+# draft, which accepts almost nothing. "agreeing": a predictable target (vocabulary 64) and a draft
+# trained on its greedy continuations, which gets deep and off-spine paths accepted.
+RANDOM, AGREEING = "random", "agreeing"
+
+
+# ---- models, prompts and reference outputs (built once per session) ---------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def pair(kind: str, name: str):
+    """(target, draft) of ``kind`` for the target configuration ``name``."""
+    kw = dict(TARGETS[name])
+    family = kw.pop("family")
+    if kind == AGREEING:
+        target = make_predictable_target(family, seed=3, **kw)
+        return target, make_agreeing_draft(target, seed=1)
+    target = make_tiny_target(family, seed=3, **kw)
+    return target, make_tiny_draft(target, seed=1)
+
+
+def prompt(seed: int, vocab: int, length: int = PROMPT_LEN) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def pair_prompt(kind: str, name: str, seed: int) -> torch.Tensor:
+    return prompt(seed, pair(kind, name)[0].config.vocab_size)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(kind: str, name: str, prompt_seed: int, new_tokens: int) -> torch.Tensor:
+    """The target's own greedy output (stock HF generate, no EOS)."""
+    ids = pair_prompt(kind, name, prompt_seed)
+    with torch.no_grad():
+        return pair(kind, name)[0].generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+
+def assert_same_tokens(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == torch.int64 and out.shape == ref.shape, (out.dtype, tuple(out.shape), tuple(ref.shape))
+    diff = (out != ref)[0].nonzero()
+    assert diff.numel() == 0, f"first mismatch at position {int(diff[0])} of {out.shape[1]}"
+
+
+def round_starts(stats: GenerationStats) -> list:
+    """Prefix length at the start of every round (the root's position)."""
+    starts, p = [], stats.prompt_tokens
+    for n in stats.accept_lengths:
+        starts.append(p)
+        p += n
+    return starts
+
+
+# ---- greedy: exactly the target's output -------------------------------------------------------
+
+CASES = [("autoregressive", None), ("dflash", None)] + [("ddtree", b) for b in BUDGETS]
+CASE_IDS = [m if b is None else f"{m}-{b}" for m, b in CASES]
+SWEEP_PROMPT = 100  # one prompt per target for the method x budget sweep: one HF reference each
+
+
+def run_greedy(kind, name, method, budget, prompt_seed, new_tokens):
+    """generate() greedily on a pair; asserts the output is the target's own, returns the stats."""
+    target, draft = pair(kind, name)
+    out, stats = generate(
+        target, draft, pair_prompt(kind, name, prompt_seed), new_tokens, method=method, tree_budget=budget or 64,
+        return_stats=True,
+    )
+    assert_same_tokens(out, hf_greedy(kind, name, prompt_seed, new_tokens))
+    assert stats.new_tokens == new_tokens
+    assert max(stats.accept_lengths) <= (1 if method == "autoregressive" else draft.block_size)
+    return stats
+
+
+@pytest.mark.parametrize("method,budget", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_greedy_equals_hf_generate(name, method, budget):
+    """Every family x method x budget, 500 tokens, with a draft that gets deep paths accepted."""
+    stats = run_greedy(AGREEING, name, method, budget, SWEEP_PROMPT, LONG)
+    if method != "autoregressive":
+        assert stats.tau > 1.5, f"the agreeing draft should accept deep paths, tau {stats.tau:.2f}"
+
+
+@pytest.mark.parametrize("spine", [True, False], ids=["spine", "best-first"])
+@pytest.mark.parametrize("draft_top_k", [1, 3, 16])
+def test_greedy_tree_shapes(draft_top_k, spine):
+    """Other tree shapes: pure best-first, narrow and wide top-K; K = 1 leaves most of a 64-node budget
+    as padding nodes, which verify and commit must ignore."""
+    target, draft = pair(AGREEING, HYBRID)
+    ids = pair_prompt(AGREEING, HYBRID, SWEEP_PROMPT)
+    out = generate(target, draft, ids, 300, tree_budget=64, spine=spine, draft_top_k=draft_top_k)
+    assert_same_tokens(out, hf_greedy(AGREEING, HYBRID, SWEEP_PROMPT, LONG)[:, : PROMPT_LEN + 300])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_seed", range(10))
+def test_greedy_many_prompts(prompt_seed):
+    """Ten prompts x 500 tokens on the hybrid with the default budget."""
+    run_greedy(AGREEING, HYBRID, "ddtree", 64, prompt_seed, LONG)
+
+
+RANDOM_CASES = [("dflash", None), ("ddtree", 1), ("ddtree", 64)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,budget", RANDOM_CASES, ids=[m if b is None else f"{m}-{b}" for m, b in RANDOM_CASES])
+@pytest.mark.parametrize("name", ["qwen3", HYBRID])
+def test_greedy_random_draft(name, method, budget):
+    """A random draft on a chaotic target: hundreds of rounds that mostly commit the bonus alone."""
+    stats = run_greedy(RANDOM, name, method, budget, 7, LONG)
+    assert stats.rounds >= LONG // 2
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_tree_accepts_at_least_the_chain_each_round(name):
+    """Per round, on the same state: DDTree (spine, budget >= block_size - 1) >= the draft's chain (what
+    DFlash verifies). The chain's acceptance and the ranks of the accepted tokens are recomputed here by
+    replaying the draft on the final sequence's taps; off-spine acceptances (a path token of draft rank
+    > 0) must happen and the mean acceptance must be well above 1."""
+    target, draft = pair(AGREEING, name)
+    stats = run_greedy(AGREEING, name, "ddtree", 64, SWEEP_PROMPT, LONG)
+    out = hf_greedy(AGREEING, name, SWEEP_PROMPT, LONG)
+
+    taps = target_taps(target, out, draft.target_layer_ids)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    cache = draft.new_cache()
+    chain, off_spine_rounds = [], 0
+    # Rounds whose whole draft block lies inside the output (the last rounds may have been cut short).
+    rounds = [(p, a) for p, a in zip(round_starts(stats), stats.accept_lengths) if p + draft.block_size <= out.shape[1]]
+    assert len(rounds) >= 20
+    with torch.no_grad():
+        for p, accepted in rounds:
+            logits = draft.propose(taps[:, cache.length : p], out[:, p], cache, embed_tokens=embed, lm_head=head)[0]
+            truth = out[0, p + 1 : p + draft.block_size]  # the target's tokens at depths 1 .. L
+            chain.append(1 + int((logits.argmax(-1) == truth).long().cumprod(0).sum()))
+            # Draft rank (descending logit, ties to the lower id) of each accepted path token.
+            order = torch.sort(logits[: accepted - 1], dim=-1, descending=True, stable=True).indices
+            ranks = (order == truth[: accepted - 1, None]).nonzero()[:, 1]
+            off_spine_rounds += bool((ranks > 0).any())
+    accepted = [a for _, a in rounds]
+    assert all(a >= c for a, c in zip(accepted, chain)), list(zip(accepted, chain))
+    assert stats.spine_accept_lengths[: len(rounds)] == chain
+    gained = sum(a > c for a, c in zip(accepted, chain))
+    assert off_spine_rounds >= 3 and gained == off_spine_rounds, (off_spine_rounds, gained)
+    assert stats.tau > 3.0, stats.tau
+
+    # The first round of a DFlash run starts from the same state as DDTree's: it accepts the chain.
+    dflash = run_greedy(AGREEING, name, "dflash", None, SWEEP_PROMPT, LONG)
+    assert dflash.accept_lengths[0] == chain[0]
+
+
+def tiny_conditional_generation():
+    """A tiny Qwen3_5ForConditionalGeneration (the Qwen3.6-27B checkpoint class) with a small vision tower."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from ddtree_ext.tiny import tiny_qwen3_5_config
+
+    text = tiny_qwen3_5_config(layer_types=(LIN, LIN, LIN, FULL), initializer_range=0.2)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=text.hidden_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.to_dict(), vision_config=vision)).eval()
+
+
+def test_conditional_generation_target(tmp_path, capsys):
+    """Text prompts on the vision-language class: exact against its own generate, and the CLI loads such a
+    checkpoint through AutoModelForImageTextToText."""
+    from ddtree_ext.__main__ import main
+
+    target = tiny_conditional_generation()
+    draft = make_tiny_draft(target, seed=1)
+    ids = prompt(41, target.config.get_text_config().vocab_size)
+    with torch.no_grad():
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=100, min_new_tokens=100,
+                              do_sample=False, pad_token_id=0)
+    for method in ("ddtree", "dflash", "autoregressive"):
+        assert_same_tokens(generate(target, draft, ids, 100, method=method, tree_budget=16), ref)
+
+    target.save_pretrained(tmp_path)
+    _save_byte_tokenizer(tmp_path)
+    assert main(["generate", "--target", str(tmp_path), "--method", "autoregressive", "--max-new-tokens", "5",
+                 "--device", "cpu"]) == 0
+    assert "autoregressive: 5 new tokens" in capsys.readouterr().out
+
+
+def test_bfloat16_pair_runs():
+    """bf16 weights (the GPU dtype) flow through every stage; tree and chain rounding differ from the stock
+    decode step in bf16, so only the prefill's token is compared with HF."""
+    target = make_tiny_target("qwen3_5", seed=3, dtype=torch.bfloat16)
+    draft = make_tiny_draft(target, seed=1)
+    ids = prompt(43, target.config.vocab_size)
+    with torch.no_grad():
+        first = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                                pad_token_id=0)[0, -1]
+    for method in ("ddtree", "dflash", "autoregressive"):
+        for temperature in (0.0, 1.0):
+            out = generate(target, draft, ids, 40, method=method, temperature=temperature, seed=0)
+            assert out.shape == (1, PROMPT_LEN + 40) and out.dtype == torch.int64
+            assert temperature > 0 or out[0, PROMPT_LEN] == first
+
+
+# ---- stopping: max_new_tokens and EOS ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "dflash", "ddtree"])
+def test_max_new_tokens_exact(method):
+    target, draft = pair(AGREEING, HYBRID)
+    ref = hf_greedy(AGREEING, HYBRID, 11, 40)
+    for n in (1, 2, 7, 40):
+        out = generate(target, draft, pair_prompt(AGREEING, HYBRID, 11), n, method=method, tree_budget=16)
+        assert_same_tokens(out, ref[:, : PROMPT_LEN + n])
+
+
+def test_eos_inside_an_accepted_path():
+    """EOS = a token the target emits inside an accepted path (not the bonus: more tokens of the round
+    follow it): output stops right after it, in every method; an unrelated extra id changes nothing."""
+    target, draft = pair(AGREEING, HYBRID)
+    ids = pair_prompt(AGREEING, HYBRID, 13)
+    full, stats = generate(target, draft, ids, 200, return_stats=True)
+    new = full[0, PROMPT_LEN:].tolist()
+    eos_at = None
+    for p, n in zip(round_starts(stats), stats.accept_lengths):
+        # The round emits positions p + 1 .. p + n (the last one is the bonus): p + 1 .. p + n - 1
+        # are path tokens with more tokens of the same round after them.
+        for pos in range(p + 1, p + n):
+            i = pos - PROMPT_LEN
+            if new[i] not in new[:i]:
+                eos_at = i
+                break
+        if eos_at is not None:
+            break
+    assert eos_at is not None, "no first-occurrence token strictly inside an accepted path"
+    unused = next(t for t in range(target.config.vocab_size) if t not in new)
+    for method in ("ddtree", "dflash", "autoregressive"):
+        for eos in (new[eos_at], [unused, new[eos_at]]):
+            out = generate(target, draft, ids, 200, method=method, eos_token_id=eos)
+            assert_same_tokens(out, full[:, : PROMPT_LEN + eos_at + 1])
+
+
+# ---- streamer ----------------------------------------------------------------------------------
+
+
+class RecordingStreamer:
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        assert self.ended == 0
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_receives_prompt_then_new_tokens():
+    streamer = RecordingStreamer()
+    target, draft = pair(AGREEING, HYBRID)
+    ids = pair_prompt(AGREEING, HYBRID, 17)
+    out = generate(target, draft, ids, 50, streamer=streamer)
+    assert streamer.ended == 1
+    assert torch.equal(streamer.puts[0], ids)  # the prompt first, [1, T], as HF does
+    assert all(p.dim() == 1 and p.dtype == torch.int64 for p in streamer.puts[1:])
+    assert torch.equal(torch.cat(streamer.puts[1:]), out[0, PROMPT_LEN:])
+    assert len(streamer.puts) > 2
+
+
+def test_text_streamer_prints_the_new_text(capsys):
+    from transformers import TextStreamer
+
+    class LetterTokenizer:  # TextStreamer only decodes
+        def decode(self, ids, **kwargs):
+            ids = [ids] if isinstance(ids, int) else ids
+            return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    target, draft = pair(AGREEING, HYBRID)
+    streamer = TextStreamer(LetterTokenizer(), skip_prompt=True)
+    out = generate(target, draft, pair_prompt(AGREEING, HYBRID, 19), 30, streamer=streamer)
+    assert capsys.readouterr().out == LetterTokenizer().decode(out[0, PROMPT_LEN:].tolist()) + "\n"
+
+
+# ---- sampling ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_sampling_reproducible_and_identical_across_methods(name):
+    """One seed -> one output, for every method: the token at position p is drawn with the p-th uniform.
+    A low temperature keeps the agreeing draft useful, so sampled paths are deep."""
+    target, draft = pair(AGREEING, name)
+    ids = pair_prompt(AGREEING, name, 23)
+    kw = dict(temperature=0.3, top_k=40, top_p=0.95)
+    for seed in (0, 1):
+        ref = generate(target, draft, ids, 120, method="autoregressive", seed=seed, **kw)
+        for method, budget in [("dflash", 64), ("ddtree", 4), ("ddtree", 64)]:
+            out, stats = generate(target, draft, ids, 120, method=method, tree_budget=budget, seed=seed,
+                                  return_stats=True, **kw)
+            assert_same_tokens(out, ref)
+        assert stats.tau > 1.5, stats.tau  # DDTree-64 accepted deep sampled paths
+        assert_same_tokens(generate(target, draft, ids, 120, seed=seed, **kw), ref)
+    assert not torch.equal(generate(target, draft, ids, 120, seed=2, **kw), ref)
+    assert not torch.equal(generate(target, draft, ids, 120), ref)  # sampling is not the greedy output
+
+
+def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution ops.walk_sample draws from (float64): softmax(logits / T) on the top_k, then the
+    smallest descending set reaching top_p, renormalised."""
+    x = logits.double() / temperature
+    order = torch.sort(x, descending=True, stable=True).indices
+    kept = order[:top_k] if top_k else order
+    p = torch.softmax(x[kept], 0)
+    kept = kept[(torch.cumsum(p, 0) - p) < top_p]
+    probs = torch.zeros_like(x)
+    probs[kept] = torch.softmax(x[kept], 0)
+    return probs
+
+
+def exact_joint(target, ids: torch.Tensor, steps: int, **processing) -> dict:
+    """P(first ``steps`` new tokens) under the processed target distribution: {token tuple: prob}."""
+    joint = {(): 1.0}
+    with torch.no_grad():
+        for _ in range(steps):
+            prefixes = list(joint)
+            batch = torch.cat([ids.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)], 1)
+            logits = target(batch).logits[:, -1]
+            nxt = {}
+            for k, row in zip(prefixes, logits):
+                probs = processed_probs(row, **processing)
+                for t in probs.nonzero()[:, 0].tolist():
+                    nxt[k + (t,)] = joint[k] * float(probs[t])
+            joint = nxt
+    return joint
+
+
+def chi_square(samples: Counter, joint: dict, n: int) -> tuple:
+    """(chi-square statistic, its 1 - 1e-4 quantile): cells with expected count < 5 are pooled; the
+    quantile is the Wilson-Hilferty approximation. A sample outside the support fails at once."""
+    assert all(k in joint for k in samples), "sampled a sequence of probability 0"
+    cells, pooled_e, pooled_o = [], 0.0, 0
+    for k, p in joint.items():
+        e = n * p
+        if e >= 5:
+            cells.append((samples.get(k, 0), e))
+        else:
+            pooled_e, pooled_o = pooled_e + e, pooled_o + samples.get(k, 0)
+    if pooled_e > 0:
+        cells.append((pooled_o, pooled_e))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    z = 3.719  # standard normal quantile at 1 - 1e-4
+    return stat, dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+SMALL_VOCAB = 8
+
+
+@functools.lru_cache(maxsize=None)
+def small_vocab_pair():
+    """A random vocabulary-8 target: a top-8 tree holds every token at depth 1, so the walk samples
+    below the root in almost every round."""
+    target = make_tiny_target("qwen3", seed=5, vocab_size=SMALL_VOCAB)
+    return target, make_tiny_draft(target, seed=2)
+
+
+@pytest.mark.parametrize(
+    "processing",
+    [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)],
+    ids=["plain", "top_k-top_p"],
+)
+def test_sampling_distribution_matches_the_target(processing):
+    """Many seeded runs: the first 3 new tokens of DDTree, DFlash and autoregressive sampling each follow
+    the exact processed target distribution (chi-square), and a wrong temperature is rejected by the
+    same test on the same samples (the test has power)."""
+    target, draft = small_vocab_pair()
+    ids, steps, runs = prompt(29, SMALL_VOCAB, length=6), 3, 400
+    joint = exact_joint(target, ids, steps, **processing)
+    wrong = exact_joint(target, ids, steps, **dict(processing, temperature=processing["temperature"] * 1.6))
+    for method in ("ddtree", "dflash", "autoregressive"):
+        samples = Counter(
+            tuple(generate(target, draft, ids, steps, method=method, tree_budget=32, seed=s, **processing)[0, -steps:].tolist())
+            for s in range(runs)
+        )
+        stat, bound = chi_square(samples, joint, runs)
+        assert stat < bound, f"{method}: chi-square {stat:.1f} >= {bound:.1f}"
+        wrong_stat, wrong_bound = chi_square(samples, wrong, runs)
+        assert wrong_stat > wrong_bound, f"{method}: cannot tell a wrong temperature ({wrong_stat:.1f})"
+
+
+# ---- bad input: ValueError naming the argument, before any forward -----------------------------
+
+
+@pytest.fixture
+def forward_counter():
+    """Counts forward calls of every module of the random hybrid target and its draft."""
+    target, draft = pair(RANDOM, HYBRID)
+    calls = []
+    handles = [m.register_forward_pre_hook(lambda *a: calls.append(1)) for m in (*target.modules(), *draft.modules())]
+    yield target, draft, calls
+    for h in handles:
+        h.remove()
+
+
+def _draft_of_another_target():
+    return make_tiny_draft(make_tiny_target("qwen3_5", seed=3, hidden_size=32), seed=1)
+
+
+def _unsupported_target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4)
+    return LlamaForCausalLM(config)
+
+
+BAD_INPUTS = [
+    ("method", dict(method="beam")),
+    ("tree_budget", dict(tree_budget=0)),
+    ("tree_budget", dict(tree_budget=MAX_TREE_BUDGET + 1)),
+    ("tree_budget", dict(tree_budget=8.0)),
+    ("draft_top_k", dict(draft_top_k=0)),
+    ("temperature", dict(temperature=-0.5)),
+    ("temperature", dict(temperature=float("nan"))),
+    ("top_p", dict(top_p=0.0)),
+    ("top_p", dict(top_p=1.5)),
+    ("top_k", dict(top_k=-1)),
+    ("seed", dict(seed=-1)),
+    ("max_new_tokens", dict(max_new_tokens=0)),
+    ("max_new_tokens", dict(max_new_tokens=5000)),  # prompt + 5000 > max_position_embeddings 4096
+    ("eos_token_id", dict(eos_token_id="</s>")),
+    ("input_ids", dict(input_ids=torch.zeros(1, 0, dtype=torch.long))),
+    ("input_ids", dict(input_ids=torch.zeros(1, 4))),
+    ("input_ids", dict(input_ids=torch.zeros(4, dtype=torch.long))),
+    ("input_ids", dict(input_ids=torch.full((1, 4), 256))),
+    ("batch size > 1 is not supported yet", dict(input_ids=torch.zeros(2, 4, dtype=torch.long))),
+    ("attention_mask", dict(attention_mask=torch.tensor([[0, 1, 1, 1]]))),
+    ("attention_mask", dict(attention_mask=torch.ones(1, 5))),
+    ("draft", dict(draft=None)),
+    ("draft", dict(draft=_draft_of_another_target)),
+    ("target", dict(target=_unsupported_target)),
+    ("target", dict(target=lambda: TargetAdapter(pair(RANDOM, HYBRID)[0], (0,)))),  # taps != the draft's
+]
+
+
+@pytest.mark.parametrize("argument,override", BAD_INPUTS, ids=[f"{a}-{i}" for i, (a, _) in enumerate(BAD_INPUTS)])
+def test_bad_input_raises_before_any_forward(forward_counter, argument, override):
+    target, draft, calls = forward_counter
+    kw = dict(target=target, draft=draft, input_ids=torch.zeros(1, 4, dtype=torch.long), max_new_tokens=8)
+    kw.update({k: v() if callable(v) else v for k, v in override.items()})
+    with pytest.raises(ValueError, match=argument):
+        generate(kw.pop("target"), kw.pop("draft"), kw.pop("input_ids"), kw.pop("max_new_tokens"), **kw)
+    assert not calls, f"{len(calls)} module forwards ran before the error"
+
+
+def test_all_ones_attention_mask_and_int32_prompt_accepted():
+    target, draft = pair(RANDOM, HYBRID)
+    ids = pair_prompt(RANDOM, HYBRID, 31)
+    out = generate(target, draft, ids.int(), 10, attention_mask=torch.ones_like(ids))
+    assert_same_tokens(out, hf_greedy(RANDOM, HYBRID, 31, 10))
+
+
+def test_a_ready_target_adapter_is_reused():
+    target, draft = pair(AGREEING, HYBRID)
+    adapter = TargetAdapter(target, draft.target_layer_ids)
+    for _ in range(2):
+        out = generate(adapter, draft, pair_prompt(AGREEING, HYBRID, 11), 40)
+        assert_same_tokens(out, hf_greedy(AGREEING, HYBRID, 11, 40))
+
+
+# ---- stats and the CLI -------------------------------------------------------------------------
+
+
+def test_stats_summary():
+    target, draft = pair(AGREEING, HYBRID)
+    _, stats = generate(target, draft, pair_prompt(AGREEING, HYBRID, 37), 64, return_stats=True)
+    assert stats.new_tokens == 64 and stats.prompt_tokens == PROMPT_LEN and stats.tree_budget == 64
+    assert stats.rounds == len(stats.accept_lengths) and 1 + sum(stats.accept_lengths) >= 64
+    assert stats.tau == pytest.approx(sum(stats.accept_lengths) / stats.rounds)
+    assert set(stats.stage_time_s) == {"prefill", "draft", "build", "verify", "walk", "commit"}
+    text = stats.summary()
+    assert "tau" in text and "tokens/s" in text and "verify" in text
+
+
+def test_cli_demo_reports_identical_outputs(capsys):
+    from ddtree_ext.__main__ import main
+
+    assert main(["generate"]) == 0
+    out = capsys.readouterr().out
+    assert "identical" in out and "autoregressive:" in out and "ddtree:" in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [(["--budget", "0"], "tree_budget"), (["--draft", "some/draft"], "--draft needs --target")],
+)
+def test_cli_usage_errors(capsys, argv, message):
+    from ddtree_ext.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["generate", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def _save_byte_tokenizer(directory) -> None:
+    """A 256-token byte-level tokenizer (no merges): one token per byte, like the tiny targets' vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(directory)
+
+
+def test_cli_with_checkpoints(tmp_path, capsys):
+    """--target / --draft directories: the target and tokenizer load through the Auto classes, the draft
+    through DFlashDraftModel.from_pretrained; the text streams, then the statistics."""
+    from safetensors.torch import save_file
+
+    from ddtree_ext.__main__ import main
+
+    target, draft = pair(RANDOM, HYBRID)
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
+    target.save_pretrained(target_dir)
+    _save_byte_tokenizer(target_dir)
+    draft_dir.mkdir()
+    draft.config.to_json_file(draft_dir / "config.json")
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, draft_dir / "model.safetensors")
+
+    common = ["generate", "--target", str(target_dir), "--prompt", "hello", "--max-new-tokens", "12", "--device", "cpu"]
+    assert main([*common, "--draft", str(draft_dir), "--budget", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ddtree, budget 8: 12 new tokens after a 5-token prompt" in out and "tokens/s" in out
+    assert main([*common, "--method", "autoregressive"]) == 0
+    assert "autoregressive: 12 new tokens" in capsys.readouterr().out

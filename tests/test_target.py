@@ -1,0 +1,315 @@
+"""TargetAdapter: tree verify and commit are exact against the stock HF forward, on both families.
+
+Every tree check compares against the stock model run on prefix + path-to-node (what the target would
+compute for that node along a chain); every commit check against a second state advanced by the stock
+chain forward over the same accepted tokens. Models are tiny float32 ones of the real HF classes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_parents, rel_err
+from ddtree_ext import reference, target
+from ddtree_ext.ops import Walk
+from ddtree_ext.target import SUPPORTED_ARCHITECTURES, TargetAdapter
+from ddtree_ext.tiny import TINY_VOCAB, make_tiny_target, tiny_qwen3_5_config
+
+LIN, FULL = "linear_attention", "full_attention"
+# Whole-model float32 comparisons, relative to the largest reference entry (conftest.rel_err). The HF
+# chunked/recurrent GDN kernels and the tree ops round differently (~1e-7 per op), and the tiny random
+# models amplify that through the layers to ~1e-6..3e-5 in logits, taps and caches, without drifting
+# over rounds; a real error (wrong mask, window or state) is O(1).
+MODEL_RTOL = 1e-4
+
+TARGETS = {
+    "qwen3": dict(family="qwen3"),
+    "qwen3_5-lllf-gva3": dict(family="qwen3_5", layer_types=(LIN, LIN, LIN, FULL), value_heads_per_key_head=3),
+    "qwen3_5-lflf-gva1": dict(family="qwen3_5", layer_types=(LIN, FULL, LIN, FULL), value_heads_per_key_head=1),
+    "qwen3_5-lflf-gva3-eager": dict(
+        family="qwen3_5", layer_types=(LIN, FULL, LIN, FULL), value_heads_per_key_head=3, attn_implementation="eager"
+    ),
+}
+TAPS = (2, 0)  # deliberately not sorted: taps are concatenated in the given order
+
+
+@pytest.fixture(scope="module", params=list(TARGETS), ids=list(TARGETS))
+def adapter(request):
+    kw = dict(TARGETS[request.param])
+    return TargetAdapter(make_tiny_target(kw.pop("family"), seed=7, **kw), TAPS)
+
+
+def _tokens(gen, *shape):
+    return torch.randint(0, TINY_VOCAB, shape, generator=gen)
+
+
+def _stock_last(adapter, tokens):
+    """Stock forward of a whole sequence on a fresh state: (logits [V], taps [F]) at its last position."""
+    logits, taps = adapter.prefill(tokens, adapter.new_state())
+    return logits[0], taps[0, -1]
+
+
+def _random_tree(gen, prefix_len, num_nodes, shape):
+    parent = random_parents(num_nodes, gen, shape)[None]
+    return reference.tree_from_parents(parent, _tokens(gen, 1, num_nodes), prefix_len)
+
+
+def _draft_tree(gen, root_token, prefix_len, budget, depths=6, k=3):
+    logits = torch.randn(1, depths, TINY_VOCAB, generator=gen) * 3
+    logp, tokens = reference.topk_logprobs(logits, k)
+    return reference.build_tree(logp, tokens, root_token, prefix_len, budget)
+
+
+def _assert_verify_matches_paths(adapter, prompt, tree, logits, taps):
+    parent = tree.parent
+    for i in range(tree.token.shape[1]):
+        path = reference.path_to(parent, 0, i)
+        ref_logits, ref_taps = _stock_last(adapter, torch.cat([prompt, tree.token[:, path]], dim=1))
+        err = rel_err(logits[0, i], ref_logits)
+        assert err < MODEL_RTOL, f"node {i} (path {path}): logits relative error {err:.2e}"
+        assert int(logits[0, i].argmax()) == int(ref_logits.argmax()), f"node {i}: argmax differs"
+        assert rel_err(taps[0, i], ref_taps) < MODEL_RTOL, f"node {i}: taps differ"
+
+
+TREE_SHAPES = ("random", "chain", "star", "draft")
+
+
+@pytest.mark.parametrize("shape", TREE_SHAPES)
+def test_verify_matches_stock_forward_per_path(adapter, shape):
+    gen = torch.Generator().manual_seed(TREE_SHAPES.index(shape))
+    prompt = _tokens(gen, 1, int(torch.randint(1, 12, (1,), generator=gen)))
+    state = adapter.new_state()
+    adapter.prefill(prompt, state)
+    if shape == "draft":
+        tree = _draft_tree(gen, _tokens(gen, 1), state.prefix_len, budget=10)
+    else:
+        tree = _random_tree(gen, state.prefix_len, 9, shape)
+    logits, taps = adapter.verify(tree, state)
+    assert logits.dtype == torch.float32 and logits.shape == (1, tree.token.shape[1], TINY_VOCAB)
+    assert taps.shape == (1, tree.token.shape[1], len(TAPS) * adapter.hidden_size)
+    assert torch.equal(state.prefix_len, torch.tensor([prompt.shape[1]]))
+    _assert_verify_matches_paths(adapter, prompt, tree, logits, taps)
+
+
+def _cache_tensors(adapter, state):
+    """Every tensor the next forward reads: attention K/V (cut to the prefix), conv and recurrent states."""
+    out = {}
+    for i, layer in enumerate(state.cache.layers):
+        if i in adapter.gdn_layer_ids:
+            out[f"conv{i}"] = layer.conv_states[0]
+            out[f"recurrent{i}"] = layer.recurrent_states[0]
+        else:
+            out[f"keys{i}"], out[f"values{i}"] = layer.keys, layer.values
+    return out
+
+
+def _random_walk(gen, tree, max_accept):
+    """The path to a random node, as a Walk padded with -1 to max_accept."""
+    node = int(torch.randint(0, tree.token.shape[1], (1,), generator=gen))
+    path = reference.path_to(tree.parent, 0, node)[:max_accept]
+    accepted = torch.full((1, max_accept), -1, dtype=torch.int32)
+    accepted[0, : len(path)] = torch.tensor(path, dtype=torch.int32)
+    return Walk(accepted, torch.tensor([len(path)], dtype=torch.int32), _tokens(gen, 1)), path
+
+
+def _rounds(adapter, seed, num_rounds):
+    """Generation-like rounds on two states from the same prompt: one verifies a random tree and commits
+    a random path of it, the other runs the stock chain forward over the same accepted tokens.
+
+    Yields (round, tree logits at the path's nodes [A, V], chain logits [A, V]) after each round; the
+    caller checks the states in between. Returns the two states and the next root token [1, 1]."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = _tokens(gen, 1, 5)
+    tree_state, chain_state = adapter.new_state(), adapter.new_state()
+    adapter.prefill(prompt, tree_state)
+    adapter.prefill(prompt, chain_state)
+    root = _tokens(gen, 1, 1)
+    for rnd in range(num_rounds):
+        shape = TREE_SHAPES[rnd % len(TREE_SHAPES)]
+        if shape == "draft":
+            budget = int(torch.randint(2, 12, (1,), generator=gen))
+            tree = _draft_tree(gen, root[:, 0], tree_state.prefix_len, budget)
+        else:
+            tree = _random_tree(gen, tree_state.prefix_len, int(torch.randint(1, 12, (1,), generator=gen)), shape)
+            tree = tree._replace(token=torch.cat([root, tree.token[:, 1:]], dim=1))
+        tree_logits, _ = adapter.verify(tree, tree_state)
+        walk, path = _random_walk(gen, tree, max_accept=7)
+        adapter.commit(walk, tree_state)
+        chain_logits, _ = adapter.forward_chain(tree.token[:, path], chain_state)
+        assert torch.equal(tree_state.prefix_len, chain_state.prefix_len)
+        yield rnd, tree_logits[0, path], chain_logits[0], tree_state, chain_state
+        root = walk.next_token[:, None]
+    # The states stay usable by the stock forward: the next chain forward agrees on both.
+    nxt = torch.cat([root, _tokens(gen, 1, 3)], dim=1)
+    tree_next, chain_next = adapter.forward_chain(nxt, tree_state)[0], adapter.forward_chain(nxt, chain_state)[0]
+    yield num_rounds, tree_next[0], chain_next[0], tree_state, chain_state
+
+
+def test_commit_equals_chain_forward_over_rounds(adapter):
+    for rnd, tree_logits, chain_logits, tree_state, chain_state in _rounds(adapter, seed=11, num_rounds=30):
+        assert rel_err(tree_logits, chain_logits) < MODEL_RTOL, f"round {rnd}"
+        assert torch.equal(tree_logits.argmax(-1), chain_logits.argmax(-1)), f"round {rnd}"
+        expected = _cache_tensors(adapter, chain_state)
+        for name, actual in _cache_tensors(adapter, tree_state).items():
+            assert actual.shape == expected[name].shape, f"round {rnd}: {name} shape"
+            assert rel_err(actual, expected[name]) < MODEL_RTOL, f"round {rnd}: {name} differs"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bf16_tree_stays_on_the_chain(attn):
+    """In bf16 the tree forward rounds where HF's does, so its logits stay within one bf16 ulp of the
+    largest chain logit (activating the conv before rounding it, as a fused kernel would, is several ulps off)."""
+    model = make_tiny_target("qwen3_5", seed=3, dtype=torch.bfloat16, attn_implementation=attn)
+    adapter = TargetAdapter(model)
+    for rnd, tree_logits, chain_logits, _, _ in _rounds(adapter, seed=5, num_rounds=8):
+        assert rel_err(tree_logits, chain_logits) <= 2**-8, f"round {rnd}"
+        assert torch.equal(tree_logits.argmax(-1), chain_logits.argmax(-1)), f"round {rnd}"
+
+
+def test_taps_are_the_tapped_layer_outputs(adapter):
+    gen = torch.Generator().manual_seed(3)
+    prompt = _tokens(gen, 1, 6)
+    _, taps = adapter.prefill(prompt, adapter.new_state())
+    hidden = adapter.model(input_ids=prompt, output_hidden_states=True).hidden_states
+    h = adapter.hidden_size
+    for slot, layer_id in enumerate(TAPS):
+        # hidden_states[id + 1] is the output of decoder layer id (ids here avoid the last, post-norm entry).
+        assert torch.equal(taps[..., slot * h : (slot + 1) * h], hidden[layer_id + 1])
+
+
+def test_chain_forward_matches_one_stock_forward(adapter):
+    gen = torch.Generator().manual_seed(5)
+    tokens = _tokens(gen, 1, 10)
+    state = adapter.new_state()
+    last, _ = adapter.prefill(tokens[:, :4], state)
+    rest, _ = adapter.forward_chain(tokens[:, 4:], state)
+    full = adapter.model(input_ids=tokens).logits.float()
+    assert rel_err(torch.cat([last[:, None], rest], dim=1), full[:, 3:]) < MODEL_RTOL
+    assert torch.equal(state.prefix_len, torch.tensor([10]))
+
+
+def test_conditional_generation_uses_its_text_model():
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    # The wider init of ddtree_ext.tiny, so the logits are peaked enough for argmax checks.
+    text = tiny_qwen3_5_config(layer_types=(LIN, FULL), initializer_range=0.2)
+    config = Qwen3_5Config(
+        text_config=text.to_dict(),
+        vision_config=dict(
+            depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=text.hidden_size
+        ),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3_5ForConditionalGeneration(config).eval()
+    adapter = TargetAdapter(model, (1,))
+    assert adapter.text_model is model.model.language_model and adapter.lm_head is model.lm_head
+    assert adapter.is_hybrid and adapter.num_layers == 2 and adapter.vocab_size == TINY_VOCAB
+
+    gen = torch.Generator().manual_seed(2)
+    prompt = _tokens(gen, 1, 6)
+    state = adapter.new_state()
+    logits, _ = adapter.prefill(prompt, state)
+    with torch.no_grad():
+        stock = model(input_ids=prompt).logits
+    assert rel_err(logits, stock[:, -1]) < MODEL_RTOL
+    tree = _random_tree(gen, state.prefix_len, 6, "random")
+    tree_logits, taps = adapter.verify(tree, state)
+    _assert_verify_matches_paths(adapter, prompt, tree, tree_logits, taps)
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return make_tiny_target("qwen3_5", seed=1, layer_types=(LIN, FULL, LIN, FULL))
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(
+        LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
+    with pytest.raises(ValueError, match="LlamaForCausalLM") as info:
+        TargetAdapter(llama)
+    for name in SUPPORTED_ARCHITECTURES:
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize("taps", [(-1,), (0, 4), (7,)])
+def test_bad_tap_ids(hybrid, taps):
+    with pytest.raises(ValueError, match="tap_layer_ids"):
+        TargetAdapter(hybrid, taps)
+
+
+def test_attention_implementation_without_tree_mask_is_refused():
+    model = make_tiny_target("qwen3", seed=0)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        TargetAdapter(model)
+
+
+def test_batch_above_one_is_refused(hybrid):
+    with pytest.raises(ValueError, match="batch_size"):
+        TargetAdapter(hybrid).new_state(2)
+
+
+def test_call_order_is_checked(hybrid):
+    adapter = TargetAdapter(hybrid)
+    state = adapter.new_state()
+    gen = torch.Generator().manual_seed(0)
+    tree = _random_tree(gen, state.prefix_len, 3, "random")
+    with pytest.raises(ValueError, match="prefill"):
+        adapter.verify(tree, state)
+    walk = Walk(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), _tokens(gen, 1))
+    with pytest.raises(ValueError, match="verify"):
+        adapter.commit(walk, state)
+    adapter.prefill(_tokens(gen, 1, 4), state)
+    with pytest.raises(ValueError, match="empty"):
+        adapter.prefill(_tokens(gen, 1, 4), state)
+    with pytest.raises(ValueError, match="prefix_len"):
+        adapter.verify(tree, state)  # built for the empty state
+    adapter.verify(reference.tree_from_parents(tree.parent, tree.token, state.prefix_len), state)
+    with pytest.raises(ValueError, match="commit"):
+        adapter.forward_chain(_tokens(gen, 1, 1), state)
+    with pytest.raises(ValueError, match="commit"):
+        adapter.verify(tree, state)
+
+
+def test_failed_verify_restores_layers_and_cache(hybrid, monkeypatch):
+    """An error in the second GDN layer (after an attention layer appended the nodes' K/V) leaves the
+    GDN forwards and the cache as they were."""
+    adapter = TargetAdapter(hybrid)
+    gen = torch.Generator().manual_seed(4)
+    prompt = _tokens(gen, 1, 5)
+    state = adapter.new_state()
+    adapter.prefill(prompt, state)
+    before = {k: v.clone() for k, v in _cache_tensors(adapter, state).items()}
+
+    calls = []
+    delta_rule = target._ops.tree_gated_delta_rule
+
+    def failing_delta_rule(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return delta_rule(*args, **kwargs)
+
+    monkeypatch.setattr(target._ops, "tree_gated_delta_rule", failing_delta_rule)
+    tree = _random_tree(gen, state.prefix_len, 5, "random")
+    with pytest.raises(RuntimeError, match="injected"):
+        adapter.verify(tree, state)
+    for i in adapter.gdn_layer_ids:
+        assert "forward" not in vars(hybrid.model.layers[i].linear_attn)
+    assert state.pending is None
+    after = _cache_tensors(adapter, state)
+    for name, t in before.items():
+        assert torch.equal(after[name], t), name
+    # And the state is still good for the stock forward.
+    nxt = _tokens(gen, 1, 2)
+    logits, _ = adapter.forward_chain(nxt, state)
+    stock = hybrid(input_ids=torch.cat([prompt, nxt], dim=1)).logits[:, -2:]
+    assert rel_err(logits, stock) < MODEL_RTOL
