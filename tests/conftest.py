@@ -5,6 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddtree_ext._loader import load_extension
+
+# Register torch.ops.ddtree before any test calls an op directly (the package loads the core lazily).
+load_extension()
+
 # Relative tolerances (max abs error / max abs reference) per input dtype. float32 paths compute in
 # float32 like the reference; bf16/fp16 inputs only change how inputs and outputs are rounded, so
 # their bound is a few ulps of the output dtype.

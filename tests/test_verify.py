@@ -215,9 +215,13 @@ def test_chain_gated_delta_rule_and_commit_match_hf(hf_kernel, n, use_qk_l2norm,
         q, k, v, g, beta, state, chain_parents(bsz, n), use_qk_l2norm=use_qk_l2norm, out=empty_gdn_out(q, v)
     )
 
+    # transformers 5.17's kernels expect q and k already repeated to the value heads (its GDN layer
+    # repeats them); 5.24's accept either. Repeating here works with both.
+    q_rep, k_rep = (x.repeat_interleave(vheads // heads, dim=2) for x in (q, k))
+
     def hf(rows, length):
         return hf_kernel(
-            q[rows, :length], k[rows, :length], v[rows, :length], g[rows, :length], beta[rows, :length],
+            q_rep[rows, :length], k_rep[rows, :length], v[rows, :length], g[rows, :length], beta[rows, :length],
             initial_state=state[rows], output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
         )
 
