@@ -336,13 +336,15 @@ class DFlashDraftModel(nn.Module):
         cos, sin = (t.unsqueeze(1) for t in self.rotary_emb(hidden, positions[None]))
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], start)
-        cache.length = start
 
         logits = lm_head(self.norm(hidden[:, 1:])).float()
         if self.output_multiplier != 1.0:
             logits = logits * self.output_multiplier
         if self.final_logit_softcapping is not None:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        # Only now the context rows count as appended: a call that raised before this line leaves the
+        # cache as it was (the rows it wrote are scratch), so a retry does not append them twice.
+        cache.length = start
         return logits
 
     @classmethod
