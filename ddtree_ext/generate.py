@@ -148,7 +148,7 @@ def generate(
         budget outside 1..256, a negative temperature, top_p outside (0, 1], a negative top_k,
         a non-integer/empty/out-of-vocabulary prompt or one that is not [1, T] (batch > 1 is not
         supported yet), an attention_mask with padding, a prompt plus max_new_tokens beyond the
-        target's max_position_embeddings, a draft that does not match the target, or an
+        target's max_position_embeddings, a draft that does not match the target (shapes, dtype or device), or an
         unsupported target architecture.
     """
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k)
@@ -156,10 +156,7 @@ def generate(
     speculative = method != "autoregressive"
     adapter = _as_adapter(target, draft if speculative else None)
     if speculative:
-        try:
-            draft.check_target(adapter.config)
-        except ValueError as e:
-            raise ValueError(f"generate: draft does not match the target: {e}") from e
+        _check_draft(draft, adapter)
     input_ids = _check_prompt(input_ids, attention_mask, adapter, max_new_tokens)
 
     prompt_len = input_ids.shape[1]
@@ -398,6 +395,22 @@ def _as_adapter(target, draft) -> "TargetAdapter":
             f"target_layer_ids {taps}"
         )
     return target
+
+
+def _check_draft(draft: "DFlashDraftModel", adapter: "TargetAdapter") -> None:
+    """ValueError unless the draft can serve the target: shapes (``check_target``), and the dtype and
+    device of the target's embeddings, which the draft runs its block through."""
+    try:
+        draft.check_target(adapter.config)
+    except ValueError as e:
+        raise ValueError(f"generate: draft does not match the target: {e}") from e
+    expected = adapter.embed_tokens.weight
+    actual = draft.fc.weight
+    if actual.dtype != expected.dtype or actual.device != expected.device:
+        raise ValueError(
+            f"generate: draft: weights are {actual.dtype} on {actual.device}, expected the target's "
+            f"{expected.dtype} on {expected.device} (the draft runs on the target's embeddings and LM head)"
+        )
 
 
 def _check_prompt(input_ids, attention_mask, adapter: "TargetAdapter", max_new_tokens: int) -> torch.Tensor:

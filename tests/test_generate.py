@@ -477,6 +477,10 @@ BAD_INPUTS = [
     ("attention_mask", dict(attention_mask=torch.ones(1, 5))),
     ("draft", dict(draft=None)),
     ("draft", dict(draft=_draft_of_another_target)),
+    ("draft: weights are torch.float64 on cpu, expected the target's torch.float32 on cpu",
+     dict(draft=lambda: make_tiny_draft(pair(RANDOM, HYBRID)[0], seed=1).double())),
+    ("draft: weights are torch.float32 on meta, expected the target's torch.float32 on cpu",
+     dict(draft=lambda: make_tiny_draft(pair(RANDOM, HYBRID)[0], seed=1).to("meta"))),
     ("target", dict(target=_unsupported_target)),
     ("target", dict(target=lambda: TargetAdapter(pair(RANDOM, HYBRID)[0], (0,)))),  # taps != the draft's
 ]
