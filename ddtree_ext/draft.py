@@ -282,6 +282,11 @@ class DFlashDraftModel(nn.Module):
         out_of_range = [i for i in self.target_layer_ids if i >= num_layers]
         if out_of_range:
             problems.append(f"target_layer_ids: {out_of_range} out of range for a target of {num_layers} layers")
+        if num_layers - 1 in self.target_layer_ids:
+            problems.append(
+                f"target_layer_ids: the target's last layer ({num_layers - 1}) cannot be tapped: its HF hidden "
+                "state is post-norm, the target adapter records raw layer outputs"
+            )
         expected_layers = getattr(self.config, "num_target_layers", None)
         if expected_layers is not None and expected_layers != num_layers:
             problems.append(

@@ -139,6 +139,13 @@ class TargetAdapter:
             raise ValueError(
                 f"TargetAdapter: tap_layer_ids: {bad} out of range for a model with {self.num_layers} decoder layers"
             )
+        # The hooks record a layer's raw output, which is HF's hidden_states[id + 1] except for the last
+        # layer: hidden_states[num_layers] is after the final norm, and that is what a draft reads there.
+        if self.num_layers - 1 in self.tap_layer_ids:
+            raise ValueError(
+                f"TargetAdapter: tap_layer_ids: the last decoder layer ({self.num_layers - 1}) cannot be tapped "
+                f"(its HF hidden state is post-norm); tap layers 0..{self.num_layers - 2}"
+            )
         params = inspect.signature(self.text_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 

@@ -182,6 +182,7 @@ def test_check_target_accepts_its_target(family):
         (dict(hidden_size=96), "hidden_size"),
         (dict(vocab_size=200), "vocab_size"),  # mask token 255 is outside
         (dict(num_hidden_layers=2), "target_layer_ids"),  # taps [1, 2] need 3 layers
+        (dict(num_hidden_layers=3), "target_layer_ids: the target's last layer"),  # tap 2 is the last
         (dict(num_hidden_layers=6), "num_target_layers"),
     ],
 )

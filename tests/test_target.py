@@ -203,7 +203,7 @@ def test_conditional_generation_uses_its_text_model():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Qwen3_5ForConditionalGeneration(config).eval()
-    adapter = TargetAdapter(model, (1,))
+    adapter = TargetAdapter(model, (0,))  # layer 1 is the last: not tappable
     assert adapter.text_model is model.model.language_model and adapter.lm_head is model.lm_head
     assert adapter.is_hybrid and adapter.num_layers == 2 and adapter.vocab_size == TINY_VOCAB
 
@@ -239,9 +239,10 @@ def test_unsupported_architecture_names_the_supported_ones():
         assert name in str(info.value)
 
 
-@pytest.mark.parametrize("taps", [(-1,), (0, 4), (7,)])
-def test_bad_tap_ids(hybrid, taps):
-    with pytest.raises(ValueError, match="tap_layer_ids"):
+@pytest.mark.parametrize("taps,message", [((-1,), "out of range"), ((0, 4), "out of range"), ((7,), "out of range"),
+                                          ((0, 3), "the last decoder layer")])
+def test_bad_tap_ids(hybrid, taps, message):
+    with pytest.raises(ValueError, match=f"tap_layer_ids: .*{message}"):
         TargetAdapter(hybrid, taps)
 
 
