@@ -145,13 +145,14 @@ def generate(
 
     Raises:
         ValueError naming the argument, before any model forward, for: an unknown method, a
-        budget outside 1..256, a negative temperature, top_p outside (0, 1], a negative top_k,
+        budget outside 1..256, a negative temperature, top_p outside (0, 1], a negative top_k, a bool
+        where a number is expected, a non-bool spine,
         a non-integer/empty/out-of-vocabulary prompt or one that is not [1, T] (batch > 1 is not
         supported yet), an attention_mask with padding, a prompt plus max_new_tokens beyond the
         target's max_position_embeddings, a draft that does not match the target (shapes, dtype or device), or an
         unsupported target architecture.
     """
-    _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k)
+    _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine)
     eos = _eos_set(eos_token_id)
     speculative = method != "autoregressive"
     adapter = _as_adapter(target, draft if speculative else None)
@@ -357,7 +358,14 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k) -> None:
+def _is_number(x) -> bool:
+    """An int or float, not a bool (True would otherwise pass as 1)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_options(
+    method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine
+) -> None:
     if method not in METHODS:
         raise ValueError(f"generate: method must be one of {METHODS}, got {method!r}")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -367,14 +375,16 @@ def _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new
             raise ValueError(f"generate: tree_budget must be an int in 1..{MAX_TREE_BUDGET}, got {tree_budget!r}")
         if not _is_int(draft_top_k) or draft_top_k < 1:
             raise ValueError(f"generate: draft_top_k must be an int >= 1, got {draft_top_k!r}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise ValueError(f"generate: top_k must be None or an int >= 0, got {top_k!r}")
-    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
         raise ValueError(f"generate: top_p must be None or in (0, 1], got {top_p!r}")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
         raise ValueError(f"generate: seed must be None or an int in [0, 2**64), got {seed!r}")
+    if not isinstance(spine, bool):
+        raise ValueError(f"generate: spine must be a bool, got {spine!r}")
     if method != "autoregressive" and draft is None:
         raise ValueError(f"generate: draft is required for method={method!r} (only 'autoregressive' runs without)")
 
