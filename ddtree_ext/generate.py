@@ -146,11 +146,11 @@ def generate(
     Raises:
         ValueError naming the argument, before any model forward, for: an unknown method, a
         budget outside 1..256, a negative temperature, top_p outside (0, 1], a negative top_k, a bool
-        where a number is expected, a non-bool spine,
-        a non-integer/empty/out-of-vocabulary prompt or one that is not [1, T] (batch > 1 is not
-        supported yet), an attention_mask with padding, a prompt plus max_new_tokens beyond the
-        target's max_position_embeddings, a draft that does not match the target (shapes, dtype or device), or an
-        unsupported target architecture.
+        where a number is expected, a non-bool spine, a non-integer/empty/out-of-vocabulary prompt or
+        one that is not [1, T] (batch > 1 is not supported yet), an attention_mask with padding, a
+        prompt plus max_new_tokens (plus ``block_size - 1`` for the draft methods, see
+        :func:`_check_prompt`) beyond the target's max_position_embeddings, a draft that does not match
+        the target (shapes, dtype or device), or an unsupported target architecture.
     """
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine)
     eos = _eos_set(eos_token_id)
@@ -158,7 +158,8 @@ def generate(
     adapter = _as_adapter(target, draft if speculative else None)
     if speculative:
         _check_draft(draft, adapter)
-    input_ids = _check_prompt(input_ids, attention_mask, adapter, max_new_tokens)
+    tree_reach = draft.block_size - 1 if speculative else 0
+    input_ids = _check_prompt(input_ids, attention_mask, adapter, max_new_tokens, tree_reach)
 
     prompt_len = input_ids.shape[1]
     device = input_ids.device
@@ -423,8 +424,17 @@ def _check_draft(draft: "DFlashDraftModel", adapter: "TargetAdapter") -> None:
         )
 
 
-def _check_prompt(input_ids, attention_mask, adapter: "TargetAdapter", max_new_tokens: int) -> torch.Tensor:
-    """The validated prompt as int64 [1, T] on the target's device."""
+def _check_prompt(
+    input_ids, attention_mask, adapter: "TargetAdapter", max_new_tokens: int, tree_reach: int
+) -> torch.Tensor:
+    """The validated prompt as int64 [1, T] on the target's device.
+
+    ``tree_reach``: how far past its root a round's verify reaches (``block_size - 1`` for the draft
+    methods, 0 for autoregressive). The output (T + max_new_tokens positions) must fit in the target's
+    positions, and so must the nodes a round verifies beyond it: a round whose root is the last
+    emitted token but one still verifies nodes up to ``block_size - 1`` positions deeper. The bound
+    T + max_new_tokens + tree_reach <= max_position_embeddings covers both (with a little slack: the
+    last emitted token is never run through the target)."""
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"generate: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -446,10 +456,11 @@ def _check_prompt(input_ids, attention_mask, adapter: "TargetAdapter", max_new_t
         if not bool((attention_mask != 0).all()):
             raise ValueError("generate: attention_mask has zeros (padding), which is not supported yet: pass unpadded ids")
     limit = adapter.max_position_embeddings
-    if limit is not None and prompt_len + max_new_tokens > limit:
+    if limit is not None and prompt_len + max_new_tokens + tree_reach > limit:
+        reach = f" + the tree's reach past the last token (block_size - 1 = {tree_reach})" if tree_reach else ""
         raise ValueError(
-            f"generate: max_new_tokens: prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"target's max_position_embeddings ({limit})"
+            f"generate: max_new_tokens: prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}){reach} exceeds "
+            f"the target's max_position_embeddings ({limit})"
         )
     return input_ids.to(device=adapter.device, dtype=torch.long)
 

@@ -473,6 +473,9 @@ BAD_INPUTS = [
     ("seed", dict(seed=-1)),
     ("max_new_tokens", dict(max_new_tokens=0)),
     ("max_new_tokens", dict(max_new_tokens=5000)),  # prompt + 5000 > max_position_embeddings 4096
+    # 4 + 4086 fits in 4096 positions, but the last rounds verify up to block_size - 1 = 7 positions deeper
+    (r"max_new_tokens.*block_size - 1 = 7", dict(max_new_tokens=4086)),
+    (r"max_new_tokens.*block_size - 1 = 7", dict(max_new_tokens=4086, method="dflash")),
     ("eos_token_id", dict(eos_token_id="</s>")),
     ("input_ids", dict(input_ids=torch.zeros(1, 0, dtype=torch.long))),
     ("input_ids", dict(input_ids=torch.zeros(1, 4))),
