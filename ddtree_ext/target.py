@@ -89,6 +89,32 @@ class TargetState:
     pending: Optional[_VerifyStash] = None
 
 
+@contextlib.contextmanager
+def record_layer_outputs(
+    layers: Sequence[torch.nn.Module], layer_ids: Sequence[int]
+) -> Iterator[Dict[int, torch.Tensor]]:
+    """Forward hooks on ``layers[i]`` for i in ``layer_ids``, recording each one's output [B, T, hidden]
+    by layer index (HF ``hidden_states[i + 1]`` for all but the last layer) while the context is open.
+
+    The one implementation of the taps: the adapter and the tiny drafts' training data both use it.
+    A layer returning a tuple (older transformers) records its first element.
+    """
+    recorded: Dict[int, torch.Tensor] = {}
+
+    def hook_for(layer_id):
+        def hook(module, args, output):
+            recorded[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(hook_for(i)) for i in set(layer_ids)]
+    try:
+        yield recorded
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class TargetAdapter:
     """A supported HF causal LM seen as prefill / forward_chain / verify / commit (see module docstring).
 
@@ -318,7 +344,7 @@ class TargetAdapter:
 
     def _run(self, tokens, position_ids, attention_mask, state) -> Tuple[torch.Tensor, torch.Tensor]:
         """One text-model forward; returns (final hidden states [B, T, hidden], taps)."""
-        with self._record_taps() as recorded:
+        with record_layer_outputs(self.text_model.layers, self.tap_layer_ids) as recorded:
             out = self.text_model(
                 input_ids=tokens,
                 position_ids=position_ids,
@@ -330,24 +356,6 @@ class TargetAdapter:
         if not self.tap_layer_ids:
             return hidden, hidden.new_empty(*hidden.shape[:2], 0)
         return hidden, torch.cat([recorded[i] for i in self.tap_layer_ids], dim=-1)
-
-    @contextlib.contextmanager
-    def _record_taps(self) -> Iterator[Dict[int, torch.Tensor]]:
-        """Forward hooks on the tapped decoder layers, recording each one's output by layer index."""
-        recorded: Dict[int, torch.Tensor] = {}
-
-        def hook_for(layer_id):
-            def hook(module, args, output):
-                recorded[layer_id] = output
-
-            return hook
-
-        handles = [self.text_model.layers[i].register_forward_hook(hook_for(i)) for i in set(self.tap_layer_ids)]
-        try:
-            yield recorded
-        finally:
-            for h in handles:
-                h.remove()
 
     @contextlib.contextmanager
     def _tree_gdn_forwards(self, state: TargetState, parent: torch.Tensor, stash: _VerifyStash) -> Iterator[None]:

@@ -359,3 +359,23 @@ def test_bad_walk_leaves_the_state_untouched(hybrid, monkeypatch, case):
     adapter.commit(good, state)
     assert sorted(set(calls)) == ["commit_conv_state", "commit_gdn_state", "commit_kv"]
     assert torch.equal(state.prefix_len, prefix_before + 2)
+
+
+def test_record_layer_outputs_reads_tensor_and_tuple_outputs():
+    """The one tap recorder (adapter and tiny drafts): a layer's output tensor, or the first element of
+    the tuple older transformers' decoder layers return; hooks are gone after the context."""
+
+    class TupleLayer(torch.nn.Module):
+        def forward(self, x):
+            return (x * 3, "attention weights")
+
+    layers = torch.nn.ModuleList([torch.nn.Identity(), TupleLayer(), torch.nn.Identity()])
+    x = torch.randn(1, 2, 4)
+    with target.record_layer_outputs(layers, [1, 0]) as recorded:
+        layers[0](x)
+        layers[1](x)
+        layers[2](x)
+    assert sorted(recorded) == [0, 1]
+    assert torch.equal(recorded[0], x) and torch.equal(recorded[1], x * 3)
+    layers[1](x + 1)
+    assert torch.equal(recorded[1], x * 3)
