@@ -282,6 +282,11 @@ class DFlashDraftModel(nn.Module):
         out_of_range = [i for i in self.target_layer_ids if i >= num_layers]
         if out_of_range:
             problems.append(f"target_layer_ids: {out_of_range} out of range for a target of {num_layers} layers")
+        if num_layers - 1 in self.target_layer_ids:
+            problems.append(
+                f"target_layer_ids: the target's last layer ({num_layers - 1}) cannot be tapped: its HF hidden "
+                "state is post-norm, the target adapter records raw layer outputs"
+            )
         expected_layers = getattr(self.config, "num_target_layers", None)
         if expected_layers is not None and expected_layers != num_layers:
             problems.append(
@@ -336,13 +341,15 @@ class DFlashDraftModel(nn.Module):
         cos, sin = (t.unsqueeze(1) for t in self.rotary_emb(hidden, positions[None]))
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], start)
-        cache.length = start
 
         logits = lm_head(self.norm(hidden[:, 1:])).float()
         if self.output_multiplier != 1.0:
             logits = logits * self.output_multiplier
         if self.final_logit_softcapping is not None:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        # Only now the context rows count as appended: a call that raised before this line leaves the
+        # cache as it was (the rows it wrote are scratch), so a retry does not append them twice.
+        cache.length = start
         return logits
 
     @classmethod

@@ -145,22 +145,21 @@ def generate(
 
     Raises:
         ValueError naming the argument, before any model forward, for: an unknown method, a
-        budget outside 1..256, a negative temperature, top_p outside (0, 1], a negative top_k,
-        a non-integer/empty/out-of-vocabulary prompt or one that is not [1, T] (batch > 1 is not
-        supported yet), an attention_mask with padding, a prompt plus max_new_tokens beyond the
-        target's max_position_embeddings, a draft that does not match the target, or an
-        unsupported target architecture.
+        budget outside 1..256, a negative temperature, top_p outside (0, 1], a negative top_k, a bool
+        where a number is expected, a non-bool spine, a non-integer/empty/out-of-vocabulary prompt or
+        one that is not [1, T] (batch > 1 is not supported yet), an attention_mask with padding, a
+        prompt plus max_new_tokens (plus ``block_size - 1`` for the draft methods, see
+        :func:`_check_prompt`) beyond the target's max_position_embeddings, a draft that does not match
+        the target (shapes, dtype or device), or an unsupported target architecture.
     """
-    _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k)
+    _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine)
     eos = _eos_set(eos_token_id)
     speculative = method != "autoregressive"
     adapter = _as_adapter(target, draft if speculative else None)
     if speculative:
-        try:
-            draft.check_target(adapter.config)
-        except ValueError as e:
-            raise ValueError(f"generate: draft does not match the target: {e}") from e
-    input_ids = _check_prompt(input_ids, attention_mask, adapter, max_new_tokens)
+        _check_draft(draft, adapter)
+    tree_reach = draft.block_size - 1 if speculative else 0
+    input_ids = _check_prompt(input_ids, attention_mask, adapter, max_new_tokens, tree_reach)
 
     prompt_len = input_ids.shape[1]
     device = input_ids.device
@@ -360,7 +359,14 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k) -> None:
+def _is_number(x) -> bool:
+    """An int or float, not a bool (True would otherwise pass as 1)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_options(
+    method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine
+) -> None:
     if method not in METHODS:
         raise ValueError(f"generate: method must be one of {METHODS}, got {method!r}")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -370,14 +376,16 @@ def _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new
             raise ValueError(f"generate: tree_budget must be an int in 1..{MAX_TREE_BUDGET}, got {tree_budget!r}")
         if not _is_int(draft_top_k) or draft_top_k < 1:
             raise ValueError(f"generate: draft_top_k must be an int >= 1, got {draft_top_k!r}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise ValueError(f"generate: top_k must be None or an int >= 0, got {top_k!r}")
-    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
         raise ValueError(f"generate: top_p must be None or in (0, 1], got {top_p!r}")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
         raise ValueError(f"generate: seed must be None or an int in [0, 2**64), got {seed!r}")
+    if not isinstance(spine, bool):
+        raise ValueError(f"generate: spine must be a bool, got {spine!r}")
     if method != "autoregressive" and draft is None:
         raise ValueError(f"generate: draft is required for method={method!r} (only 'autoregressive' runs without)")
 
@@ -400,8 +408,33 @@ def _as_adapter(target, draft) -> "TargetAdapter":
     return target
 
 
-def _check_prompt(input_ids, attention_mask, adapter: "TargetAdapter", max_new_tokens: int) -> torch.Tensor:
-    """The validated prompt as int64 [1, T] on the target's device."""
+def _check_draft(draft: "DFlashDraftModel", adapter: "TargetAdapter") -> None:
+    """ValueError unless the draft can serve the target: shapes (``check_target``), and the dtype and
+    device of the target's embeddings, which the draft runs its block through."""
+    try:
+        draft.check_target(adapter.config)
+    except ValueError as e:
+        raise ValueError(f"generate: draft does not match the target: {e}") from e
+    expected = adapter.embed_tokens.weight
+    actual = draft.fc.weight
+    if actual.dtype != expected.dtype or actual.device != expected.device:
+        raise ValueError(
+            f"generate: draft: weights are {actual.dtype} on {actual.device}, expected the target's "
+            f"{expected.dtype} on {expected.device} (the draft runs on the target's embeddings and LM head)"
+        )
+
+
+def _check_prompt(
+    input_ids, attention_mask, adapter: "TargetAdapter", max_new_tokens: int, tree_reach: int
+) -> torch.Tensor:
+    """The validated prompt as int64 [1, T] on the target's device.
+
+    ``tree_reach``: how far past its root a round's verify reaches (``block_size - 1`` for the draft
+    methods, 0 for autoregressive). The output (T + max_new_tokens positions) must fit in the target's
+    positions, and so must the nodes a round verifies beyond it: a round whose root is the last
+    emitted token but one still verifies nodes up to ``block_size - 1`` positions deeper. The bound
+    T + max_new_tokens + tree_reach <= max_position_embeddings covers both (with a little slack: the
+    last emitted token is never run through the target)."""
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"generate: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -423,10 +456,11 @@ def _check_prompt(input_ids, attention_mask, adapter: "TargetAdapter", max_new_t
         if not bool((attention_mask != 0).all()):
             raise ValueError("generate: attention_mask has zeros (padding), which is not supported yet: pass unpadded ids")
     limit = adapter.max_position_embeddings
-    if limit is not None and prompt_len + max_new_tokens > limit:
+    if limit is not None and prompt_len + max_new_tokens + tree_reach > limit:
+        reach = f" + the tree's reach past the last token (block_size - 1 = {tree_reach})" if tree_reach else ""
         raise ValueError(
-            f"generate: max_new_tokens: prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"target's max_position_embeddings ({limit})"
+            f"generate: max_new_tokens: prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}){reach} exceeds "
+            f"the target's max_position_embeddings ({limit})"
         )
     return input_ids.to(device=adapter.device, dtype=torch.long)
 

@@ -67,9 +67,10 @@ _TREE_MASK_IMPLEMENTATIONS = ("sdpa", "eager")
 
 @dataclass
 class _VerifyStash:
-    """What ``verify`` leaves for ``commit``: per GDN layer index, the pre-conv inputs x [B, N, C] and
-    the tree delta rule's output with its stash."""
+    """What ``verify`` leaves for ``commit``: the tree's node count N and, per GDN layer index, the
+    pre-conv inputs x [B, N, C] and the tree delta rule's output with its stash."""
 
+    num_nodes: int
     conv_input: Dict[int, torch.Tensor] = field(default_factory=dict)
     gdn: Dict[int, GDNTreeOutput] = field(default_factory=dict)
 
@@ -86,6 +87,32 @@ class TargetState:
     cache: object
     prefix_len: torch.Tensor
     pending: Optional[_VerifyStash] = None
+
+
+@contextlib.contextmanager
+def record_layer_outputs(
+    layers: Sequence[torch.nn.Module], layer_ids: Sequence[int]
+) -> Iterator[Dict[int, torch.Tensor]]:
+    """Forward hooks on ``layers[i]`` for i in ``layer_ids``, recording each one's output [B, T, hidden]
+    by layer index (HF ``hidden_states[i + 1]`` for all but the last layer) while the context is open.
+
+    The one implementation of the taps: the adapter and the tiny drafts' training data both use it.
+    A layer returning a tuple (older transformers) records its first element.
+    """
+    recorded: Dict[int, torch.Tensor] = {}
+
+    def hook_for(layer_id):
+        def hook(module, args, output):
+            recorded[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(hook_for(i)) for i in set(layer_ids)]
+    try:
+        yield recorded
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class TargetAdapter:
@@ -138,6 +165,13 @@ class TargetAdapter:
         if bad:
             raise ValueError(
                 f"TargetAdapter: tap_layer_ids: {bad} out of range for a model with {self.num_layers} decoder layers"
+            )
+        # The hooks record a layer's raw output, which is HF's hidden_states[id + 1] except for the last
+        # layer: hidden_states[num_layers] is after the final norm, and that is what a draft reads there.
+        if self.num_layers - 1 in self.tap_layer_ids:
+            raise ValueError(
+                f"TargetAdapter: tap_layer_ids: the last decoder layer ({self.num_layers - 1}) cannot be tapped "
+                f"(its HF hidden state is post-norm); tap layers 0..{self.num_layers - 2}"
             )
         params = inspect.signature(self.text_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -204,7 +238,7 @@ class TargetAdapter:
         kv_len = int(state.prefix_len.max()) + num_nodes
         mask = _ops.tree_attention_mask(tree.ancestor_mask, state.prefix_len, kv_len, dtype=self._mask_dtype)
         masks = {_FULL_ATTENTION: mask, _LINEAR_ATTENTION: None}
-        stash = _VerifyStash()
+        stash = _VerifyStash(num_nodes)
         try:
             with self._tree_gdn_forwards(state, tree.parent, stash):
                 hidden, taps = self._run(tree.token, tree.position, masks, state)
@@ -223,10 +257,15 @@ class TargetAdapter:
         move to slots prefix_len .. prefix_len + accept_len - 1 and the rest of the tree is dropped; GDN
         recurrent states and conv windows advance along the path. Afterwards the state is what
         forward_chain over the accepted tokens would have produced; prefix_len += accept_len.
+        A walk that is not a path of the verified tree (see ``_check_walk``) raises ValueError before
+        any write, leaving the verified state committable; checking it reads the walk to the host.
         """
         stash = state.pending
         if stash is None:
             raise ValueError("TargetAdapter.commit: no verified tree to commit; call verify first")
+        # The commit ops each check the walk, but K/V, GDN states and conv windows are written by three
+        # calls: a walk the second one refused would leave the first one's writes behind.
+        self._check_walk(walk, state, stash.num_nodes)
         cache = state.cache
         kv = [t for i in self.attention_layer_ids for t in (cache.layers[i].keys, cache.layers[i].values)]
         if kv:
@@ -264,6 +303,38 @@ class TargetAdapter:
         if state.pending is not None:
             raise ValueError(f"TargetAdapter.{op}: the last verify is not committed yet; call commit first")
 
+    def _check_walk(self, walk: Walk, state: TargetState, num_nodes: int) -> None:
+        """ValueError unless ``walk`` is a path of the verified tree: accepted [B, D] int32 (D >= 1) and
+        accept_len [B] int32 on the target's device, 1 <= accept_len <= D, and the first accept_len
+        entries node indices in [0, num_nodes), strictly increasing."""
+        op = "TargetAdapter.commit"
+        accepted, accept_len = walk.accepted, walk.accept_len
+        batch = state.prefix_len.shape[0]
+        if accepted.dtype != torch.int32 or accepted.dim() != 2 or accepted.shape[0] != batch or accepted.shape[1] < 1:
+            raise ValueError(
+                f"{op}: walk.accepted must be int32 [{batch}, D >= 1], got {accepted.dtype} {list(accepted.shape)}"
+            )
+        if accept_len.dtype != torch.int32 or tuple(accept_len.shape) != (batch,):
+            raise ValueError(
+                f"{op}: walk.accept_len must be int32 [{batch}], got {accept_len.dtype} {list(accept_len.shape)}"
+            )
+        for name, t in (("accepted", accepted), ("accept_len", accept_len)):
+            if t.device != self.device:
+                raise ValueError(f"{op}: walk.{name} is on {t.device}, the target on {self.device}")
+        # One host read of the path (a device sync on GPUs, where the ops do not check values); it is
+        # [B, D + 1] integers, next to a round's own read of the same walk.
+        rows = torch.cat([accept_len[:, None], accepted], dim=1).tolist()
+        max_accept = accepted.shape[1]
+        for b, (length, *path) in enumerate(rows):
+            if not 1 <= length <= max_accept:
+                raise ValueError(f"{op}: walk.accept_len[{b}] must be in [1, {max_accept}], got {length}")
+            path = path[:length]
+            if not all(0 <= node < num_nodes for node in path) or any(x >= y for x, y in zip(path, path[1:])):
+                raise ValueError(
+                    f"{op}: walk.accepted[{b}, :{length}] must be strictly increasing node indices in "
+                    f"[0, {num_nodes}), got {path}"
+                )
+
     def _run_chain(self, tokens: torch.Tensor, state: TargetState) -> Tuple[torch.Tensor, torch.Tensor]:
         """Stock causal forward of tokens after prefix_len; advances prefix_len."""
         steps = torch.arange(tokens.shape[1], device=tokens.device)
@@ -273,7 +344,7 @@ class TargetAdapter:
 
     def _run(self, tokens, position_ids, attention_mask, state) -> Tuple[torch.Tensor, torch.Tensor]:
         """One text-model forward; returns (final hidden states [B, T, hidden], taps)."""
-        with self._record_taps() as recorded:
+        with record_layer_outputs(self.text_model.layers, self.tap_layer_ids) as recorded:
             out = self.text_model(
                 input_ids=tokens,
                 position_ids=position_ids,
@@ -285,24 +356,6 @@ class TargetAdapter:
         if not self.tap_layer_ids:
             return hidden, hidden.new_empty(*hidden.shape[:2], 0)
         return hidden, torch.cat([recorded[i] for i in self.tap_layer_ids], dim=-1)
-
-    @contextlib.contextmanager
-    def _record_taps(self) -> Iterator[Dict[int, torch.Tensor]]:
-        """Forward hooks on the tapped decoder layers, recording each one's output by layer index."""
-        recorded: Dict[int, torch.Tensor] = {}
-
-        def hook_for(layer_id):
-            def hook(module, args, output):
-                recorded[layer_id] = output
-
-            return hook
-
-        handles = [self.text_model.layers[i].register_forward_hook(hook_for(i)) for i in set(self.tap_layer_ids)]
-        try:
-            yield recorded
-        finally:
-            for h in handles:
-                h.remove()
 
     @contextlib.contextmanager
     def _tree_gdn_forwards(self, state: TargetState, parent: torch.Tensor, stash: _VerifyStash) -> Iterator[None]:

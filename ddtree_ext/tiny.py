@@ -219,23 +219,11 @@ def make_tiny_draft(target, *, seed: int = 0, weight_std: float = 0.2, **config_
 def target_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
     """[B, T, len(layer_ids) * hidden]: the outputs of the target's decoder layers ``layer_ids`` for a
     stock forward over ``input_ids`` [B, T], concatenated in ``layer_ids`` order (forward hooks, as
-    the target adapter records them)."""
-    layers = target.get_decoder().layers
-    outputs = {}
+    the target adapter records them: :func:`ddtree_ext.target.record_layer_outputs`)."""
+    from ddtree_ext.target import record_layer_outputs
 
-    def record(index):
-        def hook(module, args, output):
-            outputs[index] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    handles = [layers[i].register_forward_hook(record(i)) for i in set(layer_ids)]
-    try:
-        with torch.no_grad():
-            target(input_ids=input_ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with record_layer_outputs(target.get_decoder().layers, layer_ids) as outputs, torch.no_grad():
+        target(input_ids=input_ids, use_cache=False)
     return torch.cat([outputs[i] for i in layer_ids], dim=-1)
 
 

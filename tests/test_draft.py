@@ -182,6 +182,7 @@ def test_check_target_accepts_its_target(family):
         (dict(hidden_size=96), "hidden_size"),
         (dict(vocab_size=200), "vocab_size"),  # mask token 255 is outside
         (dict(num_hidden_layers=2), "target_layer_ids"),  # taps [1, 2] need 3 layers
+        (dict(num_hidden_layers=3), "target_layer_ids: the target's last layer"),  # tap 2 is the last
         (dict(num_hidden_layers=6), "num_target_layers"),
     ],
 )
@@ -258,6 +259,31 @@ def test_context_appended_in_pieces_equals_one_call(target, splits):
     for i in range(len(draft.layers)):
         for name, pieces, whole in (("keys", cache.keys, one_cache.keys), ("values", cache.values, one_cache.values)):
             assert_close(pieces[i][:, :, : cache.length], whole[i][:, :, : one_cache.length], torch.float32, name)
+
+
+def test_failed_propose_leaves_the_cache_as_it_was(target):
+    """An LM head that raises once: the retry must see the cache of before the failed call (its context
+    rows not counted as appended), so it equals one clean call."""
+    draft = make_tiny_draft(target)
+    context, bonus = random_context(draft, 1, 5), random_bonus(1, 256)
+    head = target.get_output_embeddings()
+    failures = []
+
+    def failing_once(hidden):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("lm_head failed")
+        return head(hidden)
+
+    with torch.no_grad():
+        expected = draft.propose(context, bonus, draft.new_cache(), **propose_args(target))
+        cache = draft.new_cache()
+        with pytest.raises(RuntimeError, match="lm_head failed"):
+            draft.propose(context, bonus, cache, embed_tokens=target.get_input_embeddings(), lm_head=failing_once)
+        assert cache.length == 0
+        actual = draft.propose(context, bonus, cache, embed_tokens=target.get_input_embeddings(), lm_head=failing_once)
+    assert cache.length == 5
+    assert_close(actual, expected, torch.float32, "logits")
 
 
 # ---------------------------------------------------------------------------------------------

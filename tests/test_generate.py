@@ -461,12 +461,21 @@ BAD_INPUTS = [
     ("draft_top_k", dict(draft_top_k=0)),
     ("temperature", dict(temperature=-0.5)),
     ("temperature", dict(temperature=float("nan"))),
+    ("temperature", dict(temperature=True)),
+    ("top_p", dict(top_p=True)),
+    ("top_k", dict(top_k=True)),
+    ("max_new_tokens", dict(max_new_tokens=True)),
+    ("spine", dict(spine=1)),
+    ("spine", dict(spine="no")),
     ("top_p", dict(top_p=0.0)),
     ("top_p", dict(top_p=1.5)),
     ("top_k", dict(top_k=-1)),
     ("seed", dict(seed=-1)),
     ("max_new_tokens", dict(max_new_tokens=0)),
     ("max_new_tokens", dict(max_new_tokens=5000)),  # prompt + 5000 > max_position_embeddings 4096
+    # 4 + 4086 fits in 4096 positions, but the last rounds verify up to block_size - 1 = 7 positions deeper
+    (r"max_new_tokens.*block_size - 1 = 7", dict(max_new_tokens=4086)),
+    (r"max_new_tokens.*block_size - 1 = 7", dict(max_new_tokens=4086, method="dflash")),
     ("eos_token_id", dict(eos_token_id="</s>")),
     ("input_ids", dict(input_ids=torch.zeros(1, 0, dtype=torch.long))),
     ("input_ids", dict(input_ids=torch.zeros(1, 4))),
@@ -477,6 +486,10 @@ BAD_INPUTS = [
     ("attention_mask", dict(attention_mask=torch.ones(1, 5))),
     ("draft", dict(draft=None)),
     ("draft", dict(draft=_draft_of_another_target)),
+    ("draft: weights are torch.float64 on cpu, expected the target's torch.float32 on cpu",
+     dict(draft=lambda: make_tiny_draft(pair(RANDOM, HYBRID)[0], seed=1).double())),
+    ("draft: weights are torch.float32 on meta, expected the target's torch.float32 on cpu",
+     dict(draft=lambda: make_tiny_draft(pair(RANDOM, HYBRID)[0], seed=1).to("meta"))),
     ("target", dict(target=_unsupported_target)),
     ("target", dict(target=lambda: TargetAdapter(pair(RANDOM, HYBRID)[0], (0,)))),  # taps != the draft's
 ]

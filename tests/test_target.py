@@ -203,7 +203,7 @@ def test_conditional_generation_uses_its_text_model():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Qwen3_5ForConditionalGeneration(config).eval()
-    adapter = TargetAdapter(model, (1,))
+    adapter = TargetAdapter(model, (0,))  # layer 1 is the last: not tappable
     assert adapter.text_model is model.model.language_model and adapter.lm_head is model.lm_head
     assert adapter.is_hybrid and adapter.num_layers == 2 and adapter.vocab_size == TINY_VOCAB
 
@@ -239,9 +239,10 @@ def test_unsupported_architecture_names_the_supported_ones():
         assert name in str(info.value)
 
 
-@pytest.mark.parametrize("taps", [(-1,), (0, 4), (7,)])
-def test_bad_tap_ids(hybrid, taps):
-    with pytest.raises(ValueError, match="tap_layer_ids"):
+@pytest.mark.parametrize("taps,message", [((-1,), "out of range"), ((0, 4), "out of range"), ((7,), "out of range"),
+                                          ((0, 3), "the last decoder layer")])
+def test_bad_tap_ids(hybrid, taps, message):
+    with pytest.raises(ValueError, match=f"tap_layer_ids: .*{message}"):
         TargetAdapter(hybrid, taps)
 
 
@@ -313,3 +314,68 @@ def test_failed_verify_restores_layers_and_cache(hybrid, monkeypatch):
     logits, _ = adapter.forward_chain(nxt, state)
     stock = hybrid(input_ids=torch.cat([prompt, nxt], dim=1)).logits[:, -2:]
     assert rel_err(logits, stock) < MODEL_RTOL
+
+
+BAD_WALKS = {
+    "accept_len 0": ([[0, 1, -1]], [0], "accept_len"),
+    "accept_len > D": ([[0, 1, 2]], [4], "accept_len"),
+    "node >= N": ([[0, 5, -1]], [2], "accepted"),
+    "node < 0": ([[-1, 1, -1]], [2], "accepted"),
+    "not increasing": ([[0, 2, 1]], [3], "accepted"),
+    "int64": (torch.tensor([[0, 1, -1]]), [2], "accepted"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_WALKS, ids=list(BAD_WALKS))
+def test_bad_walk_leaves_the_state_untouched(hybrid, monkeypatch, case):
+    """A walk that is not a path of the verified tree is refused before ANY commit op runs (K/V, GDN
+    state and conv windows are written by separate ops): every cache tensor stays bitwise the same and
+    a valid walk still commits afterwards."""
+    accepted, accept_len, field = BAD_WALKS[case]
+    adapter = TargetAdapter(hybrid)
+    gen = torch.Generator().manual_seed(5)
+    state = adapter.new_state()
+    adapter.prefill(_tokens(gen, 1, 5), state)
+    tree = _random_tree(gen, state.prefix_len, 5, "chain")
+    adapter.verify(tree, state)
+    before = {k: v.clone() for k, v in _cache_tensors(adapter, state).items()}
+    prefix_before = state.prefix_len.clone()
+
+    calls = []
+    for name in ("commit_kv", "commit_gdn_state", "commit_conv_state"):
+        op = getattr(target._ops, name)
+        monkeypatch.setattr(target._ops, name, lambda *a, _op=op, _name=name: (calls.append(_name), _op(*a))[1])
+    accepted = accepted if isinstance(accepted, torch.Tensor) else torch.tensor(accepted, dtype=torch.int32)
+    walk = Walk(accepted, torch.tensor(accept_len, dtype=torch.int32), _tokens(gen, 1))
+    with pytest.raises(ValueError, match=f"TargetAdapter.commit: walk.{field}"):
+        adapter.commit(walk, state)
+    assert not calls, f"commit ops ran before the error: {calls}"
+    after = _cache_tensors(adapter, state)
+    for name, t in before.items():
+        assert torch.equal(after[name], t), name
+    assert torch.equal(state.prefix_len, prefix_before) and state.pending is not None
+
+    good = Walk(torch.tensor([[0, 1, -1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32), _tokens(gen, 1))
+    adapter.commit(good, state)
+    assert sorted(set(calls)) == ["commit_conv_state", "commit_gdn_state", "commit_kv"]
+    assert torch.equal(state.prefix_len, prefix_before + 2)
+
+
+def test_record_layer_outputs_reads_tensor_and_tuple_outputs():
+    """The one tap recorder (adapter and tiny drafts): a layer's output tensor, or the first element of
+    the tuple older transformers' decoder layers return; hooks are gone after the context."""
+
+    class TupleLayer(torch.nn.Module):
+        def forward(self, x):
+            return (x * 3, "attention weights")
+
+    layers = torch.nn.ModuleList([torch.nn.Identity(), TupleLayer(), torch.nn.Identity()])
+    x = torch.randn(1, 2, 4)
+    with target.record_layer_outputs(layers, [1, 0]) as recorded:
+        layers[0](x)
+        layers[1](x)
+        layers[2](x)
+    assert sorted(recorded) == [0, 1]
+    assert torch.equal(recorded[0], x) and torch.equal(recorded[1], x * 3)
+    layers[1](x + 1)
+    assert torch.equal(recorded[1], x * 3)
