@@ -23,7 +23,7 @@ def table(data: dict) -> str:
         floor_us = info.get("floor_us")
         ratio = f"{median_us / floor_us:.1f}" if floor_us else "-"
         floor = f"{floor_us:.2f}" if floor_us else "-"
-        rows.append((info.get("op", bench["group"] or bench["name"]), info.get("shape", bench["name"]),
+        rows.append((str(info.get("op", bench["group"] or bench["name"])), str(info.get("shape", bench["name"])),
                      f"{median_us:.2f}", floor, ratio))
     lines = ["| op | shape | median us | floor us | ratio to floor |", "| --- | --- | ---: | ---: | ---: |"]
     lines += [f"| {' | '.join(r)} |" for r in rows]
