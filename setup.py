@@ -10,13 +10,13 @@ parallel compile jobs. Build against the torch already installed: pip install --
 """
 
 import os
-import tomllib
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
-VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+VERSION = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
 RELEASE_CUDA_ARCHS = "8.0;8.6;8.9;9.0;10.0;12.0+PTX"
 
 

@@ -6,6 +6,8 @@ longest path the target agrees with) -> commit (GDN, conv and attention caches t
 path, in place).
 """
 
+from importlib import metadata as _metadata
+
 from ddtree_ext import ops, reference
 from ddtree_ext._loader import build_info
 
@@ -13,7 +15,10 @@ from ddtree_ext._loader import build_info
 # Import the module's other names with ``from ddtree_ext.generate import ...``.
 from ddtree_ext.generate import GenerationStats, generate
 
-__version__ = "0.1.0"
+try:  # one version, from the installed metadata (pyproject.toml)
+    __version__ = _metadata.version("ddtree_ext")
+except _metadata.PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0+unknown"
 
 __all__ = ["DFlashDraftModel", "GenerationStats", "build_info", "generate", "ops", "reference", "__version__"]
 
