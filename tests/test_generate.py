@@ -116,13 +116,21 @@ def run_greedy(kind, name, method, budget, prompt_seed, new_tokens):
     return stats
 
 
+GREEDY_PROMPTS = [SWEEP_PROMPT] + list(range(9))  # ten prompts for every combination
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method,budget", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_greedy_equals_hf_generate(name, method, budget):
-    """Every family x method x budget, 500 tokens, with a draft that gets deep paths accepted."""
-    stats = run_greedy(AGREEING, name, method, budget, SWEEP_PROMPT, LONG)
+    """Every family x method x budget, ten prompts x 500 tokens each, with a draft that gets deep paths
+    accepted: state carries over hundreds of rounds."""
+    taus = [run_greedy(AGREEING, name, method, budget, seed, LONG).tau for seed in GREEDY_PROMPTS]
     if method != "autoregressive":
-        assert stats.tau > 1.5, f"the agreeing draft should accept deep paths, tau {stats.tau:.2f}"
+        # A one-node tree commits at most 2 tokens a round; deeper trees should do much better.
+        floor = 1.2 if budget == 1 else 1.5
+        mean_tau = sum(taus) / len(taus)
+        assert mean_tau > floor, f"the agreeing draft should get draft tokens accepted, mean tau {mean_tau:.2f}"
 
 
 @pytest.mark.parametrize("spine", [True, False], ids=["spine", "best-first"])
@@ -134,13 +142,6 @@ def test_greedy_tree_shapes(draft_top_k, spine):
     ids = pair_prompt(AGREEING, HYBRID, SWEEP_PROMPT)
     out = generate(target, draft, ids, 300, tree_budget=64, spine=spine, draft_top_k=draft_top_k)
     assert_same_tokens(out, hf_greedy(AGREEING, HYBRID, SWEEP_PROMPT, LONG)[:, : PROMPT_LEN + 300])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("prompt_seed", range(10))
-def test_greedy_many_prompts(prompt_seed):
-    """Ten prompts x 500 tokens on the hybrid with the default budget."""
-    run_greedy(AGREEING, HYBRID, "ddtree", 64, prompt_seed, LONG)
 
 
 RANDOM_CASES = [("dflash", None), ("ddtree", 1), ("ddtree", 64)]
