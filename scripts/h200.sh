@@ -2,7 +2,7 @@
 # Build, test, sanitize and benchmark ddtree_ext's CUDA kernels on a GPU machine (made for the H200:
 # torch with CUDA 13, nvcc, compute-sanitizer; no package registry needed).
 #
-#   OUT=/some/dir scripts/h200.sh [build] [test] [sanitize] [bench]     (default: all four, in order)
+#   OUT=/some/dir [FLA_PATH=/dir/with/fla] scripts/h200.sh [build] [test] [sanitize] [bench]  (default: all four, in order)
 #
 # Stages can run in separate calls (the in-place build stays in the worktree). Every log goes to $OUT:
 # build.log (with ptxas register/spill lines), tests.log, memcheck.log, racecheck.log, bench.log,
@@ -48,6 +48,11 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cu
     test)
       : > "$OUT/tests.log"
       run tests.log "$PY" -m pytest tests -q -rs --durations=15
+      # fla only for the chain comparisons: with fla importable, transformers' Qwen3.5 calls fla's Triton
+      # kernels even on CPU tensors, which breaks the CPU tests. FLA_PATH: where the carried wheels are installed.
+      if [ -n "${FLA_PATH:-}" ]; then
+        run tests.log env PYTHONPATH="$PYTHONPATH:$FLA_PATH" "$PY" -m pytest tests/test_cuda.py -q -rs -k fla
+      fi
       ;;
     sanitize)
       : > "$OUT/memcheck.log"
