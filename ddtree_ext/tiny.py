@@ -227,11 +227,9 @@ def target_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> to
     return torch.cat([outputs[i] for i in layer_ids], dim=-1)
 
 
-def greedy_rollouts(target, num_prompts: int, prompt_len: int, new_tokens: int) -> torch.Tensor:
-    """[num_prompts, prompt_len + new_tokens] int64: uniformly random prompts (from the global RNG)
-    followed by the target's greedy continuation."""
-    vocab = _text_config(target).vocab_size
-    prompts = torch.randint(0, vocab, (num_prompts, prompt_len))
+def hf_greedy(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The target's own greedy output from stock Hugging Face ``generate`` (exactly ``new_tokens`` new
+    tokens, no EOS stop): [B, prompt_len + new_tokens] int64. The reference every exactness test uses."""
     with torch.no_grad():
         return target.generate(
             prompts,
@@ -241,6 +239,13 @@ def greedy_rollouts(target, num_prompts: int, prompt_len: int, new_tokens: int) 
             do_sample=False,
             pad_token_id=0,
         )
+
+
+def greedy_rollouts(target, num_prompts: int, prompt_len: int, new_tokens: int) -> torch.Tensor:
+    """[num_prompts, prompt_len + new_tokens] int64: uniformly random prompts (from the global RNG)
+    followed by the target's greedy continuation."""
+    vocab = _text_config(target).vocab_size
+    return hf_greedy(target, torch.randint(0, vocab, (num_prompts, prompt_len)), new_tokens)
 
 
 class Agreement(NamedTuple):

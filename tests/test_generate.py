@@ -19,6 +19,7 @@ import torch
 from ddtree_ext import generate
 from ddtree_ext.generate import MAX_TREE_BUDGET, GenerationStats
 from ddtree_ext.target import TargetAdapter
+from ddtree_ext import tiny
 from ddtree_ext.tiny import (
     make_agreeing_draft,
     make_predictable_target,
@@ -68,17 +69,8 @@ def pair_prompt(kind: str, name: str, seed: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def hf_greedy(kind: str, name: str, prompt_seed: int, new_tokens: int) -> torch.Tensor:
-    """The target's own greedy output (stock HF generate, no EOS)."""
-    ids = pair_prompt(kind, name, prompt_seed)
-    with torch.no_grad():
-        return pair(kind, name)[0].generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
+    """The target's own greedy output (stock HF generate, no EOS), cached per pair and prompt."""
+    return tiny.hf_greedy(pair(kind, name)[0], pair_prompt(kind, name, prompt_seed), new_tokens)
 
 
 def assert_same_tokens(out: torch.Tensor, ref: torch.Tensor) -> None:

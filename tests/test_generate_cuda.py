@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from ddtree_ext import generate
+from ddtree_ext import generate, tiny
 from ddtree_ext.tiny import make_agreeing_draft, make_predictable_target
 
 pytestmark = requires_cuda
@@ -25,13 +25,7 @@ def cuda_pair(family: str):
 
 @functools.lru_cache(maxsize=None)
 def hf_greedy(family: str) -> torch.Tensor:
-    target, _ = cuda_pair(family)
-    ids = PROMPT.cuda()
-    with torch.no_grad():
-        return target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-            do_sample=False, pad_token_id=0,
-        )
+    return tiny.hf_greedy(cuda_pair(family)[0], PROMPT.cuda(), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64)])
