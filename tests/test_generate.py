@@ -16,10 +16,9 @@ from collections import Counter
 import pytest
 import torch
 
-from ddtree_ext import generate
+from ddtree_ext import generate, tiny
 from ddtree_ext.generate import MAX_TREE_BUDGET, GenerationStats
 from ddtree_ext.target import TargetAdapter
-from ddtree_ext import tiny
 from ddtree_ext.tiny import (
     make_agreeing_draft,
     make_predictable_target,
