@@ -15,7 +15,9 @@ own: it borrows the target's. One call of :meth:`DFlashDraftModel.propose` predi
   ``final_logit_softcapping``).
 
 The math follows z-lab's public ``dflash/model.py``; the cache replaces its DynamicCache + crop
-with a growable buffer whose rows past ``length`` are scratch for the block's K/V.
+with static buffers whose rows past ``length`` are scratch for the block's K/V, and ``length`` is a
+device tensor: a call reads no value from the device and allocates nothing sized by data, so it can be
+captured in a CUDA graph (``ddtree_ext.round``).
 """
 
 from __future__ import annotations
@@ -40,39 +42,21 @@ def _draft_value(config, name: str, default=None):
 
 
 class DFlashDraftCache:
-    """Context K/V of every draft layer for one batch of sequences.
+    """Context K/V of every draft layer for one batch of sequences, in static buffers.
 
     ``keys[i]`` / ``values[i]``: ``[B, num_key_value_heads, capacity, head_dim]`` in the draft's dtype,
-    RoPE already applied to keys. Rows ``0 .. length - 1`` are the context (row = absolute position);
-    rows past ``length`` are scratch where :meth:`DFlashDraftModel.propose` writes the block's K/V for
-    the duration of one call, so the block is never part of the cache. Buffers are allocated on the
-    first call and grow by doubling.
+    RoPE already applied to keys. Rows ``0 .. length[b] - 1`` are row b's context (row = absolute
+    position); rows past it are scratch where :meth:`DFlashDraftModel.propose` writes padding rows and
+    the block's K/V for the duration of one call, so the block is never part of the cache.
+    ``length`` [B] int64 lives on the draft's device.
     """
 
-    def __init__(self, num_layers: int):
-        self.length = 0
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor):
+        self.keys, self.values, self.length = keys, values, length
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
-
-    def _reserve(self, batch: int, rows: int, heads: int, head_dim: int, like: torch.Tensor) -> None:
-        """Make room for ``rows`` rows (context + block scratch), keeping the context rows."""
-        if self.keys[0] is not None and self.keys[0].shape[0] != batch:
-            raise ValueError(
-                f"DFlashDraftModel.propose: cache holds batch size {self.keys[0].shape[0]}, got {batch}"
-            )
-        if rows <= self.capacity:
-            return
-        capacity = max(rows, 2 * self.capacity)
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                new = like.new_empty(batch, heads, capacity, head_dim)
-                if old is not None:
-                    new[:, :, : self.length] = old[:, :, : self.length]
-                store[i] = new
+        return self.keys[0].shape[2]
 
 
 class DFlashAttention(nn.Module):
@@ -103,14 +87,15 @@ class DFlashAttention(nn.Module):
         """[B, S, hidden] -> [B, heads, S, head_dim]."""
         return proj(x).view(*x.shape[:-1], heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, block, context, cos, sin, cache_keys, cache_values, start):
-        """block [B, S, hidden] (normed), context [B, T, hidden] (new context rows), cos/sin
-        [1, 1, T + S, head_dim] for positions start - T .. start + S - 1; cache_keys/values this layer's
-        buffers. Writes the new context K/V at rows start - T .. start - 1 and the block's K/V at the
-        scratch rows start .. start + S - 1, then attends. Returns [B, S, hidden]."""
+    def forward(self, block, context, cos, sin, cache_keys, cache_values, context_rows, block_rows, kv_len):
+        """block [B, S, hidden] (normed), context [B, T, hidden] (new context rows, maybe padded),
+        cos/sin [B, 1, T + S, head_dim] at the rows' positions; cache_keys/values this layer's buffers;
+        context_rows [B, T] / block_rows [B, S] int64 the cache rows (= positions) they go to.
+        Writes the context K/V, then the block's (which overwrites any padding rows), then attends over
+        the first kv_len rows. Returns [B, S, hidden]."""
         from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-        block_len, ctx_len = block.shape[1], context.shape[1]
+        ctx_len = context.shape[1]
         query = self.q_norm(self._heads(self.q_proj, block, self.num_heads))
         kv_input = torch.cat([context, block], dim=1)
         key = self.k_norm(self._heads(self.k_proj, kv_input, self.num_kv_heads))
@@ -118,37 +103,35 @@ class DFlashAttention(nn.Module):
         query = query * cos[:, :, ctx_len:] + rotate_half(query) * sin[:, :, ctx_len:]
         key = key * cos + rotate_half(key) * sin
 
-        end = start + block_len
-        cache_keys[:, :, start - ctx_len : end] = key
-        cache_values[:, :, start - ctx_len : end] = value
-        # A windowed layer skips context rows no block query can see (they stay cached: row == position).
-        first = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
+        # Two scatters in this order: a padding context row and a block row may share a cache row.
+        for rows, part in ((context_rows, slice(0, ctx_len)), (block_rows, slice(ctx_len, None))):
+            index = rows[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
+            cache_keys.scatter_(2, index, key[:, :, part])
+            cache_values.scatter_(2, index, value[:, :, part])
         attn = F.scaled_dot_product_attention(
             query,
-            cache_keys[:, :, first:end],
-            cache_values[:, :, first:end],
-            attn_mask=self.mask(start, block_len, first, block.device),
+            cache_keys[:, :, :kv_len],
+            cache_values[:, :, :kv_len],
+            attn_mask=self.mask(block_rows, kv_len),
             scale=self.head_dim**-0.5,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return self.o_proj(attn.transpose(1, 2).reshape(*block.shape[:-1], self.num_heads * self.head_dim))
 
-    def mask(self, start: int, block_len: int, first: int, device) -> torch.Tensor | None:
-        """Boolean [block_len, start + block_len - first] (True = attend) of queries at positions
-        start .. start + block_len - 1 over keys at positions first .. start + block_len - 1;
-        None when every key is visible."""
-        if not self.is_causal and self.sliding_window is None:
-            return None
-        query_pos = torch.arange(start, start + block_len, device=device)[:, None]
-        key_pos = torch.arange(first, start + block_len, device=device)[None, :]
-        visible = torch.ones(block_len, key_pos.shape[1], dtype=torch.bool, device=device)
+    def mask(self, block_rows: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Boolean [B, 1, S, kv_len] (True = attend) of the block's queries (positions block_rows
+        [B, S]) over cache rows 0 .. kv_len - 1 (row = position): the context and the block, causal
+        and windowed as the layer is; rows past the block are never visible."""
+        query_pos = block_rows[:, :, None]
+        key_pos = torch.arange(kv_len, device=block_rows.device)[None, None, :]
+        visible = key_pos <= block_rows[:, -1:, None]
         if self.is_causal:
-            visible &= key_pos <= query_pos
+            visible = visible & (key_pos <= query_pos)
         if self.sliding_window is not None:
-            visible &= query_pos - key_pos < self.sliding_window
+            visible = visible & (query_pos - key_pos < self.sliding_window)
             if not self.is_causal:
-                visible &= key_pos - query_pos < self.sliding_window
-        return visible
+                visible = visible & (key_pos - query_pos < self.sliding_window)
+        return visible[:, None]
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -163,11 +146,20 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, context, cos, sin, cache_keys, cache_values, start):
+    def forward(self, hidden, context, cos, sin, cache_keys, cache_values, context_rows, block_rows, kv_len):
         hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), context, cos, sin, cache_keys, cache_values, start
+            self.input_layernorm(hidden), context, cos, sin, cache_keys, cache_values, context_rows, block_rows, kv_len
         )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def _callable_device(fn, default: torch.device) -> torch.device:
+    """The device of a module's parameters (a target split over GPUs keeps its embeddings and LM head
+    where accelerate put them); ``default`` for a plain function."""
+    if isinstance(fn, nn.Module):
+        for p in fn.parameters():
+            return p.device
+    return default
 
 
 def _head_dim(config) -> int:
@@ -295,9 +287,19 @@ class DFlashDraftModel(nn.Module):
         if problems:
             raise ValueError("DFlashDraftModel.check_target: " + "; ".join(problems))
 
-    def new_cache(self) -> DFlashDraftCache:
-        """An empty cache (length 0); buffers are allocated by the first ``propose``."""
-        return DFlashDraftCache(len(self.layers))
+    def new_cache(self, batch_size: int = 1, *, capacity: int) -> DFlashDraftCache:
+        """An empty cache (length 0) with room for ``capacity`` rows: context positions plus one
+        block (and the padding rows of a padded call, see :meth:`propose`)."""
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < self.block_size:
+            raise ValueError(
+                f"DFlashDraftModel.new_cache: capacity must be an int >= block_size ({self.block_size}), got {capacity!r}"
+            )
+        attn = self.layers[0].self_attn
+        like = self.fc.weight
+        shape = (batch_size, attn.num_kv_heads, capacity, attn.head_dim)
+        keys = [like.new_zeros(shape) for _ in self.layers]
+        values = [like.new_zeros(shape) for _ in self.layers]
+        return DFlashDraftCache(keys, values, torch.zeros(batch_size, dtype=torch.int64, device=like.device))
 
     def propose(
         self,
@@ -307,14 +309,22 @@ class DFlashDraftModel(nn.Module):
         *,
         embed_tokens: Callable[[torch.Tensor], torch.Tensor],
         lm_head: Callable[[torch.Tensor], torch.Tensor],
+        num_context: torch.Tensor | None = None,
+        kv_len: int | None = None,
     ) -> torch.Tensor:
         """Append context rows to the cache and draft the block after the bonus token.
 
         context_hidden: [B, T, context_hidden_size] (T >= 1), the concat in target_layer_ids order of
-            the target's tapped layer outputs for the newly committed positions
-            cache.length .. cache.length + T - 1; they become permanent context (cache.length += T).
+            the target's tapped layer outputs for the newly committed positions cache.length ..
+            cache.length + n - 1, where n = T, or num_context[b] when given: then only the first
+            num_context[b] rows of row b are real and the rest padding (T <= block_size), so a
+            fixed-shape call serves any count. They become permanent context (cache.length += n).
         bonus_token: [B] int64, the root token, at position cache.length (after appending).
-        embed_tokens / lm_head: the target's token embedding and LM head (same dtype as the draft).
+        embed_tokens / lm_head: the target's token embedding and LM head (any device; same dtype).
+        num_context: optional [B] integer tensor on the draft's device, 1 <= num_context <= T.
+        kv_len: cache rows the attention reads, >= every row's cache.length + n + block_size and
+            <= capacity. None reads the lengths from the device to pick it (and checks the capacity);
+            give it (with num_context) for a call with no host read, e.g. under CUDA graph capture.
         Returns float32 logits [B, block_size - 1, V] for positions cache.length + 1 ..
         cache.length + block_size - 1. Runs with whatever grad mode the caller set.
         """
@@ -328,28 +338,53 @@ class DFlashDraftModel(nn.Module):
             raise ValueError(
                 f"{where}: bonus_token must be [{batch}] int64, got {tuple(bonus_token.shape)} {bonus_token.dtype}"
             )
-        dtype = self.fc.weight.dtype
-        start = cache.length + ctx_len  # position of the bonus token
-        attn = self.layers[0].self_attn
-        cache._reserve(batch, start + self.block_size, attn.num_kv_heads, attn.head_dim, self.fc.weight)
+        if cache.keys[0].shape[0] != batch:
+            raise ValueError(f"{where}: cache holds batch size {cache.keys[0].shape[0]}, got {batch}")
+        device = self.fc.weight.device
+        if num_context is not None:
+            if num_context.shape != (batch,) or num_context.dtype.is_floating_point or num_context.device != device:
+                raise ValueError(
+                    f"{where}: num_context must be an integer [{batch}] tensor on {device}, got "
+                    f"{num_context.dtype} {tuple(num_context.shape)} on {num_context.device}"
+                )
+            if ctx_len > self.block_size:
+                raise ValueError(f"{where}: a padded context (num_context given) holds at most block_size = "
+                                 f"{self.block_size} rows, got {ctx_len}")
+        appended = num_context.to(torch.int64) if num_context is not None else torch.full_like(cache.length, ctx_len)
+        if kv_len is None:
+            # Host reads: the eager convenience. Rows up to length + T (padding) + block are written.
+            need = int((cache.length + max(ctx_len, 0)).max()) + self.block_size
+            if need > cache.capacity:
+                raise ValueError(f"{where}: cache capacity {cache.capacity} < {need} rows needed")
+            kv_len = need
+        elif not 1 <= kv_len <= cache.capacity:
+            raise ValueError(f"{where}: kv_len must be in [1, {cache.capacity}], got {kv_len}")
 
-        context = self.hidden_norm(self.fc(context_hidden.to(dtype)))
+        dtype = self.fc.weight.dtype
+        steps = torch.arange(max(ctx_len, self.block_size), device=device)
+        context_rows = cache.length[:, None] + steps[:ctx_len]
+        start = cache.length + appended  # position of the bonus token, [B]
+        block_rows = start[:, None] + steps[: self.block_size]
+
+        context = self.hidden_norm(self.fc(context_hidden.to(device=device, dtype=dtype)))
         block_ids = bonus_token.new_full((batch, self.block_size), self.mask_token_id)
         block_ids[:, 0] = bonus_token
-        hidden = (embed_tokens(block_ids) * self.input_embedding_scale).to(dtype)
-        positions = torch.arange(cache.length, start + self.block_size, device=hidden.device)
-        cos, sin = (t.unsqueeze(1) for t in self.rotary_emb(hidden, positions[None]))
+        embed_device = _callable_device(embed_tokens, device)
+        hidden = (embed_tokens(block_ids.to(embed_device)) * self.input_embedding_scale).to(device=device, dtype=dtype)
+        positions = torch.cat([context_rows, block_rows], dim=1)
+        cos, sin = (t.unsqueeze(1) for t in self.rotary_emb(hidden, positions))
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], start)
+            hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], context_rows, block_rows, kv_len)
 
-        logits = lm_head(self.norm(hidden[:, 1:])).float()
+        normed = self.norm(hidden[:, 1:])
+        logits = lm_head(normed.to(_callable_device(lm_head, device))).float().to(device)
         if self.output_multiplier != 1.0:
             logits = logits * self.output_multiplier
         if self.final_logit_softcapping is not None:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         # Only now the context rows count as appended: a call that raised before this line leaves the
         # cache as it was (the rows it wrote are scratch), so a retry does not append them twice.
-        cache.length = start
+        cache.length += appended
         return logits
 
     @classmethod

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from ddtree_ext import ops
+from ddtree_ext.round import DecodeRound, kv_bucket
 
 if TYPE_CHECKING:  # the runtime imports are lazy: importing ddtree_ext must not pull in transformers
     from ddtree_ext.draft import DFlashDraftModel
@@ -49,7 +50,11 @@ class GenerationStats:
     (the draft's top-1 chain, i.e. DFlash's chain when the budget is at least ``block_size - 1``)
     would have committed on the same verify; ``accept_lengths[r] > spine_accept_lengths[r]`` means
     the tree accepted a node off the spine. ``stage_time_s`` holds the seconds spent per stage of
-    :data:`STAGES` (device time from CUDA events on GPUs, host time on CPU).
+    :data:`STAGES` (device time from CUDA events on GPUs, host time on CPU), and ``round_stage_s``
+    the same per round; ``round_time_s`` the host wall time of each round, its one device sync
+    included; ``round_replayed[r]`` whether round r was replayed from CUDA graphs; ``graph_captures``
+    how many sets of graphs were captured (one per attention width; 0 on the eager path). Stage
+    times are recorded only when generate() returns the stats.
     """
 
     method: str
@@ -60,6 +65,10 @@ class GenerationStats:
     spine_accept_lengths: Optional[List[int]] = None
     wall_time_s: float = 0.0
     stage_time_s: Dict[str, float] = field(default_factory=dict)
+    round_time_s: List[float] = field(default_factory=list)
+    round_stage_s: List[Dict[str, float]] = field(default_factory=list)
+    round_replayed: List[bool] = field(default_factory=list)
+    graph_captures: int = 0
 
     @property
     def rounds(self) -> int:
@@ -82,6 +91,11 @@ class GenerationStats:
             f"in {self.rounds} rounds, tau {self.tau:.2f}",
             f"wall {self.wall_time_s:.3f} s, {self.tokens_per_s:.1f} tokens/s",
         ]
+        if any(self.round_replayed):
+            lines.append(
+                f"{sum(self.round_replayed)} of {self.rounds} rounds replayed from CUDA graphs "
+                f"({self.graph_captures} captured)"
+            )
         if self.stage_time_s:
             total = sum(self.stage_time_s.values()) or 1.0
             lines.append(
@@ -109,6 +123,7 @@ def generate(
     return_stats: bool = False,
     spine: bool = True,
     draft_top_k: int = 8,
+    cuda_graph: Optional[bool] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, GenerationStats]]:
     """Generate ``max_new_tokens`` tokens (fewer if EOS) after ``input_ids``, exactly as the target would.
 
@@ -138,6 +153,10 @@ def generate(
         return_stats: also return a :class:`GenerationStats`.
         spine: DDTree only: force the draft's top-1 chain into the tree before best-first.
         draft_top_k: DDTree only: candidates per depth the tree is built from (1..vocab).
+        cuda_graph: replay each round from CUDA graphs (captured per attention width, see
+            :mod:`ddtree_ext.round`); None (default) = on when the whole target sits on one CUDA
+            device, False = run every stage eagerly (same buffers, same kernels, same output),
+            True = required (ValueError if the target is not on one CUDA device).
 
     Returns:
         int64 [1, T + new] on the target's device (prompt then new tokens), like HF ``generate``;
@@ -150,7 +169,8 @@ def generate(
         one that is not [1, T] (batch > 1 is not supported yet), an attention_mask with padding, a
         prompt plus max_new_tokens (plus ``block_size - 1`` for the draft methods, see
         :func:`_check_prompt`) beyond the target's max_position_embeddings, a draft that does not match
-        the target (shapes, dtype or device), or an unsupported target architecture.
+        the target (shapes, dtype or device), an unsupported target architecture, or
+        ``cuda_graph=True`` for a target not on one CUDA device.
     """
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine)
     eos = _eos_set(eos_token_id)
@@ -158,6 +178,7 @@ def generate(
     adapter = _as_adapter(target, draft if speculative else None)
     if speculative:
         _check_draft(draft, adapter)
+    use_graphs = _use_graphs(cuda_graph, adapter)
     tree_reach = draft.block_size - 1 if speculative else 0
     input_ids = _check_prompt(input_ids, attention_mask, adapter, max_new_tokens, tree_reach)
 
@@ -169,14 +190,14 @@ def generate(
         top_k_draft = min(draft_top_k, adapter.vocab_size) if method == "ddtree" else 1
         use_spine = spine if method == "ddtree" else True
     else:
-        max_accept, budget = 1, 0
+        max_accept, budget, top_k_draft, use_spine = 1, 0, 1, True
     # The spine statistic needs the greedy target tokens on the spine nodes 1..S (see GenerationStats).
     spine_len = min(budget, max_accept - 1) if return_stats and method == "ddtree" and spine and temperature == 0 else 0
     stats = GenerationStats(
         method=method, tree_budget=budget, prompt_tokens=prompt_len, spine_accept_lengths=[] if spine_len else None
     )
-    acceptor = _Acceptor(temperature, top_k, top_p, seed, prompt_len + max_new_tokens + max_accept, device)
-    clock = _StageClock(device)
+    acceptor = _Acceptor(temperature, top_k, top_p, seed, prompt_len + max_new_tokens + max_accept + 1, device)
+    clock = _StageClock(device, enabled=return_stats)
     out_tokens: List[int] = []
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -194,62 +215,66 @@ def generate(
             streamer.put(torch.tensor(tokens, dtype=torch.long))
         return done
 
+    # Cache slots: the committed tokens (at most prompt + max_new_tokens - 1 before the last round)
+    # plus one verify block, which is budget + 1 nodes; the draft also writes one block past its context.
+    reach = max(budget + 1, max_accept)
+    capacity = prompt_len + max_new_tokens + reach
     start = time.perf_counter()
     with torch.inference_mode():
-        state = adapter.new_state(1)
-        root_tree = _root_only_tree(1, device)
-        root_walk = ops.empty_walk(1, 1, device)
+        state = adapter.new_state(1, capacity=capacity)
+        draft_cache = draft.new_cache(1, capacity=capacity) if speculative else None
+        decode = DecodeRound(
+            adapter, draft, state, draft_cache, acceptor, method=method, budget=budget, max_accept=max_accept,
+            draft_top_k=top_k_draft, spine=use_spine, spine_len=spine_len, use_graphs=use_graphs,
+        )
         with clock("prefill"):
             logits, context = adapter.prefill(input_ids, state)
-            root = acceptor.walk(root_tree, logits[:, None], prompt_len - 1, root_walk).next_token.clone()
+            # The first new token: the target's at the last prompt position (a root-only tree there).
+            first = ops.chain_tree(input_ids[:, -1:], state.prefix_len - 1)
+            root = acceptor.walk(first, logits[:, None], state.prefix_len - 1, ops.empty_walk(1, 1, device)).next_token
+        decode.start(root, context)
         done = emit(root.tolist())
         prefix = prompt_len
-        if speculative:
-            draft_cache = draft.new_cache()
-            tree_buf = ops.empty_tree(1, budget, device)
-            walk_buf = ops.empty_walk(1, max_accept, device)
         while not done:
-            if speculative:
-                with clock("draft"):
-                    draft_logits = draft.propose(
-                        context, root, draft_cache, embed_tokens=adapter.embed_tokens, lm_head=adapter.lm_head
-                    )
-                with clock("build"):
-                    topk = ops.topk_logprobs(draft_logits, top_k_draft)
-                    tree = ops.build_tree(
-                        topk.logp, topk.tokens, root, state.prefix_len, budget, spine=use_spine, out=tree_buf
-                    )
-                with clock("verify"):
-                    logits, taps = adapter.verify(tree, state)
-                with clock("walk"):
-                    walk = acceptor.walk(tree, logits, prefix, walk_buf)
-            else:
-                tree = root_tree
-                with clock("verify"):
-                    logits, _ = adapter.forward_chain(root[:, None], state)
-                with clock("walk"):
-                    walk = acceptor.walk(tree, logits, prefix, root_walk)
-            accept_len, tokens, spine_accept = _read_round(tree, walk, logits, spine_len)
+            round_start = time.perf_counter()
+            clock.next_round()
+            replays = decode.replays
+            row = decode.run(min(kv_bucket(prefix + reach), capacity), clock)
+            stats.round_replayed.append(decode.replays > replays)
+            accept_len = row[0]
+            tokens = row[2:accept_len + 1] + [row[1 + max_accept]]
             stats.accept_lengths.append(accept_len)
             if spine_len:
-                stats.spine_accept_lengths.append(spine_accept)
+                stats.spine_accept_lengths.append(row[2 + max_accept])
             done = emit(tokens)
-            if done:  # nothing after this round is needed: skip its commit
-                break
-            if speculative:
-                with clock("commit"):
-                    adapter.commit(walk, state)
-                    context = ops.gather_rows(taps, walk.accepted, walk.accept_len)[:, :accept_len]
             prefix += accept_len
-            root = walk.next_token.clone()  # the walk buffer is rewritten next round
+            stats.round_time_s.append(time.perf_counter() - round_start)
+        stats.graph_captures = decode.captures
     if streamer is not None:
         streamer.end()
-    stats.stage_time_s = clock.seconds()
+    prefill_s, stats.round_stage_s = clock.per_round()
+    stats.stage_time_s = {
+        s: prefill_s.get(s, 0.0) + sum(r.get(s, 0.0) for r in stats.round_stage_s) for s in STAGES
+    }
+    stats.stage_time_s = {s: t for s, t in stats.stage_time_s.items() if t > 0}
     stats.wall_time_s = time.perf_counter() - start
     stats.new_tokens = len(out_tokens)
 
     ids = torch.cat([input_ids, torch.tensor([out_tokens], dtype=torch.long, device=device)], dim=1)
     return (ids, stats) if return_stats else ids
+
+
+def _use_graphs(cuda_graph: Optional[bool], adapter: "TargetAdapter") -> bool:
+    """Whether rounds replay CUDA graphs (see ``generate``'s ``cuda_graph``)."""
+    if cuda_graph is not None and not isinstance(cuda_graph, bool):
+        raise ValueError(f"generate: cuda_graph must be None, True or False, got {cuda_graph!r}")
+    possible = adapter.device.type == "cuda" and adapter.single_device
+    if cuda_graph and not possible:
+        raise ValueError(
+            f"generate: cuda_graph=True needs the whole target on one CUDA device; it is on "
+            f"{sorted({str(d) for d in adapter.layer_devices} | {str(adapter.device)})}"
+        )
+    return possible if cuda_graph is None else cuda_graph
 
 
 # ---- the acceptance rule ---------------------------------------------------------------------
@@ -275,81 +300,63 @@ class _Acceptor:
             gen = torch.Generator().manual_seed(int(seed))
             self.uniform = torch.rand(1, length, generator=gen, dtype=torch.float32).to(device)
 
-    def walk(self, tree: ops.Tree, logits: torch.Tensor, position: int, out: ops.Walk) -> ops.Walk:
-        """Walk ``tree`` whose root sits at sequence ``position`` (logits [1, N, V]: the target's at
-        every node); writes ``out`` (its width = the longest path) and returns it."""
+    def walk(self, tree: ops.Tree, logits: torch.Tensor, position: torch.Tensor, out: ops.Walk) -> ops.Walk:
+        """Walk ``tree`` whose root sits at sequence position ``position`` ([1] int64 on the device;
+        logits [1, N, V]: the target's at every node); writes ``out`` (its width = the longest path)
+        and returns it. No host reads."""
         if self.uniform is None:
             return ops.walk_greedy(tree, logits.argmax(-1), out.accepted.shape[1], out=out)
         depth = out.accepted.shape[1]
         # The node at depth d sits at position + d and draws the token at position + d + 1.
-        uniform = self.uniform[:, position + 1 : position + 1 + depth]
+        steps = torch.arange(1, depth + 1, device=position.device)
+        uniform = self.uniform.gather(1, position[:, None] + steps)
         return ops.walk_sample(
             tree, logits, uniform, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, out=out
         )
-
-
-def _root_only_tree(batch: int, device: torch.device) -> ops.Tree:
-    """A tree of the root alone: walking it draws exactly one token, the target's at the root."""
-    tree = ops.empty_tree(batch, 0, device)
-    tree.token.zero_()
-    tree.parent.fill_(-1)
-    tree.depth.zero_()
-    tree.num_nodes.fill_(1)
-    tree.first_child.fill_(-1)
-    tree.next_sibling.fill_(-1)
-    tree.ancestor_mask.fill_(1)
-    tree.position.zero_()
-    return tree
-
-
-def _read_round(tree: ops.Tree, walk: ops.Walk, logits: torch.Tensor, spine_len: int) -> Tuple[int, List[int], int]:
-    """The round's single host read: (accept_len, tokens emitted = accepted path without the root then
-    the bonus, spine accept length or 0)."""
-    path = tree.token.gather(1, walk.accepted.clamp(min=0).long())
-    parts = [walk.accept_len[:, None].long(), path[:, 1:], walk.next_token[:, None]]
-    if spine_len:
-        # Spine node d (index d, parent d - 1) is accepted iff its token is the target's at node d - 1.
-        hits = tree.token[:, 1 : spine_len + 1] == logits[:, :spine_len].argmax(-1)
-        parts.append(hits.long().cumprod(1).sum(1, keepdim=True) + 1)
-    row = torch.cat(parts, dim=1)[0].tolist()
-    accept_len = row[0]
-    depth = walk.accepted.shape[1]
-    tokens = row[1:accept_len] + [row[depth]]
-    return accept_len, tokens, row[depth + 1] if spine_len else 0
 
 
 # ---- timing ----------------------------------------------------------------------------------
 
 
 class _StageClock:
-    """Accumulates time per stage: CUDA events on a GPU (read once at the end, no sync per stage),
-    perf_counter on the CPU where ops run synchronously."""
+    """Time per stage and round: CUDA events on a GPU (read once at the end, no sync per stage),
+    perf_counter on the CPU where ops run synchronously. Disabled (a no-op) unless ``enabled``."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, enabled: bool):
         self.cuda = device.type == "cuda"
-        self.host = dict.fromkeys(STAGES, 0.0)
-        self.events: List[tuple] = []
+        self.enabled = enabled
+        self.records: List[tuple] = []  # (round, stage, seconds, or the CUDA event pair)
+        self.round = -1  # -1: the prefill
+
+    def next_round(self) -> None:
+        self.round += 1
 
     @contextlib.contextmanager
     def __call__(self, stage: str):
-        if self.cuda:
+        if not self.enabled:
+            yield
+        elif self.cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             yield
             end.record()
-            self.events.append((stage, begin, end))
+            self.records.append((self.round, stage, (begin, end)))
         else:
             t = time.perf_counter()
             yield
-            self.host[stage] += time.perf_counter() - t
+            self.records.append((self.round, stage, time.perf_counter() - t))
 
-    def seconds(self) -> Dict[str, float]:
-        totals = dict(self.host)
-        if self.events:
+    def per_round(self) -> Tuple[Dict[str, float], List[Dict[str, float]]]:
+        """(the prefill's stage seconds, one dict of stage seconds per round)."""
+        if self.cuda and self.records:
             torch.cuda.synchronize()
-            for stage, begin, end in self.events:
-                totals[stage] += begin.elapsed_time(end) / 1e3
-        return {s: t for s, t in totals.items() if t > 0}
+        prefill: Dict[str, float] = {}
+        rounds: List[Dict[str, float]] = [{} for _ in range(self.round + 1)]
+        for rnd, stage, t in self.records:
+            seconds = t[0].elapsed_time(t[1]) / 1e3 if isinstance(t, tuple) else t
+            into = prefill if rnd < 0 else rounds[rnd]
+            into[stage] = into.get(stage, 0.0) + seconds
+        return prefill, rounds
 
 
 # ---- argument checks (all before any model work) ----------------------------------------------

@@ -111,6 +111,32 @@ def empty_walk(batch: int, max_accept: int, device: torch.device | str = "cpu") 
     )
 
 
+def chain_tree(tokens: torch.Tensor, prefix_len: torch.Tensor, *, out: Optional[Tree] = None) -> Tree:
+    """The tree of a chain: node i = tokens[:, i], parent i - 1, at position prefix_len + i.
+
+    tokens [B, N] int64, prefix_len [B] int64 -> :class:`Tree` (every node real). Device ops only, no
+    host reads: a root-only tree (N = 1) is what an autoregressive step verifies. ``out`` (an
+    :func:`empty_tree` of N nodes) is written in place.
+    """
+    bsz, n = tokens.shape
+    if out is None:
+        out = empty_tree(bsz, n - 1, tokens.device)
+    nodes = torch.arange(n, device=tokens.device)
+    out.token.copy_(tokens)
+    out.parent.copy_((nodes - 1).to(torch.int32).expand(bsz, n))
+    out.depth.copy_(nodes.to(torch.int32).expand(bsz, n))
+    out.num_nodes.fill_(n)
+    out.first_child.copy_(torch.where(nodes + 1 < n, nodes + 1, -1).to(torch.int32).expand(bsz, n))
+    out.next_sibling.fill_(-1)
+    # Word w of node i holds bits 0 .. i - 64 w (ancestors and itself): the low min(64, i - 64 w + 1) bits.
+    words = torch.arange(out.ancestor_mask.shape[2], device=tokens.device)
+    count = (nodes[:, None] - 64 * words[None, :] + 1).clamp(0, 64)
+    low_bits = torch.where(count >= 64, -1, (1 << count.clamp(max=63)) - 1)
+    out.ancestor_mask.copy_(low_bits.expand(bsz, n, -1))
+    out.position.copy_(prefix_len[:, None] + nodes)
+    return out
+
+
 # ---- build -----------------------------------------------------------------------------------
 
 

@@ -1,31 +1,34 @@
-"""The target model behind one interface: prefill, chain forward, tree verify and commit.
+"""The target model behind one interface: prefill, then rounds of tree verify and commit.
 
-Wraps the real Hugging Face classes (``SUPPORTED_ARCHITECTURES``) without copying their layers.
-Prefill and chain forwards are the stock HF forward, so they are exact by construction. A tree verify
-is ONE stock forward over the N tree nodes in which
+Wraps the real Hugging Face classes (``SUPPORTED_ARCHITECTURES``) without copying their layers, on
+static buffers allocated once per generation (:class:`TargetState`): attention K/V of every
+full-attention layer up to a capacity, GDN conv windows and recurrent states, and ``prefix_len`` as a
+device tensor. Nothing in a round grows, allocates by data or reads the device from the host, so a
+round can be captured in a CUDA graph and replayed (``ddtree_ext.round``).
 
-* the full-attention layers get the tree's 4D mask over the whole cache (their K/V for node i land at
-  cache slot prefix_len + i through the normal cache update), and
-* every Gated DeltaNet (GDN) layer runs a tree forward instead of its own: the same projections,
-  norm and output as ``Qwen3_5GatedDeltaNet.forward``, but the causal conv and the delta rule run along
-  each root-to-node path (``tree_conv1d``, ``tree_gated_delta_rule``) from the committed conv and
-  recurrent states, which they only read.
+* ``prefill`` is the stock HF forward with a fresh ``DynamicCache`` (exact by construction); its
+  caches are then copied into the static buffers.
+* ``verify`` is ONE stock forward over the N tree nodes in which the full-attention layers get the
+  tree's 4D mask and a cache object (:class:`_StaticAttentionCache`) that writes node i's K/V at slot
+  prefix_len + i (a device index) and returns the first ``kv_len`` slots; every Gated DeltaNet (GDN)
+  layer runs a tree forward instead of its own: the same projections, norm and output as
+  ``Qwen3_5GatedDeltaNet.forward``, but the causal conv and the delta rule run along each root-to-node
+  path (``tree_conv1d``, ``tree_gated_delta_rule``) from the committed states, which they only read.
+* ``commit`` makes the accepted path the committed state in place (K/V compaction, GDN state and conv
+  window updates from the verify stash), so the state is what a stock chain forward over the accepted
+  tokens would have left; ``forward_chain`` is a verify of a chain followed by its commit.
 
-``commit`` then makes the accepted path the committed state in place (K/V compaction, GDN state and
-conv window updates from the verify stash), so the cache is what a chain forward over the accepted
-tokens would have left.
+A target split over several GPUs (``device_map``) works in the eager path: each layer's buffers live on
+that layer's device, and the tree tables, mask and walk are copied to it.
 
 What this relies on in transformers (checked on 5.17 and 5.24):
 
-* ``DynamicCache(config=text_config)`` holds one layer object per decoder layer. Full-attention layers
-  keep ``.keys`` / ``.values`` [B, H_kv, S, Dh] and grow by concatenation; the adapter compacts them
-  with ``commit_kv`` and cuts them by assigning sliced tensors (never ``cache.crop()``: on a hybrid
-  cache it raises or cannot roll the GDN state back).
-* GDN layers keep ``.conv_states[0]`` [B, C, W] (the last W pre-conv inputs, oldest first, model dtype;
-  W = conv kernel size; zero-padded on the left after a prompt shorter than W) and
-  ``.recurrent_states[0]`` [B, HV, K, V] float32, both updated in place by the stock forward; a
-  layer's ``.has_previous_state[0]`` turns true at its first forward. 5.24 adds the accessors
-  ``get_conv_state`` / ``get_recurrent_state`` that 5.17 lacks, so the adapter reads the attributes.
+* The attention layers' only use of the cache is ``cache.update(key, value, layer_idx, ...)`` returning
+  the K/V to attend over; the text models create a ``DynamicCache`` only when given none.
+* A prefill with ``DynamicCache(config=text_config)`` leaves, per full-attention layer, ``.keys`` /
+  ``.values`` [B, H_kv, T, Dh] and per GDN layer ``.conv_states[0]`` [B, C, W] (the last W pre-conv
+  inputs, oldest first, model dtype; W = conv kernel size; zero-padded on the left after a prompt
+  shorter than W) and ``.recurrent_states[0]`` [B, HV, K, V] float32.
 * The text model takes ``attention_mask`` as a dict keyed by layer type and passes each entry to the
   layers unchanged, and 2D ``position_ids`` (expanded to the M-RoPE rows by Qwen3.5's text model).
   5.24 names the cache argument ``cache``, 5.17 ``past_key_values``: the adapter reads the name from
@@ -51,6 +54,7 @@ from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
+from ddtree_ext.round import kv_bucket
 
 # The op functions the adapter calls (tree_attention_mask, tree_conv1d, tree_gated_delta_rule,
 # commit_kv, commit_gdn_state, commit_conv_state) all go through this one name.
@@ -63,8 +67,8 @@ _LINEAR_ATTENTION = "linear_attention"
 # Attention implementations that take an arbitrary 4D mask, and how they read it: sdpa a bool mask
 # (True = attend), eager an additive float mask in the model dtype (a bool mask there is silently wrong).
 _TREE_MASK_IMPLEMENTATIONS = ("sdpa", "eager")
-
-
+# The largest tree one verify takes (nodes, root included): the compiled ops' limit.
+MAX_TREE_NODES = 257
 @dataclass
 class _VerifyStash:
     """What ``verify`` leaves for ``commit``: the tree's node count N and, per GDN layer index, the
@@ -77,16 +81,50 @@ class _VerifyStash:
 
 @dataclass
 class TargetState:
-    """The target's caches for one generation.
+    """The target's static caches for one generation (allocated by ``TargetAdapter.new_state``).
 
-    cache: the HF ``DynamicCache`` (attention K/V, GDN conv and recurrent states);
-    prefix_len [B] int64: tokens already run through the target and committed to the cache.
-    Between ``verify`` and ``commit`` the cache also holds the N tree nodes' K/V and the stash.
+    capacity: cache slots per attention layer (committed tokens + one verify block must fit);
+    prefix_len [B] int64 on the adapter's device: tokens run through the target and committed;
+    keys / values: per full-attention layer index, [B, H_kv, capacity, head_dim] in the model dtype on
+    that layer's device (slots >= prefix_len are scratch for the next verify block);
+    conv: per GDN layer index, [B, conv_dim, W] pre-conv inputs (model dtype), oldest first;
+    recurrent: per GDN layer index, [B, HV, K, V] float32.
+    Between ``verify`` and ``commit`` the verify's stash is ``pending``.
     """
 
-    cache: object
+    capacity: int
     prefix_len: torch.Tensor
+    keys: Dict[int, torch.Tensor]
+    values: Dict[int, torch.Tensor]
+    conv: Dict[int, torch.Tensor]
+    recurrent: Dict[int, torch.Tensor]
     pending: Optional[_VerifyStash] = None
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """Every committed-state tensor by name (keys3, conv0, ...): what tests compare and snapshot."""
+        out = {}
+        for name, store in (("keys", self.keys), ("values", self.values), ("conv", self.conv), ("recurrent", self.recurrent)):
+            out.update({f"{name}{i}": t for i, t in store.items()})
+        return out
+
+
+class _StaticAttentionCache:
+    """The cache the HF attention layers see during a verify: ``update`` writes the N new K/V rows of
+    layer ``layer_idx`` at slots ``slots`` (a device index [N] on that layer's device) of the static
+    buffers and returns their first ``kv_len`` slots."""
+
+    def __init__(self, state: TargetState, slots: Dict[torch.device, torch.Tensor], kv_len: int):
+        self.state, self.slots, self.kv_len = state, slots, kv_len
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.state.keys[layer_idx], self.state.values[layer_idx]
+        slots = self.slots[keys.device]
+        keys.index_copy_(2, slots, key_states.to(keys.dtype))
+        values.index_copy_(2, slots, value_states.to(values.dtype))
+        return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise RuntimeError("ddtree_ext: the verify cache has no host-side length (positions are always passed)")
 
 
 @contextlib.contextmanager
@@ -115,12 +153,18 @@ def record_layer_outputs(
             h.remove()
 
 
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of a module's first parameter (where its inputs must be)."""
+    return next(module.parameters()).device
+
+
 class TargetAdapter:
-    """A supported HF causal LM seen as prefill / forward_chain / verify / commit (see module docstring).
+    """A supported HF causal LM seen as prefill / verify / commit on static buffers (module docstring).
 
     ``tap_layer_ids`` are 0-based decoder layers whose outputs are returned, concatenated in the given
     order, as ``taps`` [B, T, len(tap_layer_ids) * hidden_size] (HF ``hidden_states[id + 1]``).
-    Batch size 1 only: rows would accept paths of different lengths, which the dynamic cache cannot hold.
+    Batch size 1 only: rows would accept paths of different lengths, which one verify block's slots
+    cannot serve.
     """
 
     def __init__(self, model: torch.nn.Module, tap_layer_ids: Sequence[int] = ()):
@@ -175,119 +219,186 @@ class TargetAdapter:
             )
         params = inspect.signature(self.text_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.layer_devices = [module_device(layer) for layer in self.text_model.layers]
 
     @property
     def device(self) -> torch.device:
-        """Where the embeddings (and so the token inputs and prefix_len) live."""
+        """Where the embeddings (and so the token inputs, prefix_len, trees and walks) live."""
         return self.embed_tokens.weight.device
+
+    @property
+    def single_device(self) -> bool:
+        """True when every layer, the embeddings and the LM head share one device."""
+        return {self.device, module_device(self.lm_head), *self.layer_devices} == {self.device}
 
     # ---- state -----------------------------------------------------------------------------------
 
-    def new_state(self, batch_size: int = 1) -> TargetState:
-        """An empty state: a fresh HF ``DynamicCache`` of the model's layer types, prefix_len [B] = 0."""
+    def new_state(self, batch_size: int = 1, *, capacity: int) -> TargetState:
+        """Static buffers for one generation of up to ``capacity`` cache slots (prompt + new tokens +
+        one verify block), prefix_len [B] = 0. Memory: capacity x the K/V bytes per token, plus the
+        fixed GDN states."""
         if batch_size != 1:
             raise ValueError(f"TargetAdapter.new_state: batch_size must be 1, got {batch_size}")
-        return TargetState(
-            cache=DynamicCache(config=self.config),
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"TargetAdapter.new_state: capacity must be an int >= 1, got {capacity!r}")
+        dtype = self.embed_tokens.weight.dtype
+        head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
+        kv_shape = (batch_size, self.config.num_key_value_heads, capacity, head_dim)
+        state = TargetState(
+            capacity=capacity,
             prefix_len=torch.zeros(batch_size, dtype=torch.int64, device=self.device),
+            keys={}, values={}, conv={}, recurrent={},
         )
+        for i in self.attention_layer_ids:
+            # Zeros, not garbage: masked-out slots are still read by the attention kernel, and a NaN
+            # there would survive a float mask (0 * NaN).
+            state.keys[i] = torch.zeros(kv_shape, dtype=dtype, device=self.layer_devices[i])
+            state.values[i] = torch.zeros(kv_shape, dtype=dtype, device=self.layer_devices[i])
+        for i in self.gdn_layer_ids:
+            gdn = self.text_model.layers[i].linear_attn
+            device = self.layer_devices[i]
+            state.conv[i] = torch.zeros(batch_size, gdn.conv_dim, gdn.conv_kernel_size, dtype=dtype, device=device)
+            state.recurrent[i] = torch.zeros(
+                batch_size, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, dtype=torch.float32, device=device
+            )
+        return state
 
     # ---- forwards ----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, state: TargetState) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Stock forward over the prompt input_ids [B, T] int64 on an empty state.
+        """Stock forward over the prompt input_ids [B, T] int64 on an empty state (a fresh HF
+        ``DynamicCache``, copied into the static buffers afterwards).
 
         Returns (logits [B, V] float32 at the last prompt position, taps [B, T, n_taps * hidden]);
         prefix_len becomes T.
         """
         self._check_tokens("prefill", input_ids, state)
         if int(state.prefix_len.max()) != 0:
-            raise ValueError("TargetAdapter.prefill: state must be empty (use forward_chain to extend it)")
-        hidden, taps = self._run_chain(input_ids, state)
-        return self.lm_head(hidden[:, -1]).float(), taps
+            raise ValueError("TargetAdapter.prefill: state must be empty (prefill once per state)")
+        length = input_ids.shape[1]
+        if length > state.capacity:
+            raise ValueError(f"TargetAdapter.prefill: input_ids: {length} tokens exceed the state's capacity {state.capacity}")
+        cache = DynamicCache(config=self.config)
+        positions = torch.arange(length, device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        hidden, taps = self._run(input_ids, positions, None, cache)
+        for i in self.attention_layer_ids:
+            state.keys[i][:, :, :length].copy_(cache.layers[i].keys)
+            state.values[i][:, :, :length].copy_(cache.layers[i].values)
+        for i in self.gdn_layer_ids:
+            state.conv[i].copy_(cache.layers[i].conv_states[0])
+            state.recurrent[i].copy_(cache.layers[i].recurrent_states[0])
+        state.prefix_len += length
+        return self._logits(hidden[:, -1]), taps
 
     @torch.no_grad()
-    def forward_chain(self, tokens: torch.Tensor, state: TargetState) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Stock forward of tokens [B, T] int64 appended after prefix_len (exact for chains).
-
-        Returns (logits [B, T, V] float32, taps [B, T, n_taps * hidden]); prefix_len += T.
-        """
-        self._check_tokens("forward_chain", tokens, state)
-        hidden, taps = self._run_chain(tokens, state)
-        return self.lm_head(hidden).float(), taps
-
-    @torch.no_grad()
-    def verify(self, tree: Tree, state: TargetState) -> Tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, tree: Tree, state: TargetState, kv_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """ONE forward over the tree's N nodes (tokens tree.token, positions tree.position).
 
-        Full-attention layers see the tree mask (committed prefix + ancestors); their node K/V land at
-        cache slots prefix_len + i. GDN layers run the tree conv and delta rule from the committed
-        states without modifying them and stash what ``commit`` needs. Returns (logits [B, N, V] float32,
-        taps [B, N, n_taps * hidden]); prefix_len unchanged. Must be followed by ``commit``.
+        Full-attention layers see the tree mask (committed prefix + ancestors) over the first
+        ``kv_len`` cache slots (default: ``kv_bucket(prefix_len + N)``, read from the device); node i's
+        K/V land at slot prefix_len + i. GDN layers run the tree conv and delta rule from the committed
+        states without modifying them and stash what ``commit`` needs. Returns (logits [B, N, V]
+        float32, taps [B, N, n_taps * hidden]) on the adapter's device; prefix_len unchanged. Must be
+        followed by ``commit``. Checks the tree against the state first (host reads); the graph-safe
+        round calls ``verify_unchecked``.
         """
         self._check_tokens("verify", tree.token, state)
-        if int(state.prefix_len.min()) < 1:
+        num_nodes = tree.token.shape[1]
+        if num_nodes > MAX_TREE_NODES:
+            raise ValueError(f"TargetAdapter.verify: tree has {num_nodes} nodes, at most {MAX_TREE_NODES} supported")
+        prefix = int(state.prefix_len.max())
+        if prefix < 1:
             raise ValueError("TargetAdapter.verify: the state holds no committed tokens; call prefill first")
         if not torch.equal(tree.position[:, 0], state.prefix_len):
             raise ValueError(
                 f"TargetAdapter.verify: tree root position {tree.position[:, 0].tolist()} != the state's prefix_len "
                 f"{state.prefix_len.tolist()} (tree built for another prefix)"
             )
+        if kv_len is None:
+            kv_len = min(kv_bucket(prefix + num_nodes), state.capacity)
+        if not prefix + num_nodes <= kv_len <= state.capacity:
+            raise ValueError(
+                f"TargetAdapter.verify: kv_len must be in [prefix_len + N, capacity] = [{prefix + num_nodes}, "
+                f"{state.capacity}], got {kv_len} (state capacity too small for this tree?)"
+            )
+        return self.verify_unchecked(tree, state, kv_len)
+
+    @torch.no_grad()
+    def verify_unchecked(self, tree: Tree, state: TargetState, kv_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``verify`` without its checks: no host reads, no allocation sized by data; capturable in a
+        CUDA graph. The caller guarantees prefix_len + N <= kv_len <= capacity and root position =
+        prefix_len (garbage otherwise, as for any unchecked kernel)."""
         num_nodes = tree.token.shape[1]
-        kv_len = int(state.prefix_len.max()) + num_nodes
         mask = _ops.tree_attention_mask(tree.ancestor_mask, state.prefix_len, kv_len, dtype=self._mask_dtype)
         masks = {_FULL_ATTENTION: mask, _LINEAR_ATTENTION: None}
+        devices = set(self.layer_devices)
+        nodes = torch.arange(num_nodes, device=self.device)
+        slots = (state.prefix_len[0] + nodes).to(torch.int64)
+        slots_by_device = {d: slots.to(d) for d in devices}
+        parent_by_device = {d: tree.parent.to(d) for d in devices}
         stash = _VerifyStash(num_nodes)
-        try:
-            with self._tree_gdn_forwards(state, tree.parent, stash):
-                hidden, taps = self._run(tree.token, tree.position, masks, state)
-        except BaseException:
-            # Nodes already appended by attention layers that ran before the failure: drop them.
-            self._truncate_attention(state, int(state.prefix_len.max()))
-            raise
+        with self._tree_gdn_forwards(state, parent_by_device, stash):
+            hidden, taps = self._run(tree.token, tree.position, masks, _StaticAttentionCache(state, slots_by_device, kv_len))
         state.pending = stash
-        return self.lm_head(hidden).float(), taps
+        return self._logits(hidden), taps
+
+    @torch.no_grad()
+    def forward_chain(self, tokens: torch.Tensor, state: TargetState) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [B, T] (1 <= T <= 257) appended after prefix_len: a verify of the chain, then the
+        commit of all of it. Returns (logits [B, T, V] float32, taps [B, T, n_taps * hidden]);
+        prefix_len += T."""
+        self._check_tokens("forward_chain", tokens, state)
+        num = tokens.shape[1]
+        if num > MAX_TREE_NODES:
+            raise ValueError(f"TargetAdapter.forward_chain: tokens: at most {MAX_TREE_NODES} per call, got {num}")
+        logits, taps = self.verify(_ops.chain_tree(tokens.to(torch.int64), state.prefix_len), state)
+        steps = torch.arange(num, dtype=torch.int32, device=tokens.device)[None].expand(tokens.shape[0], -1)
+        self.commit_unchecked(Walk(steps.contiguous(), torch.full_like(steps[:, 0], num), tokens[:, -1]), state)
+        return logits, taps
 
     @torch.no_grad()
     def commit(self, walk: Walk, state: TargetState) -> None:
         """Make the accepted path of the last ``verify`` the committed state, in place.
 
         walk.accepted [B, D] int32 (root first), walk.accept_len [B] int32. Attention K/V of the path
-        move to slots prefix_len .. prefix_len + accept_len - 1 and the rest of the tree is dropped; GDN
-        recurrent states and conv windows advance along the path. Afterwards the state is what
-        forward_chain over the accepted tokens would have produced; prefix_len += accept_len.
+        move to slots prefix_len .. prefix_len + accept_len - 1; GDN recurrent states and conv windows
+        advance along the path. Afterwards the state is what a stock chain forward over the accepted
+        tokens would have produced; prefix_len += accept_len.
         A walk that is not a path of the verified tree (see ``_check_walk``) raises ValueError before
-        any write, leaving the verified state committable; checking it reads the walk to the host.
+        any write, leaving the verified state committable; checking it reads the walk to the host (the
+        graph-safe round calls ``commit_unchecked`` on walks its own walk op produced).
         """
         stash = state.pending
         if stash is None:
             raise ValueError("TargetAdapter.commit: no verified tree to commit; call verify first")
-        # The commit ops each check the walk, but K/V, GDN states and conv windows are written by three
+        # The commit ops each check the walk, but K/V, GDN states and conv windows are written by several
         # calls: a walk the second one refused would leave the first one's writes behind.
         self._check_walk(walk, state, stash.num_nodes)
-        cache = state.cache
-        kv = [t for i in self.attention_layer_ids for t in (cache.layers[i].keys, cache.layers[i].values)]
-        if kv:
-            _ops.commit_kv(kv, state.prefix_len, walk.accepted, walk.accept_len)
-        if self.gdn_layer_ids:
-            gdn = [stash.gdn[i] for i in self.gdn_layer_ids]
+        self.commit_unchecked(walk, state)
+
+    @torch.no_grad()
+    def commit_unchecked(self, walk: Walk, state: TargetState) -> None:
+        """``commit`` without the host-side walk check; capturable in a CUDA graph. One launch per state
+        kind and device."""
+        stash = state.pending
+        for device, ids in _by_device(self.attention_layer_ids, self.layer_devices).items():
+            accepted, accept_len = walk.accepted.to(device), walk.accept_len.to(device)
+            kv = [t for i in ids for t in (state.keys[i], state.values[i])]
+            _ops.commit_kv(kv, state.prefix_len.to(device), accepted, accept_len)
+        for device, ids in _by_device(self.gdn_layer_ids, self.layer_devices).items():
+            accepted, accept_len = walk.accepted.to(device), walk.accept_len.to(device)
+            gdn = [stash.gdn[i] for i in ids]
             _ops.commit_gdn_state(
-                [cache.layers[i].recurrent_states[0] for i in self.gdn_layer_ids],
+                [state.recurrent[i] for i in ids],
                 [g.stash_u for g in gdn],
                 [g.stash_k for g in gdn],
                 [g.stash_cumg for g in gdn],
-                walk.accepted,
-                walk.accept_len,
+                accepted,
+                accept_len,
             )
-            _ops.commit_conv_state(
-                [cache.layers[i].conv_states[0] for i in self.gdn_layer_ids],
-                [stash.conv_input[i] for i in self.gdn_layer_ids],
-                walk.accepted,
-                walk.accept_len,
-            )
+            _ops.commit_conv_state([state.conv[i] for i in ids], [stash.conv_input[i] for i in ids], accepted, accept_len)
         state.prefix_len += walk.accept_len.to(torch.int64)
-        self._truncate_attention(state, int(state.prefix_len.max()))
         state.pending = None
 
     # ---- internals ---------------------------------------------------------------------------------
@@ -321,8 +432,6 @@ class TargetAdapter:
         for name, t in (("accepted", accepted), ("accept_len", accept_len)):
             if t.device != self.device:
                 raise ValueError(f"{op}: walk.{name} is on {t.device}, the target on {self.device}")
-        # One host read of the path (a device sync on GPUs, where the ops do not check values); it is
-        # [B, D + 1] integers, next to a round's own read of the same walk.
         rows = torch.cat([accept_len[:, None], accepted], dim=1).tolist()
         max_accept = accepted.shape[1]
         for b, (length, *path) in enumerate(rows):
@@ -334,43 +443,43 @@ class TargetAdapter:
                     f"{op}: walk.accepted[{b}, :{length}] must be strictly increasing node indices in "
                     f"[0, {num_nodes}), got {path}"
                 )
+        if int(state.prefix_len.max()) + max(r[0] for r in rows) > state.capacity:
+            raise ValueError(f"{op}: the accepted path would overrun the state's capacity {state.capacity}")
 
-    def _run_chain(self, tokens: torch.Tensor, state: TargetState) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Stock causal forward of tokens after prefix_len; advances prefix_len."""
-        steps = torch.arange(tokens.shape[1], device=tokens.device)
-        hidden, taps = self._run(tokens, state.prefix_len[:, None] + steps, None, state)
-        state.prefix_len += tokens.shape[1]
-        return hidden, taps
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head logits as float32 on the adapter's device."""
+        return self.lm_head(hidden.to(module_device(self.lm_head))).float().to(self.device)
 
-    def _run(self, tokens, position_ids, attention_mask, state) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One text-model forward; returns (final hidden states [B, T, hidden], taps)."""
+    def _run(self, tokens, position_ids, attention_mask, cache) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One text-model forward; returns (final hidden states [B, T, hidden], taps on the adapter's device)."""
         with record_layer_outputs(self.text_model.layers, self.tap_layer_ids) as recorded:
             out = self.text_model(
                 input_ids=tokens,
                 position_ids=position_ids,
                 attention_mask=attention_mask,
                 use_cache=True,
-                **{self._cache_kwarg: state.cache},
+                **{self._cache_kwarg: cache},
             )
         hidden = out.last_hidden_state
         if not self.tap_layer_ids:
-            return hidden, hidden.new_empty(*hidden.shape[:2], 0)
-        return hidden, torch.cat([recorded[i] for i in self.tap_layer_ids], dim=-1)
+            return hidden, hidden.new_empty(*hidden.shape[:2], 0, device=self.device)
+        return hidden, torch.cat([recorded[i].to(self.device) for i in self.tap_layer_ids], dim=-1)
 
     @contextlib.contextmanager
-    def _tree_gdn_forwards(self, state: TargetState, parent: torch.Tensor, stash: _VerifyStash) -> Iterator[None]:
+    def _tree_gdn_forwards(
+        self, state: TargetState, parent_by_device: Dict[torch.device, torch.Tensor], stash: _VerifyStash
+    ) -> Iterator[None]:
         """Replace every GDN layer's forward (per instance) by its tree forward; restore on exit."""
-        cache = state.cache
         swapped: List[Tuple[torch.nn.Module, object]] = []
         missing = object()
         try:
             for i in self.gdn_layer_ids:
                 gdn = self.text_model.layers[i].linear_attn
+                parent = parent_by_device[self.layer_devices[i]]
 
-                def tree_forward(hidden_states, *args, _gdn=gdn, _i=i, **kwargs):
-                    layer = cache.layers[_i]
+                def tree_forward(hidden_states, *args, _gdn=gdn, _i=i, _parent=parent, **kwargs):
                     out, stash.conv_input[_i], stash.gdn[_i] = _gdn_tree_forward(
-                        _gdn, hidden_states, layer.conv_states[0], layer.recurrent_states[0], parent
+                        _gdn, hidden_states, state.conv[_i], state.recurrent[_i], _parent
                     )
                     return out
 
@@ -385,13 +494,13 @@ class TargetAdapter:
                 else:
                     gdn.forward = previous
 
-    def _truncate_attention(self, state: TargetState, length: int) -> None:
-        """Keep the first ``length`` K/V slots of every full-attention layer."""
-        for i in self.attention_layer_ids:
-            layer = state.cache.layers[i]
-            if layer.keys is not None and layer.keys.shape[-2] > length:
-                layer.keys = layer.keys[..., :length, :]
-                layer.values = layer.values[..., :length, :]
+
+def _by_device(layer_ids: Sequence[int], devices: Sequence[torch.device]) -> Dict[torch.device, List[int]]:
+    """Layer ids grouped by their device, in order."""
+    groups: Dict[torch.device, List[int]] = {}
+    for i in layer_ids:
+        groups.setdefault(devices[i], []).append(i)
+    return groups
 
 
 def _gdn_tree_forward(

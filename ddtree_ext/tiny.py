@@ -271,9 +271,11 @@ def draft_agreement(
         embed, head = target.get_input_embeddings(), target.get_output_embeddings()
         depth = draft.block_size - 1
         hits, hits_k = [], []
-        cache = draft.new_cache()
+        cache = draft.new_cache(sequences.shape[0], capacity=sequences.shape[1] + draft.block_size)
+        length = 0  # context rows in the cache
         for p in range(prompt_len, sequences.shape[1] - depth):
-            logits = draft.propose(taps[:, cache.length : p], sequences[:, p], cache, embed_tokens=embed, lm_head=head)
+            logits = draft.propose(taps[:, length:p], sequences[:, p], cache, embed_tokens=embed, lm_head=head)
+            length = p
             labels = sequences[:, p + 1 : p + 1 + depth]
             hits.append(logits.argmax(-1) == labels)
             hits_k.append((logits.topk(top_k, dim=-1).indices == labels[..., None]).any(-1))
@@ -332,7 +334,11 @@ def make_agreeing_draft(
             rows = torch.randperm(num_prompts)[:batch_size]
             p = int(torch.randint(prompt_len, sequences.shape[1] - depth, ()))
             logits = draft.propose(
-                taps[rows, :p], sequences[rows, p], draft.new_cache(), embed_tokens=embed, lm_head=head
+                taps[rows, :p],
+                sequences[rows, p],
+                draft.new_cache(batch_size, capacity=p + draft.block_size),
+                embed_tokens=embed,
+                lm_head=head,
             )
             loss = F.cross_entropy(logits.flatten(0, 1), sequences[rows, p + 1 : p + 1 + depth].flatten())
             optimizer.zero_grad(set_to_none=True)

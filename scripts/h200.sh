@@ -2,11 +2,13 @@
 # Build, test, sanitize and benchmark ddtree_ext's CUDA kernels on a GPU machine (made for the H200:
 # torch with CUDA 13, nvcc, compute-sanitizer; no package registry needed).
 #
-#   OUT=/some/dir [FLA_PATH=/dir/with/fla] scripts/h200.sh [build] [test] [sanitize] [bench]  (default: all four, in order)
+#   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] scripts/h200.sh [build] [test] [gputest] [sanitize] [bench] [e2e]
+#   (default: build test sanitize bench e2e, in order; gputest = only the GPU test files, for quick runs)
 #
 # Stages can run in separate calls (the in-place build stays in the worktree). Every log goes to $OUT:
 # build.log (with ptxas register/spill lines), tests.log, memcheck.log, racecheck.log, bench.log,
-# bench.json and bench.md. The exit status is nonzero when any stage failed; later stages still run.
+# bench.json and bench.md, e2e.log and results/ (benchmarks/e2e.py's JSON and Markdown). The exit status is
+# nonzero when any stage failed; later stages still run.
 set -uo pipefail
 
 OUT=${OUT:?set OUT to the output folder}
@@ -16,7 +18,7 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(build test sanitize bench)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(build test sanitize bench e2e)
 status=0
 
 run() {  # run LOG CMD...: tee the command's output into $OUT/LOG, remember a failure
@@ -54,6 +56,11 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cu
         run tests.log env PYTHONPATH="$PYTHONPATH:$FLA_PATH" "$PY" -m pytest tests/test_cuda.py -q -rs -k fla
       fi
       ;;
+    gputest)
+      : > "$OUT/gputests.log"
+      run gputests.log "$PY" -m pytest tests/test_cuda.py tests/test_generate_cuda.py tests/test_multi_gpu.py -q -rs \
+        -n "${PYTEST_WORKERS:-8}" --durations=10
+      ;;
     sanitize)
       : > "$OUT/memcheck.log"
       : > "$OUT/racecheck.log"
@@ -66,8 +73,13 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cu
       run bench.log "$PY" scripts/summarize_bench.py "$OUT/bench.json" --out "$OUT/bench.md"
       [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
       ;;
+    e2e)
+      : > "$OUT/e2e.log"
+      # shellcheck disable=SC2086
+      run e2e.log "$PY" benchmarks/e2e.py --out "$OUT/results" ${E2E_ARGS:-}
+      ;;
     *)
-      echo "unknown stage: $stage (build, test, sanitize, bench)"
+      echo "unknown stage: $stage (build, test, gputest, sanitize, bench, e2e)"
       status=1
       ;;
   esac

@@ -24,6 +24,9 @@ from ddtree_ext.tiny import (
 )
 
 
+CAPACITY = 64  # draft cache rows in these tests: contexts of up to ~40 rows plus one block
+
+
 @pytest.fixture(scope="module")
 def target():
     return make_tiny_target("qwen3")
@@ -85,8 +88,8 @@ def test_from_pretrained_round_trip(target, tmp_path, shards, prefix):
     assert loaded.fc.weight.dtype == torch.float32 and loaded.fc.weight.device.type == "cpu"
     context, bonus = random_context(draft, 2, 12), random_bonus(2, 256)
     with torch.no_grad():
-        expected = draft.propose(context, bonus, draft.new_cache(), **propose_args(target))
-        actual = loaded.propose(context, bonus, loaded.new_cache(), **propose_args(target))
+        expected = draft.propose(context, bonus, draft.new_cache(2, capacity=CAPACITY), **propose_args(target))
+        actual = loaded.propose(context, bonus, loaded.new_cache(2, capacity=CAPACITY), **propose_args(target))
     assert torch.equal(actual, expected)
 
 
@@ -101,7 +104,7 @@ def test_from_pretrained_dtype(target, tmp_path):
     target_bf16 = make_tiny_target("qwen3", dtype=torch.bfloat16)
     with torch.no_grad():
         logits = loaded.propose(
-            random_context(draft, 1, 5), random_bonus(1, 256), loaded.new_cache(), **propose_args(target_bf16)
+            random_context(draft, 1, 5), random_bonus(1, 256), loaded.new_cache(capacity=CAPACITY), **propose_args(target_bf16)
         )
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
@@ -201,12 +204,12 @@ def test_check_target_names_the_mismatch(target, change, field):
 
 def test_propose_shapes_and_dtypes(target):
     draft = make_tiny_draft(target, block_size=6)
-    cache = draft.new_cache()
+    cache = draft.new_cache(3, capacity=CAPACITY)
     with torch.no_grad():
         logits = draft.propose(random_context(draft, 3, 7), random_bonus(3, 256), cache, **propose_args(target))
     assert logits.shape == (3, 5, 256) and logits.dtype == torch.float32
-    assert cache.length == 7
-    assert len(cache.keys) == 2 and cache.keys[0].shape[:2] == (3, 2) and cache.keys[0].shape[3] == 16
+    assert cache.length.tolist() == [7, 7, 7]
+    assert len(cache.keys) == 2 and cache.keys[0].shape == (3, 2, CAPACITY, 16)
 
 
 @pytest.mark.parametrize(
@@ -221,15 +224,15 @@ def test_propose_shapes_and_dtypes(target):
 )
 def test_propose_rejects_bad_arguments(target, context_shape, bonus, message):
     draft = make_tiny_draft(target)
-    cache = draft.new_cache()
+    cache = draft.new_cache(context_shape[0], capacity=CAPACITY)
     with pytest.raises(ValueError, match=f"DFlashDraftModel.propose: {message}"):
         draft.propose(torch.zeros(context_shape), bonus, cache, **propose_args(target))
-    assert cache.length == 0
+    assert int(cache.length.max()) == 0
 
 
 def test_propose_rejects_batch_change(target):
     draft = make_tiny_draft(target)
-    cache = draft.new_cache()
+    cache = draft.new_cache(2, capacity=CAPACITY)
     with torch.no_grad():
         draft.propose(random_context(draft, 2, 3), random_bonus(2, 256), cache, **propose_args(target))
         with pytest.raises(ValueError, match="batch size 2"):
@@ -243,22 +246,70 @@ def test_context_appended_in_pieces_equals_one_call(target, splits):
     draft = make_tiny_draft(target, sliding_window=5)
     context, bonus = random_context(draft, 2, sum(splits)), random_bonus(2, 256)
     with torch.no_grad():
-        one_cache = draft.new_cache()
+        one_cache = draft.new_cache(2, capacity=CAPACITY)
         expected = draft.propose(context, bonus, one_cache, **propose_args(target))
 
-        cache, start = draft.new_cache(), 0
+        cache, start = draft.new_cache(2, capacity=CAPACITY), 0
         for i, rows in enumerate(splits):
             piece_bonus = bonus if i == len(splits) - 1 else random_bonus(2, 256, seed=100 + i)
             actual = draft.propose(context[:, start : start + rows], piece_bonus, cache, **propose_args(target))
             start += rows
-            assert cache.length == start
+            assert cache.length.tolist() == [start, start]
             for store in (cache.keys, cache.values):
                 for buffer in store:
-                    buffer[:, :, cache.length :] = float("nan")
+                    buffer[:, :, start:] = float("nan")
     assert_close(actual, expected, torch.float32, "logits")
     for i in range(len(draft.layers)):
         for name, pieces, whole in (("keys", cache.keys, one_cache.keys), ("values", cache.values, one_cache.values)):
-            assert_close(pieces[i][:, :, : cache.length], whole[i][:, :, : one_cache.length], torch.float32, name)
+            assert_close(pieces[i][:, :, :start], whole[i][:, :, :start], torch.float32, name)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_padded_context_equals_exact_context(target, sliding_window):
+    """The fixed-shape call of a captured round: block_size context rows of which num_context[b] are
+    real, with an explicit kv_len, gives the logits and cache of a call with exactly the real rows,
+    row by row (each batch row its own count), over several calls."""
+    kw = {} if sliding_window is None else dict(sliding_window=sliding_window)
+    draft = make_tiny_draft(target, seed=4, block_size=5, **kw)
+    counts = [(3, 1), (5, 2), (1, 5), (2, 2)]
+    context = random_context(draft, 2, 5 * len(counts), seed=7)
+    with torch.no_grad():
+        exact = [draft.new_cache(1, capacity=CAPACITY) for _ in range(2)]
+        padded = draft.new_cache(2, capacity=CAPACITY)
+        offsets = [0, 0]
+        for r, count in enumerate(counts):
+            bonus = random_bonus(2, 256, seed=r)
+            rows = torch.randn(2, draft.block_size, draft.context_hidden_size)  # padding stays random
+            expected = []
+            for b in range(2):
+                real = context[b : b + 1, offsets[b] : offsets[b] + count[b]]
+                rows[b, : count[b]] = real[0]
+                expected.append(draft.propose(real, bonus[b : b + 1], exact[b], **propose_args(target)))
+                offsets[b] += count[b]
+            actual = draft.propose(
+                rows, bonus, padded, num_context=torch.tensor(count), kv_len=CAPACITY, **propose_args(target)
+            )
+            assert padded.length.tolist() == offsets
+            assert_close(actual, torch.cat(expected), torch.float32, f"call {r}")
+    for b in range(2):
+        for i in range(len(draft.layers)):
+            assert_close(padded.keys[i][b, :, : offsets[b]], exact[b].keys[i][0, :, : offsets[b]], torch.float32, "keys")
+
+
+def test_propose_checks_capacity_and_padding(target):
+    draft = make_tiny_draft(target, block_size=4)
+    with pytest.raises(ValueError, match="new_cache: capacity"):
+        draft.new_cache(1, capacity=3)
+    cache = draft.new_cache(1, capacity=10)
+    with torch.no_grad(), pytest.raises(ValueError, match="capacity 10 < 11"):
+        draft.propose(random_context(draft, 1, 7), random_bonus(1, 256), cache, **propose_args(target))
+    with torch.no_grad(), pytest.raises(ValueError, match="num_context"):
+        draft.propose(random_context(draft, 1, 3), random_bonus(1, 256), cache, num_context=torch.tensor([1.0]),
+                      **propose_args(target))
+    with torch.no_grad(), pytest.raises(ValueError, match="at most block_size"):
+        draft.propose(random_context(draft, 1, 5), random_bonus(1, 256), cache, num_context=torch.tensor([2]),
+                      **propose_args(target))
+    assert cache.length.tolist() == [0]
 
 
 def test_failed_propose_leaves_the_cache_as_it_was(target):
@@ -276,13 +327,13 @@ def test_failed_propose_leaves_the_cache_as_it_was(target):
         return head(hidden)
 
     with torch.no_grad():
-        expected = draft.propose(context, bonus, draft.new_cache(), **propose_args(target))
-        cache = draft.new_cache()
+        expected = draft.propose(context, bonus, draft.new_cache(capacity=CAPACITY), **propose_args(target))
+        cache = draft.new_cache(capacity=CAPACITY)
         with pytest.raises(RuntimeError, match="lm_head failed"):
             draft.propose(context, bonus, cache, embed_tokens=target.get_input_embeddings(), lm_head=failing_once)
-        assert cache.length == 0
+        assert cache.length.tolist() == [0]
         actual = draft.propose(context, bonus, cache, embed_tokens=target.get_input_embeddings(), lm_head=failing_once)
-    assert cache.length == 5
+    assert cache.length.tolist() == [5]
     assert_close(actual, expected, torch.float32, "logits")
 
 
@@ -375,7 +426,7 @@ def test_propose_matches_dense_reference(target, case):
     draft = make_tiny_draft(target, seed=1, **kw)
     context, bonus = random_context(draft, 2, 13, seed=2), random_bonus(2, 256, seed=2)
     expected = dense_reference(draft, target, context, bonus)
-    cache = draft.new_cache()
+    cache = draft.new_cache(2, capacity=CAPACITY)
     with torch.no_grad():
         draft.propose(context[:, :9], random_bonus(2, 256, seed=9), cache, **propose_args(target))
         actual = draft.propose(context[:, 9:], bonus, cache, **propose_args(target))

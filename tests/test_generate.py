@@ -159,14 +159,16 @@ def test_tree_accepts_at_least_the_chain_each_round(name):
 
     taps = target_taps(target, out, draft.target_layer_ids)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    cache = draft.new_cache()
+    cache = draft.new_cache(1, capacity=out.shape[1] + draft.block_size)
+    length = 0  # context rows in the draft cache
     chain, off_spine_rounds = [], 0
     # Rounds whose whole draft block lies inside the output (the last rounds may have been cut short).
     rounds = [(p, a) for p, a in zip(round_starts(stats), stats.accept_lengths) if p + draft.block_size <= out.shape[1]]
     assert len(rounds) >= 20
     with torch.no_grad():
         for p, accepted in rounds:
-            logits = draft.propose(taps[:, cache.length : p], out[:, p], cache, embed_tokens=embed, lm_head=head)[0]
+            logits = draft.propose(taps[:, length:p], out[:, p], cache, embed_tokens=embed, lm_head=head)[0]
+            length = p
             truth = out[0, p + 1 : p + draft.block_size]  # the target's tokens at depths 1 .. L
             chain.append(1 + int((logits.argmax(-1) == truth).long().cumprod(0).sum()))
             # Draft rank (descending logit, ties to the lower id) of each accepted path token.
@@ -484,6 +486,8 @@ BAD_INPUTS = [
      dict(draft=lambda: make_tiny_draft(pair(RANDOM, HYBRID)[0], seed=1).to("meta"))),
     ("target", dict(target=_unsupported_target)),
     ("target", dict(target=lambda: TargetAdapter(pair(RANDOM, HYBRID)[0], (0,)))),  # taps != the draft's
+    ("cuda_graph=True needs the whole target on one CUDA device", dict(cuda_graph=True)),  # a CPU target
+    ("cuda_graph must be None, True or False", dict(cuda_graph=1)),
 ]
 
 
@@ -522,6 +526,9 @@ def test_stats_summary():
     assert stats.rounds == len(stats.accept_lengths) and 1 + sum(stats.accept_lengths) >= 64
     assert stats.tau == pytest.approx(sum(stats.accept_lengths) / stats.rounds)
     assert set(stats.stage_time_s) == {"prefill", "draft", "build", "verify", "walk", "commit"}
+    assert len(stats.round_time_s) == len(stats.round_stage_s) == len(stats.round_replayed) == stats.rounds
+    assert all(set(r) == {"draft", "build", "verify", "walk", "commit"} for r in stats.round_stage_s)
+    assert not any(stats.round_replayed) and stats.graph_captures == 0  # CPU: always eager
     text = stats.summary()
     assert "tau" in text and "tokens/s" in text and "verify" in text
 

@@ -1,5 +1,6 @@
 """generate() on a GPU: the whole round (draft, CUDA build ops, tree verify through the CUDA GDN ops, walk,
-commit) gives the target's own greedy output, for both families. Skipped without CUDA."""
+commit), eager and replayed from CUDA graphs, gives the target's own greedy output for both families, and
+the graph path gives exactly the eager path's output, greedy and sampled. Skipped without CUDA."""
 
 import functools
 
@@ -8,11 +9,12 @@ import torch
 
 from conftest import requires_cuda
 from ddtree_ext import generate, tiny
-from ddtree_ext.tiny import make_agreeing_draft, make_predictable_target
+from ddtree_ext.round import EAGER_ROUNDS_BEFORE_CAPTURE
+from ddtree_ext.tiny import make_agreeing_draft, make_predictable_target, make_tiny_draft
 
 pytestmark = requires_cuda
 
-NEW_TOKENS = 300
+NEW_TOKENS = 600  # crosses three attention widths (256, 512, 768 slots): three graph captures
 PROMPT = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(5))
 
 
@@ -28,15 +30,87 @@ def hf_greedy(family: str) -> torch.Tensor:
     return tiny.hf_greedy(cuda_pair(family)[0], PROMPT.cuda(), NEW_TOKENS)
 
 
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64)])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_greedy_on_cuda_equals_hf_generate(family, method, budget):
+def test_greedy_on_cuda_equals_hf_generate(family, method, budget, cuda_graph):
+    """Replayed rounds with acceptance lengths varying round to round stay exact over 600 tokens (a
+    stale position or length in a captured graph shows up as a wrong token)."""
     target, draft = cuda_pair(family)
     out, stats = generate(target, draft, PROMPT.cuda(), NEW_TOKENS, method=method, tree_budget=budget,
-                          return_stats=True)
+                          return_stats=True, cuda_graph=cuda_graph)
     assert out.device.type == "cuda"
     ref = hf_greedy(family)
     diff = (out != ref)[0].nonzero()
     assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"
     if method != "autoregressive":
         assert stats.tau > 1.5, stats.summary()
+        assert len(set(stats.accept_lengths)) >= 3, "acceptance should vary from round to round"
+    if cuda_graph:
+        # Each width ran EAGER_ROUNDS_BEFORE_CAPTURE rounds eagerly, then captured once.
+        assert stats.graph_captures >= 2, stats.graph_captures
+        assert stats.rounds > stats.graph_captures * (EAGER_ROUNDS_BEFORE_CAPTURE + 1)
+    else:
+        assert stats.graph_captures == 0
+
+
+def test_graphs_are_the_default_on_one_gpu():
+    target, draft = cuda_pair("qwen3_5")
+    _, stats = generate(target, draft, PROMPT.cuda(), 200, return_stats=True)
+    assert stats.graph_captures >= 1
+
+
+@pytest.mark.parametrize("method", ["ddtree", "autoregressive"])
+def test_sampled_graph_output_equals_eager(method):
+    """The uniforms are read at device positions inside the graph: same seed, same tokens."""
+    target, draft = cuda_pair("qwen3_5")
+    kw = dict(method=method, temperature=0.8, top_k=20, seed=11)
+    eager = generate(target, draft, PROMPT.cuda(), 300, cuda_graph=False, **kw)
+    graphed = generate(target, draft, PROMPT.cuda(), 300, cuda_graph=True, **kw)
+    assert torch.equal(eager, graphed)
+
+
+def small_real_shaped_hybrid(dtype):
+    """A Qwen3.5-shaped hybrid at a small size (real head sizes: GDN 128/128 with HV = 2 H, attention
+    head_dim 256 with 4 KV heads, partial RoPE; 8 layers [lll f] x 2, hidden 1024, vocabulary 4096),
+    random weights, on the GPU."""
+    config = tiny.tiny_qwen3_5_config(
+        vocab_size=4096,
+        layer_types=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + ("full_attention",),
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        initializer_range=0.05,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    )
+    from transformers import Qwen3_5ForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3_5ForCausalLM(config).to(device="cuda", dtype=dtype).eval()
+    draft = make_tiny_draft(model, seed=2, weight_std=0.05).to(device="cuda", dtype=dtype)
+    return model, draft
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_graph_equals_eager_over_500_tokens_on_a_real_shaped_model(dtype):
+    target, draft = small_real_shaped_hybrid(dtype)
+    prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(1)).cuda()
+    for method, budget in (("ddtree", 64), ("autoregressive", 1)):
+        eager = generate(target, draft, prompt, 520, method=method, tree_budget=budget, cuda_graph=False)
+        graphed, stats = generate(target, draft, prompt, 520, method=method, tree_budget=budget, cuda_graph=True,
+                                  return_stats=True)
+        diff = (eager != graphed)[0].nonzero()
+        assert diff.numel() == 0, f"{method}: first mismatch at position {int(diff[0])}"
+        assert stats.graph_captures >= 2
+        if dtype == torch.float32:
+            ref = tiny.hf_greedy(target, prompt, 520)
+            diff = (graphed != ref)[0].nonzero()
+            assert diff.numel() == 0, f"{method} vs HF: first mismatch at position {int(diff[0])}"

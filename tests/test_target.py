@@ -1,8 +1,8 @@
 """TargetAdapter: tree verify and commit are exact against the stock HF forward, on both families.
 
 Every tree check compares against the stock model run on prefix + path-to-node (what the target would
-compute for that node along a chain); every commit check against a second state advanced by the stock
-chain forward over the same accepted tokens. Models are tiny float32 ones of the real HF classes.
+compute for that node along a chain); every commit check against a fresh state prefilled by the stock
+forward with the whole committed sequence. Models are tiny float32 ones of the real HF classes.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ TARGETS = {
     ),
 }
 TAPS = (2, 0)  # deliberately not sorted: taps are concatenated in the given order
+CAPACITY = 160  # cache slots: prompts, 30 rounds of up to 7 accepted tokens, one tree
 
 
 @pytest.fixture(scope="module", params=list(TARGETS), ids=list(TARGETS))
@@ -46,7 +47,7 @@ def _tokens(gen, *shape):
 
 def _stock_last(adapter, tokens):
     """Stock forward of a whole sequence on a fresh state: (logits [V], taps [F]) at its last position."""
-    logits, taps = adapter.prefill(tokens, adapter.new_state())
+    logits, taps = adapter.prefill(tokens, adapter.new_state(capacity=CAPACITY))
     return logits[0], taps[0, -1]
 
 
@@ -79,7 +80,7 @@ TREE_SHAPES = ("random", "chain", "star", "draft")
 def test_verify_matches_stock_forward_per_path(adapter, shape):
     gen = torch.Generator().manual_seed(TREE_SHAPES.index(shape))
     prompt = _tokens(gen, 1, int(torch.randint(1, 12, (1,), generator=gen)))
-    state = adapter.new_state()
+    state = adapter.new_state(capacity=CAPACITY)
     adapter.prefill(prompt, state)
     if shape == "draft":
         tree = _draft_tree(gen, _tokens(gen, 1), state.prefix_len, budget=10)
@@ -93,15 +94,13 @@ def test_verify_matches_stock_forward_per_path(adapter, shape):
 
 
 def _cache_tensors(adapter, state):
-    """Every tensor the next forward reads: attention K/V (cut to the prefix), conv and recurrent states."""
-    out = {}
-    for i, layer in enumerate(state.cache.layers):
-        if i in adapter.gdn_layer_ids:
-            out[f"conv{i}"] = layer.conv_states[0]
-            out[f"recurrent{i}"] = layer.recurrent_states[0]
-        else:
-            out[f"keys{i}"], out[f"values{i}"] = layer.keys, layer.values
-    return out
+    """Every committed tensor the next forward reads: attention K/V up to prefix_len (the slots after
+    it are scratch), conv and recurrent states."""
+    prefix = int(state.prefix_len.max())
+    return {
+        name: t[:, :, :prefix] if name.startswith(("keys", "values")) else t
+        for name, t in state.tensors().items()
+    }
 
 
 def _random_walk(gen, tree, max_accept):
@@ -114,16 +113,16 @@ def _random_walk(gen, tree, max_accept):
 
 
 def _rounds(adapter, seed, num_rounds):
-    """Generation-like rounds on two states from the same prompt: one verifies a random tree and commits
-    a random path of it, the other runs the stock chain forward over the same accepted tokens.
+    """Generation-like rounds: a state verifies a random tree and commits a random path of it; the
+    reference is the stock HF model over the whole committed sequence (its logits, and the caches a
+    stock prefill of that sequence leaves in a fresh state).
 
-    Yields (round, tree logits at the path's nodes [A, V], chain logits [A, V]) after each round; the
-    caller checks the states in between. Returns the two states and the next root token [1, 1]."""
+    Yields (round, tree logits at the path's nodes [A, V], stock logits there [A, V], tree state,
+    stock state) after each round, then once more for a chain forward of 4 tokens on both."""
     gen = torch.Generator().manual_seed(seed)
-    prompt = _tokens(gen, 1, 5)
-    tree_state, chain_state = adapter.new_state(), adapter.new_state()
-    adapter.prefill(prompt, tree_state)
-    adapter.prefill(prompt, chain_state)
+    sequence = _tokens(gen, 1, 5)
+    tree_state = adapter.new_state(capacity=CAPACITY)
+    adapter.prefill(sequence, tree_state)
     root = _tokens(gen, 1, 1)
     for rnd in range(num_rounds):
         shape = TREE_SHAPES[rnd % len(TREE_SHAPES)]
@@ -136,18 +135,29 @@ def _rounds(adapter, seed, num_rounds):
         tree_logits, _ = adapter.verify(tree, tree_state)
         walk, path = _random_walk(gen, tree, max_accept=7)
         adapter.commit(walk, tree_state)
-        chain_logits, _ = adapter.forward_chain(tree.token[:, path], chain_state)
-        assert torch.equal(tree_state.prefix_len, chain_state.prefix_len)
-        yield rnd, tree_logits[0, path], chain_logits[0], tree_state, chain_state
+        sequence = torch.cat([sequence, tree.token[:, path]], dim=1)
+        yield (rnd, tree_logits[0, path], *_stock(adapter, sequence, len(path)), tree_state)
         root = walk.next_token[:, None]
-    # The states stay usable by the stock forward: the next chain forward agrees on both.
+    # The committed state stays usable: a chain forward after the rounds agrees with the stock model.
     nxt = torch.cat([root, _tokens(gen, 1, 3)], dim=1)
-    tree_next, chain_next = adapter.forward_chain(nxt, tree_state)[0], adapter.forward_chain(nxt, chain_state)[0]
-    yield num_rounds, tree_next[0], chain_next[0], tree_state, chain_state
+    chain_logits = adapter.forward_chain(nxt, tree_state)[0]
+    sequence = torch.cat([sequence, nxt], dim=1)
+    yield (num_rounds, chain_logits[0], *_stock(adapter, sequence, nxt.shape[1]), tree_state)
+
+
+def _stock(adapter, sequence, last):
+    """The stock model over ``sequence``: (logits at its last ``last`` positions [last, V], a fresh state
+    prefilled with it)."""
+    with torch.no_grad():
+        logits = adapter.model(input_ids=sequence).logits[0, -last:].float()
+    state = adapter.new_state(capacity=CAPACITY)
+    adapter.prefill(sequence, state)
+    return logits, state
 
 
 def test_commit_equals_chain_forward_over_rounds(adapter):
-    for rnd, tree_logits, chain_logits, tree_state, chain_state in _rounds(adapter, seed=11, num_rounds=30):
+    for rnd, tree_logits, chain_logits, chain_state, tree_state in _rounds(adapter, seed=11, num_rounds=30):
+        assert torch.equal(tree_state.prefix_len, chain_state.prefix_len)
         assert rel_err(tree_logits, chain_logits) < MODEL_RTOL, f"round {rnd}"
         assert torch.equal(tree_logits.argmax(-1), chain_logits.argmax(-1)), f"round {rnd}"
         expected = _cache_tensors(adapter, chain_state)
@@ -170,7 +180,7 @@ def test_bf16_tree_stays_on_the_chain(attn):
 def test_taps_are_the_tapped_layer_outputs(adapter):
     gen = torch.Generator().manual_seed(3)
     prompt = _tokens(gen, 1, 6)
-    _, taps = adapter.prefill(prompt, adapter.new_state())
+    _, taps = adapter.prefill(prompt, adapter.new_state(capacity=CAPACITY))
     hidden = adapter.model(input_ids=prompt, output_hidden_states=True).hidden_states
     h = adapter.hidden_size
     for slot, layer_id in enumerate(TAPS):
@@ -181,7 +191,7 @@ def test_taps_are_the_tapped_layer_outputs(adapter):
 def test_chain_forward_matches_one_stock_forward(adapter):
     gen = torch.Generator().manual_seed(5)
     tokens = _tokens(gen, 1, 10)
-    state = adapter.new_state()
+    state = adapter.new_state(capacity=CAPACITY)
     last, _ = adapter.prefill(tokens[:, :4], state)
     rest, _ = adapter.forward_chain(tokens[:, 4:], state)
     full = adapter.model(input_ids=tokens).logits.float()
@@ -209,7 +219,7 @@ def test_conditional_generation_uses_its_text_model():
 
     gen = torch.Generator().manual_seed(2)
     prompt = _tokens(gen, 1, 6)
-    state = adapter.new_state()
+    state = adapter.new_state(capacity=CAPACITY)
     logits, _ = adapter.prefill(prompt, state)
     with torch.no_grad():
         stock = model(input_ids=prompt).logits
@@ -255,12 +265,12 @@ def test_attention_implementation_without_tree_mask_is_refused():
 
 def test_batch_above_one_is_refused(hybrid):
     with pytest.raises(ValueError, match="batch_size"):
-        TargetAdapter(hybrid).new_state(2)
+        TargetAdapter(hybrid).new_state(2, capacity=CAPACITY)
 
 
 def test_call_order_is_checked(hybrid):
     adapter = TargetAdapter(hybrid)
-    state = adapter.new_state()
+    state = adapter.new_state(capacity=CAPACITY)
     gen = torch.Generator().manual_seed(0)
     tree = _random_tree(gen, state.prefix_len, 3, "random")
     with pytest.raises(ValueError, match="prefill"):
@@ -286,7 +296,7 @@ def test_failed_verify_restores_layers_and_cache(hybrid, monkeypatch):
     adapter = TargetAdapter(hybrid)
     gen = torch.Generator().manual_seed(4)
     prompt = _tokens(gen, 1, 5)
-    state = adapter.new_state()
+    state = adapter.new_state(capacity=CAPACITY)
     adapter.prefill(prompt, state)
     before = {k: v.clone() for k, v in _cache_tensors(adapter, state).items()}
 
@@ -316,6 +326,37 @@ def test_failed_verify_restores_layers_and_cache(hybrid, monkeypatch):
     assert rel_err(logits, stock) < MODEL_RTOL
 
 
+def test_capacity_is_checked_before_any_work(hybrid):
+    adapter = TargetAdapter(hybrid)
+    gen = torch.Generator().manual_seed(6)
+    with pytest.raises(ValueError, match="capacity must be an int"):
+        adapter.new_state(capacity=0)
+    state = adapter.new_state(capacity=8)
+    with pytest.raises(ValueError, match="exceed the state's capacity 8"):
+        adapter.prefill(_tokens(gen, 1, 9), state)
+    adapter.prefill(_tokens(gen, 1, 5), state)
+    with pytest.raises(ValueError, match="capacity too small"):
+        adapter.verify(_random_tree(gen, state.prefix_len, 4, "random"), state)  # slots 5..8 > 8
+    assert state.pending is None
+    adapter.verify(_random_tree(gen, state.prefix_len, 3, "random"), state)
+
+
+def test_attention_width_does_not_change_the_result(adapter):
+    """kv_len (the bucket of slots attention reads) only adds masked slots: the same tree over the
+    smallest width and over the whole capacity gives the same logits and taps."""
+    gen = torch.Generator().manual_seed(8)
+    prompt = _tokens(gen, 1, 7)
+    tree = None
+    results = []
+    for kv_len in (7 + 9, CAPACITY):
+        state = adapter.new_state(capacity=CAPACITY)
+        adapter.prefill(prompt, state)
+        tree = tree if tree is not None else _random_tree(gen, state.prefix_len, 9, "random")
+        results.append(adapter.verify(tree, state, kv_len=kv_len))
+    for a, b in zip(*results):
+        assert rel_err(a, b) < 1e-6
+
+
 BAD_WALKS = {
     "accept_len 0": ([[0, 1, -1]], [0], "accept_len"),
     "accept_len > D": ([[0, 1, 2]], [4], "accept_len"),
@@ -334,7 +375,7 @@ def test_bad_walk_leaves_the_state_untouched(hybrid, monkeypatch, case):
     accepted, accept_len, field = BAD_WALKS[case]
     adapter = TargetAdapter(hybrid)
     gen = torch.Generator().manual_seed(5)
-    state = adapter.new_state()
+    state = adapter.new_state(capacity=CAPACITY)
     adapter.prefill(_tokens(gen, 1, 5), state)
     tree = _random_tree(gen, state.prefix_len, 5, "chain")
     adapter.verify(tree, state)

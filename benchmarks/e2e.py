@@ -1,0 +1,490 @@
+"""End-to-end round timings on one GPU: python benchmarks/e2e.py [--preset 27b] [--target DIR --draft DIR]
+
+Builds a target of a real model's shape (the transformers class from a config, random bf16 weights
+initialised on the GPU) and a DFlash-shaped draft, or loads real checkpoints, and measures in one run,
+medians over the replayed rounds after warm-up:
+
+* the weight-read floor of one target forward (bytes of weights read / measured device copy rate);
+* a stock Hugging Face eager decode step (DynamicCache, one token);
+* our autoregressive step, DFlash chain round and DDTree rounds at several budgets, each replayed from
+  CUDA graphs and eagerly, with a per-stage breakdown (draft, build, verify, walk, commit);
+* on pure-attention shapes, the public DDTree reference implementation's round pattern (HF forward
+  with a 4D mask over a DynamicCache, top-K and the walk on the host with a Python heap, per-layer
+  index_select compaction), re-created here and timed in the same run;
+* tokens/s = tau / round time, for the measured tau (random weights accept almost nothing) and,
+  labelled as a projection, for tau in {3, 5, 7, 9}.
+
+Writes ``<out>/<date>-<gpu>-e2e-<preset>.json`` and ``.md``. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import heapq
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ddtree_ext import generate, ops  # noqa: E402
+from ddtree_ext.draft import DFlashDraftModel  # noqa: E402
+from ddtree_ext.target import TargetAdapter  # noqa: E402
+from ddtree_ext.tiny import tiny_draft_config  # noqa: E402
+
+LIN, FULL = "linear_attention", "full_attention"
+
+# Target shapes (text configs) and their DFlash drafts' shapes. 27b = Qwen3.6-27B / Qwen3.5-27B.
+PRESETS = {
+    "27b": dict(
+        family="qwen3_5",
+        target=dict(
+            vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+            layer_types=[LIN, LIN, LIN, FULL] * 16, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+            linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+            linear_num_value_heads=48,
+        ),
+        draft=dict(num_layers=5, intermediate_size=17408, taps=[1, 16, 31, 46, 61], mask_token_id=248070),
+    ),
+    "9b": dict(
+        family="qwen3_5",
+        target=dict(
+            vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+            layer_types=[LIN, LIN, LIN, FULL] * 8, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+            linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+            linear_num_value_heads=32,
+        ),
+        draft=dict(num_layers=5, intermediate_size=12288, taps=[1, 8, 15, 22, 29], mask_token_id=248070),
+    ),
+    "4b": dict(
+        family="qwen3_5",
+        target=dict(
+            vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+            layer_types=[LIN, LIN, LIN, FULL] * 8, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+            linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+            linear_num_value_heads=32,
+        ),
+        draft=dict(num_layers=5, intermediate_size=9216, taps=[1, 8, 15, 22, 29], mask_token_id=248070),
+    ),
+    "qwen3-8b": dict(
+        family="qwen3",
+        target=dict(
+            vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        ),
+        draft=dict(num_layers=5, intermediate_size=12288, taps=[1, 9, 17, 25, 33], mask_token_id=151669),
+    ),
+}
+TAUS = (3, 5, 7, 9)
+
+
+# ---- models -------------------------------------------------------------------------------------
+
+
+def build_target(preset: dict, dtype=torch.bfloat16):
+    """The preset's target class from its config, random weights initialised on the GPU."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(max_position_embeddings=262144, tie_word_embeddings=False, attn_implementation="sdpa",
+                  initializer_range=0.02)
+    if preset["family"] == "qwen3_5":
+        config = Qwen3_5TextConfig(
+            **preset["target"], **common,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                             "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        )
+        cls = Qwen3_5ForCausalLM
+    else:
+        config = Qwen3Config(**preset["target"], **common, rope_theta=1e6)
+        cls = Qwen3ForCausalLM
+    with torch.device("cuda"):
+        model = cls._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def build_draft(target, preset: dict, dtype=torch.bfloat16) -> DFlashDraftModel:
+    """A DFlash-shaped draft (sliding-window layers then one full layer, 32/8 heads of 128, block 16),
+    random weights on the GPU."""
+    d = preset["draft"]
+    config = tiny_draft_config(
+        target.config, num_layers=d["num_layers"], block_size=16, target_layer_ids=d["taps"], sliding_window=2048,
+        intermediate_size=d["intermediate_size"], num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=262144, rope_theta=1e7,
+    )
+    config.dflash_config["mask_token_id"] = d["mask_token_id"]
+    with torch.device("cuda"):
+        draft = DFlashDraftModel(config).to(dtype)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return draft.eval()
+
+
+def weight_bytes_read(model) -> int:
+    """Bytes of weights one forward reads: every parameter but the input embedding table (one row per
+    token), plus the LM head."""
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+
+
+# ---- timing helpers ---------------------------------------------------------------------------
+
+
+def median_ms(values: List[float]) -> float:
+    return 1e3 * statistics.median(values) if values else float("nan")
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device copy rate in bytes/s, counting bytes read plus written (median over reps)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 3):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times[3:])
+
+
+def cache_kwarg(model) -> str:
+    text = model.model
+    return "cache" if "cache" in inspect.signature(text.forward).parameters else "past_key_values"
+
+
+@torch.inference_mode()
+def hf_decode_step_ms(model, prompt, steps: int) -> float:
+    """Stock HF eager: one-token forwards on a DynamicCache after the prompt (median, synced)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    kw = cache_kwarg(model)
+    out = model(input_ids=prompt, use_cache=True, **{kw: cache})
+    token = out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps + 3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model(input_ids=token, use_cache=True, **{kw: cache})
+        token = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return median_ms(times[3:])
+
+
+def measure_generate(target, draft, prompt, *, method, budget, graphs: bool, rounds: int) -> dict:
+    """One generate() run; medians over its replayed rounds (graphs) or its rounds after 3 (eager)."""
+    new_tokens = rounds + 12 if graphs else rounds + 3
+    _, stats = generate(target, draft, prompt, new_tokens, method=method, tree_budget=budget, cuda_graph=graphs,
+                        return_stats=True)
+    if graphs:
+        picked = [r for r, replayed in enumerate(stats.round_replayed) if replayed]
+    else:
+        picked = list(range(3, stats.rounds))
+    stages = {}
+    for stage in ("draft", "build", "verify", "walk", "commit"):
+        values = [stats.round_stage_s[r].get(stage) for r in picked if stage in stats.round_stage_s[r]]
+        if values:
+            stages[stage] = median_ms(values)
+    return dict(
+        method=method, budget=budget if method == "ddtree" else stats.tree_budget, graphs=graphs,
+        rounds_measured=len(picked), round_ms=median_ms([stats.round_time_s[r] for r in picked]),
+        stage_ms=stages, tau=statistics.mean(stats.accept_lengths[r] for r in picked) if picked else float("nan"),
+        captures=stats.graph_captures,
+    )
+
+
+# ---- the public reference implementation's round pattern ---------------------------------------
+
+
+@torch.inference_mode()
+def reference_round_pattern_ms(adapter: TargetAdapter, draft, prompt, budget: int, rounds: int) -> float:
+    """A round as the public DDTree reference implementation runs it, on a pure-attention target:
+    draft forward; log-softmax + top-K on the GPU, copied to the host; best-first tree build with a
+    Python heap; the 4D mask built on the host and copied over; ONE stock HF forward over the tree with
+    the mask on a DynamicCache; argmax copied to the host and walked in Python; the accepted rows kept
+    by index_select per layer and the cache cut back. Returns the median round time in ms."""
+    from transformers import DynamicCache
+
+    model = adapter.model
+    kw = cache_kwarg(model)
+    cache = DynamicCache(config=model.config)
+    taps_ids = draft.target_layer_ids
+    from ddtree_ext.target import record_layer_outputs
+
+    with record_layer_outputs(adapter.text_model.layers, taps_ids) as rec:
+        out = model(input_ids=prompt, use_cache=True, **{kw: cache})
+    context = torch.cat([rec[i] for i in taps_ids], dim=-1)
+    root = out.logits[:, -1].argmax(-1)
+    prefix = prompt.shape[1]
+    dcache = draft.new_cache(1, capacity=prefix + 64 * rounds + 64)
+    k = 8
+    device = adapter.device
+    times = []
+    for _ in range(rounds + 3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        logits = draft.propose(context, root, dcache, embed_tokens=adapter.embed_tokens, lm_head=adapter.lm_head)
+        top = torch.log_softmax(logits[0].float(), -1).topk(k, dim=-1)
+        logp, tokens = top.values.cpu().tolist(), top.indices.cpu().tolist()
+        # Best-first over (score, parent, depth, rank) with heapq, as the reference does.
+        nodes = [(-1, 0, int(root))]  # (parent, depth, token)
+        heap = [(-logp[0][0], 0, 0, 0)]
+        scores = [0.0]
+        while heap and len(nodes) < budget + 1:
+            neg, parent, depth, rank = heapq.heappop(heap)
+            nodes.append((parent, depth + 1, tokens[depth][rank]))
+            scores.append(-neg)
+            me = len(nodes) - 1
+            if rank + 1 < k:
+                heapq.heappush(heap, (-(scores[parent] + logp[depth][rank + 1]), parent, depth, rank + 1))
+            if depth + 1 < len(logp):
+                heapq.heappush(heap, (-(scores[me] + logp[depth + 1][0]), me, depth + 1, 0))
+        n = len(nodes)
+        visible = [[False] * n for _ in range(n)]
+        for i, (parent, _, _) in enumerate(nodes):
+            visible[i][i] = True
+            j = parent
+            while j >= 0:
+                visible[i][j] = True
+                j = nodes[j][0]
+        tree_mask = torch.tensor(visible, device=device)
+        mask = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=device), tree_mask], dim=1)[None, None]
+        ids = torch.tensor([[tok for _, _, tok in nodes]], device=device)
+        pos = torch.tensor([[prefix + d for _, d, _ in nodes]], device=device)
+        with record_layer_outputs(adapter.text_model.layers, taps_ids) as rec:
+            out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **{kw: cache})
+        target_tokens = out.logits[0].argmax(-1).cpu().tolist()
+        path, node = [0], 0
+        while True:
+            children = [c for c in range(1, n) if nodes[c][0] == node and nodes[c][2] == target_tokens[node]]
+            if not children:
+                break
+            node = children[0]
+            path.append(node)
+        keep = torch.tensor(list(range(prefix)) + [prefix + p for p in path], device=device)
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(2, keep)
+            layer.values = layer.values.index_select(2, keep)
+        context = torch.cat([rec[i] for i in taps_ids], dim=-1)[:, path]
+        root = torch.tensor([target_tokens[path[-1]]], device=device)
+        prefix += len(path)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return median_ms(times[3:])
+
+
+# ---- profile ------------------------------------------------------------------------------------
+
+
+def profile_round(target, draft, prompt, budget: int, top: int = 15) -> List[dict]:
+    """Top kernels by CUDA time over 3 eager DDTree rounds (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    generate(target, draft, prompt, 4, tree_budget=budget, cuda_graph=False)  # warm-up
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate(target, draft, prompt, 4, tree_budget=budget, cuda_graph=False)
+    rows = []
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) or 1.0
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+        rows.append(dict(name=e.key[:90], calls=e.count, cuda_ms=e.device_time_total / 1e3,
+                         share=e.device_time_total / total))
+    return rows
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def run_preset(name: str, args, bandwidth: float) -> dict:
+    preset = PRESETS[name]
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    if args.target:
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16, device_map="cuda",
+                                                      attn_implementation="sdpa").eval()
+        draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.bfloat16, device="cuda")
+    else:
+        target = build_target(preset)
+        draft = build_draft(target, preset)
+    adapter = TargetAdapter(target, draft.target_layer_ids)
+    build_s = time.perf_counter() - start
+    vocab = adapter.vocab_size
+    prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).cuda()
+    floor_bytes = weight_bytes_read(target)
+    floor_ms = 1e3 * floor_bytes / bandwidth
+    result = dict(preset=name, family=preset["family"], build_s=build_s, weight_bytes=floor_bytes,
+                  floor_ms=floor_ms, prompt_len=args.prompt_len, runs=[])
+    print(f"[{name}] built in {build_s:.1f} s; weights read per forward {floor_bytes / 1e9:.2f} GB, "
+          f"floor {floor_ms:.2f} ms", flush=True)
+
+    result["hf_decode_step_ms"] = hf_decode_step_ms(target, prompt, args.hf_steps)
+    print(f"[{name}] stock HF eager decode step {result['hf_decode_step_ms']:.2f} ms", flush=True)
+
+    plans = [("autoregressive", 0), ("dflash", 0)] + [("ddtree", b) for b in args.budgets]
+    for method, budget in plans:
+        for graphs in (True, False):
+            rounds = args.rounds if graphs else args.eager_rounds
+            run = measure_generate(adapter, draft, prompt, method=method, budget=max(budget, 1), graphs=graphs,
+                                   rounds=rounds)
+            result["runs"].append(run)
+            stages = ", ".join(f"{s} {t:.2f}" for s, t in run["stage_ms"].items())
+            print(f"[{name}] {method} budget {run['budget']} {'graphs' if graphs else 'eager '}: "
+                  f"{run['round_ms']:.2f} ms/round over {run['rounds_measured']} rounds (tau {run['tau']:.2f}); "
+                  f"stages ms: {stages}", flush=True)
+
+    if preset["family"] == "qwen3":
+        result["reference_round_ms"] = {}
+        for budget in (64, 256):
+            ms = reference_round_pattern_ms(adapter, draft, prompt, budget, args.eager_rounds)
+            result["reference_round_ms"][budget] = ms
+            print(f"[{name}] reference implementation's round pattern, budget {budget}: {ms:.2f} ms", flush=True)
+    if args.profile:
+        result["profile_budget_64"] = profile_round(adapter, draft, prompt, 64)
+
+    # Static buffers for a 32k-token generation (the target's caches and the draft's), measured by
+    # allocating them; the run's own peak used a capacity of prompt + a few hundred slots.
+    before = torch.cuda.memory_allocated()
+    state = adapter.new_state(1, capacity=args.max_length)
+    draft_cache = draft.new_cache(1, capacity=args.max_length)
+    result["static_buffers_max_length_gb"] = (torch.cuda.memory_allocated() - before) / 1e9
+    del state, draft_cache
+    result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    result["max_length"] = args.max_length
+    print(f"[{name}] peak memory {result['peak_memory_gb']:.1f} GB; static buffers at {args.max_length} tokens "
+          f"{result['static_buffers_max_length_gb']:.2f} GB", flush=True)
+    del adapter, target, draft
+    torch.cuda.empty_cache()
+    return result
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# End-to-end rounds on {report['gpu']} ({report['date']})",
+        "",
+        f"- Commit `{report['commit']}`; torch {report['torch']}, transformers {report['transformers']}, "
+        f"fla importable: {report['fla']}.",
+        f"- Command: `{report['command']}`",
+        f"- Device copy rate {report['copy_gb_s']:.0f} GB/s (read + write), measured in this run. Floor = weight "
+        "bytes one forward reads / that rate. Times are medians over rounds replayed from CUDA graphs (graphs) or "
+        "over eager rounds after 3 warm-up rounds (eager); a round's time is host wall time including its one "
+        "device-to-host read. Stage times are CUDA-event device times.",
+        "- Random weights: the draft accepts almost nothing, so tau (measured) is about 1. tokens/s at tau 3..9 are "
+        "PROJECTIONS (tau / round time), not measurements.",
+        "",
+    ]
+    for res in report["presets"]:
+        floor = res["floor_ms"]
+        lines += [
+            f"## {res['preset']} ({res['family']}), prompt {res['prompt_len']} tokens",
+            "",
+            f"Weights read per forward {res['weight_bytes'] / 1e9:.2f} GB, floor {floor:.2f} ms. Stock HF eager "
+            f"decode step {res['hf_decode_step_ms']:.2f} ms ({res['hf_decode_step_ms'] / floor:.2f}x floor). "
+            f"Peak memory {res['peak_memory_gb']:.1f} GB; static caches for {res['max_length']} tokens "
+            f"{res['static_buffers_max_length_gb']:.2f} GB.",
+            "",
+            "| method | budget | path | ms / round | x floor | tau | tok/s measured | "
+            + " | ".join(f"tok/s at tau {t} (proj.)" for t in TAUS)
+            + " | draft | build | verify | walk | commit |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in TAUS) + " | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for run in res["runs"]:
+            ms = run["round_ms"]
+            proj = " | ".join(
+                "" if run["method"] == "autoregressive" else f"{1e3 * t / ms:.1f}" for t in TAUS
+            )
+            st = run["stage_ms"]
+            stages = " | ".join(f"{st[s]:.3f}" if s in st else "" for s in ("draft", "build", "verify", "walk", "commit"))
+            lines.append(
+                f"| {run['method']} | {run['budget']} | {'graphs' if run['graphs'] else 'eager'} | {ms:.2f} | "
+                f"{ms / floor:.2f} | {run['tau']:.2f} | {1e3 * run['tau'] / ms:.1f} | {proj} | {stages} |"
+            )
+        if "reference_round_ms" in res:
+            lines += ["", "Reference implementation's round pattern (re-created here, eager, same run):", ""]
+            for budget, ms in res["reference_round_ms"].items():
+                lines.append(f"- budget {budget}: {ms:.2f} ms per round ({ms / floor:.2f}x floor)")
+        if "profile_budget_64" in res:
+            lines += ["", "Top kernels by CUDA time, 3 eager DDTree rounds at budget 64 (torch profiler):", "",
+                      "| kernel | calls | CUDA ms | share |", "| --- | ---: | ---: | ---: |"]
+            for row in res["profile_budget_64"]:
+                lines.append(f"| `{row['name']}` | {row['calls']} | {row['cuda_ms']:.2f} | {100 * row['share']:.1f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", action="append", choices=sorted(PRESETS),
+                        help="shape(s) to run (repeatable; default 27b and qwen3-8b)")
+    parser.add_argument("--target", help="a real target checkpoint (directory or hub id) instead of a preset shape")
+    parser.add_argument("--draft", help="its DFlash draft checkpoint (with --target)")
+    parser.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128, 256])
+    parser.add_argument("--rounds", type=int, default=30, help="replayed rounds per graph measurement (>= 20)")
+    parser.add_argument("--eager-rounds", type=int, default=10, help="measured rounds per eager measurement")
+    parser.add_argument("--hf-steps", type=int, default=20)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--max-length", type=int, default=32768, help="the length the static caches are sized for")
+    parser.add_argument("--profile", action="store_true", help="add the top kernels of eager rounds (torch profiler)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
+    if bool(args.target) != bool(args.draft):
+        raise SystemExit("--target and --draft go together")
+    presets = args.preset or (["27b"] if args.target else ["27b", "qwen3-8b"])
+
+    import transformers
+
+    try:
+        import fla  # noqa: F401
+
+        has_fla = True
+    except ImportError:
+        has_fla = False
+    commit = os.environ.get("DDTREE_COMMIT") or _git_commit()
+    bandwidth = copy_bandwidth()
+    report = dict(
+        date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), commit=commit,
+        command="python benchmarks/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        torch=torch.__version__, transformers=transformers.__version__, fla=has_fla, copy_gb_s=bandwidth / 1e9,
+        presets=[],
+    )
+    print(f"device copy {bandwidth / 1e9:.0f} GB/s; {report['gpu']}; commit {commit}", flush=True)
+    for name in presets:
+        report["presets"].append(run_preset(name, args, bandwidth))
+    os.makedirs(args.out, exist_ok=True)
+    gpu = report["gpu"].split()[-1].lower()
+    stem = os.path.join(args.out, f"{report['date']}-{gpu}-e2e-{'-'.join(presets)}")
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(report))
+    print(markdown(report))
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+def _git_commit() -> str:
+    with contextlib.suppress(Exception):
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()
