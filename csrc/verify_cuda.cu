@@ -1,6 +1,7 @@
 // CUDA implementations of the verify ops: GDN's short causal conv and the gated delta rule on a
 // tree. Semantics: ddtree_ext/reference.py; the parallel form of the GDN recurrence: DESIGN.md §4.
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 #include "ops.h"
@@ -159,15 +160,47 @@ __host__ __device__ inline int staged_row_len(int kdim) {
   return r % 8 == 0 ? r + 4 : r;
 }
 
-// Copies element group p of a row of T (4 elements when VEC4, else 1) into a float row.
+// For e = threadIdx.x, + THREADS, ... < total: store(e, load(e)), BATCH loads at a time all issued before the
+// first store, so that one round trip to memory serves BATCH elements (a loop that stores each element
+// before loading the next waits a full round trip per element). `load` must not branch.
+template <int THREADS, int BATCH, typename Load, typename Store>
+__device__ __forceinline__ void batched_copy(int total, Load load, Store store) {
+  using Value = decltype(load(0));
+  for (int base = threadIdx.x; base < total; base += BATCH * THREADS) {
+    Value vals[BATCH];
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const int e = base + u * THREADS;
+      if (e < total) vals[u] = load(e);
+    }
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const int e = base + u * THREADS;
+      if (e < total) store(e, vals[u]);
+    }
+  }
+}
+
+// Element group p of a row of T (4 elements when VEC4, else 1), raw, and its store into a float row.
 template <typename T, bool VEC4>
-__device__ __forceinline__ void copy_group(float* dst, const T* src, int p) {
+using RowGroup = std::conditional_t<VEC4, cuda::Pack<T, 4>, T>;
+
+template <typename T, bool VEC4>
+__device__ __forceinline__ RowGroup<T, VEC4> load_group(const T* row, int p) {
   if constexpr (VEC4) {
-    float x[4];
-    cuda::load_pack_float<T, 4>(src + 4 * p, x);
-    *reinterpret_cast<float4*>(dst + 4 * p) = make_float4(x[0], x[1], x[2], x[3]);
+    return *reinterpret_cast<const cuda::Pack<T, 4>*>(row + 4 * p);
   } else {
-    dst[p] = cuda::to_float(src[p]);
+    return row[p];
+  }
+}
+
+template <typename T, bool VEC4>
+__device__ __forceinline__ void store_group(float* row, int p, const RowGroup<T, VEC4>& x) {
+  if constexpr (VEC4) {
+    *reinterpret_cast<float4*>(row + 4 * p) =
+        make_float4(cuda::to_float(x.v[0]), cuda::to_float(x.v[1]), cuda::to_float(x.v[2]), cuda::to_float(x.v[3]));
+  } else {
+    row[p] = cuda::to_float(x);
   }
 }
 
@@ -239,21 +272,24 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(
     par[j] = cuda::checked_parent(parent[b * pa_sb + j * pa_sn], j);
     on_path[j] = 0;
   }
-  for (int e = tid; e < rows * group; e += kPrepThreads) {
-    gs[e] = g[b * g_sb + (e / group) * g_sn + (h * group + e % group) * g_sh];
-  }
+  batched_copy<kPrepThreads, 4>(
+      rows * group, [&](int e) { return g[b * g_sb + (e / group) * g_sn + (h * group + e % group) * g_sh]; },
+      [&](int e, float x) { gs[e] = x; });
+  // Rows 0..rows-1: keys of nodes 0..rows-1; rows rows..rows+count-1: the chunk's queries.
   const int groups = VEC4 ? kdim / 4 : kdim;
-  const int total = (rows + count) * groups;
-#pragma unroll 8
-  for (int e = tid; e < total; e += kPrepThreads) {
-    const int r = e / groups, p = e % groups;
-    if (r < rows) {
-      copy_group<T, VEC4>(krows + r * kpad, k + b * k_sb + r * k_sn + h * k_sh, p);
-    } else {
-      const int t = r - rows;
-      copy_group<T, VEC4>(qrows + t * kpad, q + b * q_sb + (c0 + t) * q_sn + h * q_sh, p);
-    }
-  }
+  const T* k_base = k + b * k_sb + h * k_sh;
+  const T* q_base = q + b * q_sb + h * q_sh;
+  batched_copy<kPrepThreads, 8>(
+      (rows + count) * groups,
+      [&](int e) {
+        const int r = e / groups;
+        const T* row = r < rows ? k_base + r * k_sn : q_base + (c0 + r - rows) * q_sn;
+        return load_group<T, VEC4>(row, e % groups);
+      },
+      [&](int e, const RowGroup<T, VEC4>& x) {
+        const int r = e / groups;
+        store_group<T, VEC4>(r < rows ? krows + r * kpad : qrows + (r - rows) * kpad, e % groups, x);
+      });
   __syncthreads();
   if (tid < count) {
     int len = 0;
@@ -304,7 +340,7 @@ struct GdnMainLayout {
   int kpad;   // staged row length (staged_row_len)
   int krows;  // the GEMM's depth: K rounded up to 4 (rows of the H0 tile; staged rows are zero beyond K)
   int chunk;  // nodes per GEMM chunk: min(N, 72)
-  size_t h0, stage, kh, qh, vt, cumg, beta, parent, depth, total;
+  size_t h0, stage, kh, qh, vt, cumg, beta, parent, depth, order, level_start, level_fill, total;
 
   GdnMainLayout(int n, int kdim) {
     kpad = staged_row_len(kdim);
@@ -328,6 +364,9 @@ struct GdnMainLayout {
     beta = take(sizeof(float) * n);
     parent = take(sizeof(int) * n);
     depth = take(sizeof(int) * n);
+    order = take(sizeof(int) * n);
+    level_start = take(sizeof(int) * (n + 2));
+    level_fill = take(sizeof(int) * (n + 1));
     total = off;
   }
 };
@@ -388,6 +427,9 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
   float* beta_s = reinterpret_cast<float*>(smem_raw + lay.beta);  // [N]
   int* par = reinterpret_cast<int*>(smem_raw + lay.parent);       // [N]
   int* dep = reinterpret_cast<int*>(smem_raw + lay.depth);        // [N]
+  int* order = reinterpret_cast<int*>(smem_raw + lay.order);      // [N] nodes by depth
+  int* level_start = reinterpret_cast<int*>(smem_raw + lay.level_start);  // [N + 2] level d: order[start d ..]
+  int* level_fill = reinterpret_cast<int*>(smem_raw + lay.level_fill);    // [N + 1] scatter cursors
   const int n = sh.num_nodes, kdim = sh.kdim, kpad = lay.kpad;
   float* coef_u = stage;                                   // [N][kCachedDist] after the GEMM
   float* coef_o = coef_u + n * kCachedDist;                // [N][kCachedDist]
@@ -402,17 +444,17 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
 
   // Stages the key and query rows of chunk nodes c0 .. c0 + nodes - 1 as float (rows 2 l and 2 l + 1).
   const int groups = VEC4 ? kdim / 4 : kdim;
+  const T* k_base = k + b * k_sb + h * k_sh;
+  const T* q_base = q + b * q_sb + h * q_sh;
   auto stage_chunk = [&](int c0, int nodes) {
-    const int total = 2 * nodes * groups;
-#pragma unroll 8
-    for (int e = tid; e < total; e += kMainThreads) {
-      const int r = e / groups, p = e % groups, i = c0 + r / 2;
-      if (r % 2 == 0) {
-        copy_group<T, VEC4>(stage + r * kpad, k + b * k_sb + i * k_sn + h * k_sh, p);
-      } else {
-        copy_group<T, VEC4>(stage + r * kpad, q + b * q_sb + i * q_sn + h * q_sh, p);
-      }
-    }
+    batched_copy<kMainThreads, 8>(
+        2 * nodes * groups,
+        [&](int e) {
+          const int r = e / groups, i = c0 + r / 2;
+          const T* row = r % 2 == 0 ? k_base + i * k_sn : q_base + i * q_sn;
+          return load_group<T, VEC4>(row, e % groups);
+        },
+        [&](int e, const RowGroup<T, VEC4>& x) { store_group<T, VEC4>(stage + (e / groups) * kpad, e % groups, x); });
     if (lay.krows > kdim) {  // zero the columns K..krows the GEMM reads
       const int w = lay.krows - kdim;
       for (int e = tid; e < 2 * nodes * w; e += kMainThreads) stage[(e / w) * kpad + kdim + e % w] = 0.f;
@@ -426,30 +468,37 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
 
   // ---- tree, beta, H0 tile, v tile and the first chunk's k and q: independent loads, issued together ----
   if (tid == 0) max_depth = 0;
+  for (int i = tid; i < n + 2; i += kMainThreads) level_start[i] = 0;
   for (int i = tid; i < n; i += kMainThreads) {
     par[i] = cuda::checked_parent(parent[b * pa_sb + i * pa_sn], i);
     beta_s[i] = beta[b * be_sb + i * be_sn + hv * be_sh];
   }
   const float* h0_src = state + b * st_sb + hv * st_sh;
+  // Rows K..krows of the tile are zero; so are columns past V (their sums are never stored). Clamped
+  // addresses keep every load in bounds without a branch.
   if (state_vec4 && v0 + kTileV <= sh.vdim) {
-#pragma unroll 4
-    for (int e = tid; e < lay.krows * (kTileV / 4); e += kMainThreads) {
-      const int r = e / (kTileV / 4), c = 4 * (e % (kTileV / 4));
-      reinterpret_cast<float4*>(h0)[e] = r < kdim ? *reinterpret_cast<const float4*>(h0_src + r * st_sk + v0 + c)
-                                                  : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    batched_copy<kMainThreads, 4>(
+        lay.krows * (kTileV / 4),
+        [&](int e) {
+          const int r = e / (kTileV / 4), c = 4 * (e % (kTileV / 4));
+          return *reinterpret_cast<const float4*>(h0_src + min(r, kdim - 1) * st_sk + v0 + c);
+        },
+        [&](int e, float4 x) {
+          reinterpret_cast<float4*>(h0)[e] = e / (kTileV / 4) < kdim ? x : make_float4(0.f, 0.f, 0.f, 0.f);
+        });
   } else {
-#pragma unroll 4
-    for (int e = tid; e < lay.krows * kTileV; e += kMainThreads) {
-      const int r = e / kTileV, c = v0 + e % kTileV;
-      h0[e] = r < kdim && c < sh.vdim ? h0_src[r * st_sk + c * st_sv] : 0.f;
-    }
+    batched_copy<kMainThreads, 8>(
+        lay.krows * kTileV,
+        [&](int e) {
+          const int r = min(e / kTileV, kdim - 1), c = min(v0 + e % kTileV, sh.vdim - 1);
+          return h0_src[r * st_sk + c * st_sv];
+        },
+        [&](int e, float x) { h0[e] = e / kTileV < kdim && v0 + e % kTileV < sh.vdim ? x : 0.f; });
   }
-#pragma unroll 4
-  for (int e = tid; e < n * kTileV; e += kMainThreads) {
-    const int i = e / kTileV, c = v0 + e % kTileV;
-    vt[e] = c < sh.vdim ? cuda::to_float(v[b * v_sb + i * v_sn + hv * v_sh + c]) : 0.f;
-  }
+  batched_copy<kMainThreads, 8>(
+      n * kTileV,
+      [&](int e) { return v[b * v_sb + (e / kTileV) * v_sn + hv * v_sh + min(v0 + e % kTileV, sh.vdim - 1)]; },
+      [&](int e, T x) { vt[e] = v0 + e % kTileV < sh.vdim ? cuda::to_float(x) : 0.f; });
   stage_chunk(0, lay.chunk);
   __syncthreads();
   for (int i = tid; i < n; i += kMainThreads) {
@@ -457,6 +506,7 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
     for (int j = par[i]; j >= 0; j = par[j]) ++d;
     dep[i] = d;
     atomicMax(&max_depth, d);
+    atomicAdd(&level_start[d + 1], 1);
   }
   normalise_chunk(lay.chunk);
   __syncthreads();
@@ -518,6 +568,10 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
   float2 own_dots[kCachedDist];
   if (tid < n) load_dots(tid, own_dots);
   for (int i = tid; i < n; i += kMainThreads) cumg[i] = stash_cumg[b * cg_sb + i * cg_sn + hv * cg_sh];
+  if (tid == 0) {  // level sizes to level starts (the counts were added long before, behind several barriers)
+    for (int d = 1; d <= max_depth + 1; ++d) level_start[d] += level_start[d - 1];
+    for (int d = 0; d <= max_depth; ++d) level_fill[d] = level_start[d];
+  }
   __syncthreads();
   if (tid < n) store_coefs(tid, own_dots);
   for (int i = tid + kMainThreads; i < n; i += kMainThreads) {
@@ -525,50 +579,46 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
     load_dots(i, dots);
     store_coefs(i, dots);
   }
+  // Within a level nodes are independent, so the order atomics hand out there changes no value.
+  for (int i = tid; i < n; i += kMainThreads) order[atomicAdd(&level_fill[dep[i]], 1)] = i;
   __syncthreads();
 
-  // ---- u and o, level by level; node i of level d goes to the warp of its rank in the level ----
+  // ---- u and o, level by level, a warp per node ----
   const int levels = max_depth + 1;
   for (int d = 0; d < levels; ++d) {
-    int rank = 0;
-    for (int base = 0; base < n; base += kWarp) {
-      unsigned at_level = __ballot_sync(cuda::kFullMask, base + lane < n && dep[base + lane] == d);
-      while (at_level != 0u) {
-        const int i = base + __ffs(at_level) - 1;
-        at_level &= at_level - 1u;
-        if (rank++ % kMainWarps != warp) continue;
-        const int* anc_i = anc + i * kCachedDist;
-        const float* cu_i = coef_u + i * kCachedDist;
-        const float* co_i = coef_o + i * kCachedDist;
-        float acc_u = 0.f, acc_o = 0.f;
-        const int cached = min(d, kCachedDist - 1);
+    for (int s = level_start[d] + warp; s < level_start[d + 1]; s += kMainWarps) {
+      const int i = order[s];
+      const int* anc_i = anc + i * kCachedDist;
+      const float* cu_i = coef_u + i * kCachedDist;
+      const float* co_i = coef_o + i * kCachedDist;
+      float acc_u = 0.f, acc_o = 0.f;
+      const int cached = min(d, kCachedDist - 1);
 #pragma unroll 4
-        for (int a = 1; a <= cached; ++a) {
-          const float uj = kh[anc_i[a] * kTileV + lane];
-          acc_u = fmaf(cu_i[a], uj, acc_u);
-          acc_o = fmaf(co_i[a], uj, acc_o);
+      for (int a = 1; a <= cached; ++a) {
+        const float uj = kh[anc_i[a] * kTileV + lane];
+        acc_u = fmaf(cu_i[a], uj, acc_u);
+        acc_o = fmaf(co_i[a], uj, acc_o);
+      }
+      // Deeper than the cache: each node from the one at distance a - 1, the dots from the workspace.
+      const float gi = cumg[i];
+      if (d >= kCachedDist) {
+        int j = anc_i[kCachedDist - 1];
+        for (int a = kCachedDist; a <= d; ++a) {
+          j = par[j];
+          const float w = expf(gi - cumg[j]);
+          const float2 x = *reinterpret_cast<const float2*>(gram_h + (static_cast<int64_t>(i) * n + a) * 2);
+          const float uj = kh[j * kTileV + lane];
+          acc_u = fmaf(w * x.x, uj, acc_u);
+          acc_o = fmaf(w * x.y, uj, acc_o);
         }
-        // Deeper than the cache: each node from the one at distance a - 1, the dots from the workspace.
-        const float gi = cumg[i];
-        if (d >= kCachedDist) {
-          int j = anc_i[kCachedDist - 1];
-          for (int a = kCachedDist; a <= d; ++a) {
-            j = par[j];
-            const float w = expf(gi - cumg[j]);
-            const float2 x = *reinterpret_cast<const float2*>(gram_h + (static_cast<int64_t>(i) * n + a) * 2);
-            const float uj = kh[j * kTileV + lane];
-            acc_u = fmaf(w * x.x, uj, acc_u);
-            acc_o = fmaf(w * x.y, uj, acc_o);
-          }
-        }
-        const float decay = expf(gi);
-        const float u = beta_s[i] * ((vt[i * kTileV + lane] - decay * kh[i * kTileV + lane]) - acc_u);
-        const float o = decay * qh[i * kTileV + lane] + (co_i[0] * u + acc_o);
-        kh[i * kTileV + lane] = u;
-        if (col_ok) {
-          out[b * o_sb + i * o_sn + hv * o_sh + col] = cuda::from_float<T>(o);
-          stash_u[b * su_sb + i * su_sn + hv * su_sh + col] = u;
-        }
+      }
+      const float decay = expf(gi);
+      const float u = beta_s[i] * ((vt[i * kTileV + lane] - decay * kh[i * kTileV + lane]) - acc_u);
+      const float o = decay * qh[i * kTileV + lane] + (co_i[0] * u + acc_o);
+      kh[i * kTileV + lane] = u;
+      if (col_ok) {
+        out[b * o_sb + i * o_sn + hv * o_sh + col] = cuda::from_float<T>(o);
+        stash_u[b * su_sb + i * su_sn + hv * su_sh + col] = u;
       }
     }
     __syncthreads();
