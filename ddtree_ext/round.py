@@ -8,11 +8,11 @@ lengths are device tensors, and no stage reads the device from the host. So the 
 either run eagerly or are captured once into CUDA graphs and replayed every round; the one host read
 per round is the result row (accept length, emitted tokens), copied into pinned memory.
 
-Attention widths (``kv_len``, see :func:`ddtree_ext.target.kv_bucket`) are the only host-side shape
-that changes as the sequence grows, so graphs are kept per ``kv_len``: a round at a width seen fewer
-than ``EAGER_ROUNDS_BEFORE_CAPTURE`` times runs eagerly (these rounds also warm up kernels and
-libraries before capture), the next one captures all stages into graphs sharing one memory pool, and
-later rounds at that width replay them.
+Attention widths (``kv_len``, see :func:`kv_bucket`) are the only host-side shape that changes as the
+sequence grows, so graphs are made per ``kv_len``: a round at a width seen fewer than
+``EAGER_ROUNDS_BEFORE_CAPTURE`` times runs eagerly (these rounds also warm up kernels and libraries
+before capture), the next one captures all stages into graphs sharing one memory pool, and later
+rounds at that width replay them. Only the current width's graphs are kept (widths never shrink).
 """
 
 from __future__ import annotations
@@ -193,7 +193,9 @@ class DecodeRound:
     def _capture(self, kv_len: int):
         """Capture every stage at this width into its own graph (one shared pool); nothing runs.
         The intermediates the graphs own are kept with them: freeing one would let a later capture in
-        the pool reuse its memory under a graph still replaying."""
+        the pool reuse its memory under a graph still replaying. Widths only grow within a generation,
+        so the graphs of narrower widths are released first (their memory goes back to the pool)."""
+        self._graphs.clear()
         self.tmp = {}
         graphs = []
         torch.cuda.synchronize(self.device)
