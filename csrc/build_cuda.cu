@@ -13,64 +13,303 @@ using cuda::kWarp;
 
 // ==== topk_logprobs ============================================================================
 //
-// A draft's 15 rows alone would occupy 15 multiprocessors, so each row is split into segments: one
-// block per (row, segment) makes one pass over its segment (row_topk.cuh) and writes its softmax
-// statistics and best K_CAP pairs; then one warp per row merges the segments in a fixed order and
-// writes the top k with their log-softmax values.
+// A draft's 15 rows alone would occupy 15 multiprocessors, so each row is split into segments of whole
+// chunks (kTopkChunk elements: 32 per thread, loaded at once in 16-byte packs, so one chunk is one
+// round trip to memory): one block per (row, segment), then one warp per row merges the segments in
+// a fixed order and writes the top k with their log-softmax values.
+//
+// Per chunk a block keeps its best K_CAP (value, id) pairs without a sorted insert per element: each
+// warp takes the K_CAP-th largest of its lanes' maxima, a value at least K_CAP elements reach; the
+// largest of these (and of the K_CAP-th pair kept from earlier chunks) is a threshold no element of
+// the top K_CAP lies below. The few elements at or above it are gathered in shared memory and each
+// finds its rank by counting the candidates ranked before it. Order: higher value first, then lower id
+// (a total order, so the result does not depend on the order of the gathering). Chunks whose
+// candidates do not fit (many equal values at the threshold) take per-thread sorted lists instead.
+// NaN logits never enter the top K (as before); they make the row's sum NaN.
 
 constexpr int kTopkThreads = 256;
-constexpr int kTopkMaxFast = 32;  // larger k takes the sort-based path
+constexpr int kTopkWarps = kTopkThreads / kWarp;
+constexpr int kTopkPerThread = 32;
+constexpr int64_t kTopkChunk = int64_t{kTopkThreads} * kTopkPerThread;
+constexpr int kTopkCandidates = 512;  // gathered per chunk before the per-thread lists take over
+constexpr int kTopkMaxFast = 32;      // larger k takes the sort-based path
+
+template <int K_CAP>
+struct TopkSegmentSmem {
+  float list_val[2][K_CAP];  // the best pairs so far (double-buffered across chunks)
+  int list_id[2][K_CAP];
+  float cand_val[kTopkCandidates];
+  int cand_id[kTopkCandidates];
+  int cand_count;
+  unsigned warp_threshold[kTopkWarps];
+  float warp_val[kTopkWarps + 1][K_CAP];  // per-thread-list path: per-warp lists, then the kept list
+  int warp_id[kTopkWarps + 1][K_CAP];
+  float warp_m[kTopkWarps], warp_s[kTopkWarps];
+};
+
+// The K-th largest of the lanes' keys counted with multiplicity (0 = no value), or 0 when fewer than K
+// lanes hold one. At most K rounds of a warp max.
+template <int K>
+__device__ __forceinline__ unsigned warp_kth_largest(unsigned key) {
+  int count = 0;
+  while (true) {
+    const unsigned top = cuda::warp_max_u32(key);
+    if (top == 0) return 0;
+    count += __popc(__ballot_sync(kFullMask, key == top));
+    if (count >= K) return top;
+    if (key == top) key = 0;
+  }
+}
 
 template <typename T, int K_CAP>
 __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
     const T* __restrict__ logits, int64_t lg_sb, int64_t lg_sl, int64_t vocab, int num_depths, int segments,
-    int64_t seg_len, float* __restrict__ part_val, int* __restrict__ part_id, float* __restrict__ part_stats) {
-  __shared__ cuda::RowTopKSmem<K_CAP, kTopkThreads> sm;
+    int chunks_per_segment, float* __restrict__ part_val, int* __restrict__ part_id, float* __restrict__ part_stats) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kPacks = kTopkPerThread / kVec;
+  static_assert(kPacks * kVec == kTopkPerThread, "whole packs per thread");
+  __shared__ TopkSegmentSmem<K_CAP> sm;
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
   const int row = blockIdx.x / segments, seg = blockIdx.x % segments;
   const int b = row / num_depths, l = row % num_depths;
-  const int64_t start = seg * seg_len;
-  const int64_t len = start + seg_len < vocab ? seg_len : vocab - start;
-  cuda::row_softmax_topk<T, K_CAP, kTopkThreads>(logits + b * lg_sb + l * lg_sl + start, len,
-                                                 static_cast<int>(start), [](float x) { return x; }, sm);
-  const int64_t part = static_cast<int64_t>(blockIdx.x);
-  for (int r = threadIdx.x; r < K_CAP; r += kTopkThreads) {
-    part_val[part * K_CAP + r] = sm.val[r];
-    part_id[part * K_CAP + r] = sm.id[r];
+  const T* row_ptr = logits + b * lg_sb + l * lg_sl;
+  // Elements before the first 16-byte boundary (the head) go to segment 0's first chunk, one per thread.
+  const int64_t head = cuda::elements_to_16b_boundary(row_ptr, vocab);
+  const T* body = row_ptr + head;
+  const int64_t body_len = vocab - head;
+  const int64_t chunks = body_len > 0 ? (body_len + kTopkChunk - 1) / kTopkChunk : 1;
+  const int64_t chunk_begin = static_cast<int64_t>(seg) * chunks_per_segment;
+  const int64_t chunk_end = min(chunks, chunk_begin + chunks_per_segment);
+
+  if (tid < K_CAP) {
+    sm.list_val[0][tid] = -INFINITY;
+    sm.list_id[0][tid] = cuda::kNoId;
   }
-  if (threadIdx.x == 0) {
-    part_stats[2 * part] = sm.m;
-    part_stats[2 * part + 1] = sm.s;
+  if (tid == 0) sm.cand_count = 0;
+  int cur = 0;
+  cuda::MaxSum ms;  // this thread's softmax statistics over all its chunks
+
+  for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+    // Element (p, e) of this thread: body offset base + (p * threads + tid) * kVec + e.
+    const int64_t base = c * kTopkChunk;
+    auto load_chunk = [&](float (&v)[kPacks][kVec]) {
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        const int64_t off = base + (static_cast<int64_t>(p) * kTopkThreads + tid) * kVec;
+        if (off + kVec <= body_len) {
+          cuda::load_pack_float<T, kVec>(body + off, v[p]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) v[p][e] = off + e < body_len ? cuda::to_float(body[off + e]) : -INFINITY;
+        }
+      }
+    };
+    float v[kPacks][kVec];
+    load_chunk(v);
+    const bool with_head = c == 0 && tid < head;
+    const float head_value = with_head ? cuda::to_float(row_ptr[tid]) : -INFINITY;
+    const bool full = base + kTopkChunk <= body_len;
+    auto in_range = [&](int p, int e) {
+      return full || base + (static_cast<int64_t>(p) * kTopkThreads + tid) * kVec + e < body_len;
+    };
+    auto id_of = [&](int p, int e) {
+      return static_cast<int>(head + base + (static_cast<int64_t>(p) * kTopkThreads + tid) * kVec + e);
+    };
+
+    // Softmax statistics: one rescale per chunk, then a plain sum (padding is -inf and adds 0).
+    float chunk_max = head_value;
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) chunk_max = fmaxf(chunk_max, v[p][e]);
+    }
+    if (chunk_max > ms.m) {
+      ms.s = ms.m == -INFINITY ? 0.f : ms.s * __expf(ms.m - chunk_max);
+      ms.m = chunk_max;
+    }
+    if (ms.m != -INFINITY) {
+      float sum = with_head ? __expf(head_value - ms.m) : 0.f;
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) sum += __expf(v[p][e] - ms.m);
+      }
+      ms.s += sum;
+    }
+
+    // Threshold: the K_CAP-th largest lane maximum per warp (lanes holding an element of the row).
+    const bool holds = with_head || in_range(0, 0);
+    const unsigned warp_t = warp_kth_largest<K_CAP>(holds ? cuda::ordered_bits(chunk_max) : 0u);
+    if (lane == 0) sm.warp_threshold[warp] = warp_t;
+    __syncthreads();
+    unsigned threshold = sm.list_id[cur][K_CAP - 1] != cuda::kNoId ? cuda::ordered_bits(sm.list_val[cur][K_CAP - 1]) : 0u;
+#pragma unroll
+    for (int w = 0; w < kTopkWarps; ++w) threshold = max(threshold, sm.warp_threshold[w]);
+    auto gather = [&](float x, int id) {
+      if (x == x && cuda::ordered_bits(x) >= threshold) {
+        const int at = atomicAdd(&sm.cand_count, 1);
+        if (at < kTopkCandidates) {
+          sm.cand_val[at] = x;
+          sm.cand_id[at] = id;
+        }
+      }
+    };
+    if (with_head) gather(head_value, tid);
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        if (in_range(p, e)) gather(v[p][e], id_of(p, e));
+      }
+    }
+    __syncthreads();
+    const int gathered = sm.cand_count;
+    const int next = cur ^ 1;
+    if (gathered <= kTopkCandidates) {
+      // Rank of each candidate (gathered ones, then the kept pairs) among all of them.
+      const float* kept_val = sm.list_val[cur];
+      const int* kept_id = sm.list_id[cur];
+      int kept = 0;
+#pragma unroll
+      for (int j = 0; j < K_CAP; ++j) kept += kept_id[j] != cuda::kNoId;
+      const int total = gathered + kept;  // kept pairs are the first `kept` of their list
+      for (int t = tid; t < total; t += kTopkThreads) {
+        const float x = t < gathered ? sm.cand_val[t] : kept_val[t - gathered];
+        const int id = t < gathered ? sm.cand_id[t] : kept_id[t - gathered];
+        int rank = 0;
+        for (int j = 0; j < gathered; ++j) rank += cuda::ranks_before(sm.cand_val[j], sm.cand_id[j], x, id);
+        for (int j = 0; j < kept; ++j) rank += cuda::ranks_before(kept_val[j], kept_id[j], x, id);
+        if (rank < K_CAP) {
+          sm.list_val[next][rank] = x;
+          sm.list_id[next][rank] = id;
+        }
+      }
+      if (tid >= total && tid < K_CAP) {
+        sm.list_val[next][tid] = -INFINITY;
+        sm.list_id[next][tid] = cuda::kNoId;
+      }
+    } else {
+      // Too many candidates: per-thread sorted lists of the elements at or above the threshold, merged
+      // per warp, then the warps' lists and the kept list by warp 0.
+      // (The chunk is read again, from L2: keeping it in registers past the gathering costs spills.)
+      cuda::TopList<K_CAP> top;
+      top.clear();
+      if (with_head && cuda::ordered_bits(head_value) >= threshold) top.insert(head_value, tid);
+      float again[kPacks][kVec];
+      load_chunk(again);
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          if (in_range(p, e) && cuda::ordered_bits(again[p][e]) >= threshold) top.insert(again[p][e], id_of(p, e));
+        }
+      }
+      for (int r = 0; r < K_CAP; ++r) {
+        float bv = top.val[0];
+        int bi = top.id[0];
+        cuda::warp_best(bv, bi);
+        if (top.id[0] == bi) top.pop_front();
+        if (lane == 0) {
+          sm.warp_val[warp][r] = bv;
+          sm.warp_id[warp][r] = bi;
+        }
+      }
+      if (tid < K_CAP) {
+        sm.warp_val[kTopkWarps][tid] = sm.list_val[cur][tid];
+        sm.warp_id[kTopkWarps][tid] = sm.list_id[cur][tid];
+      }
+      __syncthreads();
+      if (warp == 0) {
+        cuda::warp_merge_lists(&sm.warp_val[0][0], &sm.warp_id[0][0], K_CAP, kTopkWarps + 1, K_CAP, sm.list_val[next],
+                               sm.list_id[next]);
+      }
+    }
+    __syncthreads();
+    if (tid == 0) sm.cand_count = 0;  // read by every thread before the barrier above
+    cur = next;
+  }
+
+  // The block's softmax statistics: lanes by a fixed butterfly, then the warps in order.
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(kFullMask, ms.m, off);
+    const float s2 = __shfl_xor_sync(kFullMask, ms.s, off);
+    ms.merge(m2, s2);
+  }
+  if (lane == 0) {
+    sm.warp_m[warp] = ms.m;
+    sm.warp_s[warp] = ms.s;
+  }
+  __syncthreads();
+  const int64_t part = static_cast<int64_t>(blockIdx.x);
+  if (tid < K_CAP) {
+    part_val[part * K_CAP + tid] = sm.list_val[cur][tid];
+    part_id[part * K_CAP + tid] = sm.list_id[cur][tid];
+  }
+  if (tid == 0) {
+    cuda::MaxSum total;
+    for (int w = 0; w < kTopkWarps; ++w) total.merge(sm.warp_m[w], sm.warp_s[w]);
+    part_stats[2 * part] = total.m;
+    part_stats[2 * part + 1] = total.s;
   }
 }
 
+// One warp per row: the segments' statistics by a fixed butterfly; the best k pairs by k rounds of a
+// warp max over the segments' list heads, keyed [value as ordered bits | ~id] (higher value, then lower
+// id; a list's padding (-inf, kNoId) ranks below every real pair and an exhausted list below that).
 template <int K_CAP>
-__global__ void __launch_bounds__(cuda::kWarp) topk_merge_kernel(
+__global__ void __launch_bounds__(kWarp) topk_merge_kernel(
     const float* __restrict__ part_val, const int* __restrict__ part_id, const float* __restrict__ part_stats,
     int num_depths, int segments, int k, float* __restrict__ logp, int64_t lp_sb, int64_t lp_sl, int64_t lp_sk,
     int64_t* __restrict__ tokens, int64_t tk_sb, int64_t tk_sl, int64_t tk_sk) {
-  __shared__ float val[K_CAP];
-  __shared__ int id[K_CAP];
-  __shared__ float log_norm, max_logit;
+  const int lane = threadIdx.x;
   const int row = blockIdx.x, b = row / num_depths, l = row % num_depths;
-  const int64_t first = static_cast<int64_t>(row) * segments;
-  cuda::warp_merge_lists(part_val + first * K_CAP, part_id + first * K_CAP, K_CAP, segments, K_CAP, val, id);
-  if (threadIdx.x == 0) {
-    cuda::MaxSum total;
-    for (int s = 0; s < segments; ++s) total.merge(part_stats[2 * (first + s)], part_stats[2 * (first + s) + 1]);
-    log_norm = logf(total.s);
-    max_logit = total.m;
+  const bool live = lane < segments;
+  const int64_t list = static_cast<int64_t>(row) * segments + lane;
+  cuda::MaxSum total;
+  if (live) {
+    total.m = part_stats[2 * list];
+    total.s = part_stats[2 * list + 1];
   }
-  __syncwarp();
-  for (int r = threadIdx.x; r < k; r += cuda::kWarp) {
-    logp[b * lp_sb + l * lp_sl + r * lp_sk] = (val[r] - max_logit) - log_norm;
-    tokens[b * tk_sb + l * tk_sl + r * tk_sk] = id[r];
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(kFullMask, total.m, off);
+    const float s2 = __shfl_xor_sync(kFullMask, total.s, off);
+    total.merge(m2, s2);
+  }
+  const float log_norm = logf(total.s);
+  const float* vals = part_val + list * K_CAP;
+  const int* ids = part_id + list * K_CAP;
+  int pos = 0;
+  auto key_hi = [&](int at) { return live && at < K_CAP ? cuda::ordered_bits(vals[at]) : 0u; };
+  auto key_lo = [&](int at) { return live && at < K_CAP ? ~static_cast<unsigned>(ids[at]) : 0u; };
+  unsigned hi = key_hi(0), lo = key_lo(0);
+  unsigned next_hi = key_hi(1), next_lo = key_lo(1);
+  for (int r = 0; r < k; ++r) {
+    const unsigned max_hi = cuda::warp_max_u32(hi);
+    const unsigned max_lo = cuda::warp_max_u32(hi == max_hi ? lo : 0u);
+    if (hi == max_hi && lo == max_lo) {  // one lane: (value, id) pairs are unique within a row
+      logp[b * lp_sb + l * lp_sl + r * lp_sk] = (cuda::from_ordered_bits(max_hi) - total.m) - log_norm;
+      tokens[b * tk_sb + l * tk_sl + r * tk_sk] = static_cast<int>(~max_lo);
+      ++pos;
+      hi = next_hi;
+      lo = next_lo;
+      next_hi = key_hi(pos + 1);
+      next_lo = key_lo(pos + 1);
+    }
   }
 }
 
 template <typename T, int K_CAP>
 void launch_topk(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens) {
   const int64_t bsz = logits.size(0), depths = logits.size(1), vocab = logits.size(2), rows = bsz * depths;
-  const auto [segments, seg_len] = cuda::split_rows(rows, vocab);
+  // Segments of whole chunks: enough (row, segment) blocks to fill the GPU about four times, at most
+  // one per lane of the merging warp.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t chunks = std::max<int64_t>(1, cuda::ceil_div(vocab, kTopkChunk));
+  const int64_t wanted = std::min<int64_t>(std::max<int64_t>(1, cuda::ceil_div(4 * sms, rows)), kWarp);
+  const int64_t chunks_per_segment = cuda::ceil_div(chunks, std::min(wanted, chunks));
+  const int64_t segments = cuda::ceil_div(chunks, chunks_per_segment);
   // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture.
   const auto f32 = logits.options().dtype(at::kFloat);
   const at::Tensor part_val = at::empty({rows, segments, K_CAP}, f32);
@@ -79,10 +318,10 @@ void launch_topk(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens)
   const cudaStream_t stream = cuda::current_stream();
   topk_segment_kernel<T, K_CAP><<<static_cast<unsigned>(rows * segments), kTopkThreads, 0, stream>>>(
       logits.data_ptr<T>(), logits.stride(0), logits.stride(1), vocab, static_cast<int>(depths),
-      static_cast<int>(segments), seg_len, part_val.data_ptr<float>(), part_id.data_ptr<int>(),
-      part_stats.data_ptr<float>());
+      static_cast<int>(segments), static_cast<int>(chunks_per_segment), part_val.data_ptr<float>(),
+      part_id.data_ptr<int>(), part_stats.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  topk_merge_kernel<K_CAP><<<static_cast<unsigned>(rows), cuda::kWarp, 0, stream>>>(
+  topk_merge_kernel<K_CAP><<<static_cast<unsigned>(rows), kWarp, 0, stream>>>(
       part_val.data_ptr<float>(), part_id.data_ptr<int>(), part_stats.data_ptr<float>(), static_cast<int>(depths),
       static_cast<int>(segments), static_cast<int>(logp.size(2)), logp.data_ptr<float>(), logp.stride(0),
       logp.stride(1), logp.stride(2), tokens.data_ptr<int64_t>(), tokens.stride(0), tokens.stride(1),
@@ -131,17 +370,6 @@ constexpr int kListMaxDepth = (1 << kListDepthBits) - 1;
 constexpr int kListMaxPerLane = 16;
 constexpr int kListMaxBudget = kListMaxPerLane * kWarp;  // 512 < kListMaxParent, so a real lo word is never 0
 
-__device__ __forceinline__ uint32_t ordered_bits(float f) {
-  uint32_t u = __float_as_uint(f);
-  if (u == 0x80000000u) u = 0;  // -0 and +0 compare equal as floats, so they get one key
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// The float whose ordered_bits are `o` (-0 comes back as +0; no sum differs but for the sign of a zero).
-__device__ __forceinline__ float from_ordered_bits(uint32_t o) {
-  return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
-}
-
 // Largest key over the warp. On sm_80+ two single-instruction reductions (the high words, then the low
 // words of the lanes holding the highest high word); a low word is never 0 for a real key (parent and
 // rank are < 0xffff), and an empty lane (key 0) never holds the highest high word unless all are empty.
@@ -156,25 +384,15 @@ __device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
 #endif
 }
 
-__device__ __forceinline__ unsigned warp_max_u32(unsigned x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(kFullMask, x);
-#else
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) x = max(x, __shfl_xor_sync(kFullMask, x, off));
-  return x;
-#endif
-}
-
 __device__ __forceinline__ uint64_t candidate_key(float score, int parent, int rank) {
-  return (static_cast<uint64_t>(ordered_bits(score)) << 32) |
+  return (static_cast<uint64_t>(cuda::ordered_bits(score)) << 32) |
          (static_cast<uint64_t>(kMaxKeyField - parent) << 16) | static_cast<uint64_t>(kMaxKeyField - rank);
 }
 
 __device__ __forceinline__ uint64_t list_key(float score, int parent, int rank, int depth) {
   const uint32_t lo = (static_cast<uint32_t>(kListMaxParent - parent) << (kListRankBits + kListDepthBits)) |
                       (static_cast<uint32_t>(kListMaxRank - rank) << kListDepthBits) | static_cast<uint32_t>(depth);
-  return (static_cast<uint64_t>(ordered_bits(score)) << 32) | lo;
+  return (static_cast<uint64_t>(cuda::ordered_bits(score)) << 32) | lo;
 }
 
 // One lane's candidates, largest key first, in registers (every index is a compile-time constant).
@@ -369,10 +587,10 @@ __device__ int select_with_lists(BuildSmem& sm, Lp lp, int num_depths, int k, in
   while (taken < budget) {
     const uint32_t hi = static_cast<uint32_t>(list.key[0] >> 32);
     const uint32_t lo = static_cast<uint32_t>(list.key[0]);
-    const uint32_t max_hi = warp_max_u32(hi);
+    const uint32_t max_hi = cuda::warp_max_u32(hi);
     uint32_t winners = __ballot_sync(kFullMask, hi == max_hi);
     if (__popc(winners) > 1) {  // equal scores, or every list empty: the low words decide
-      const uint32_t max_lo = warp_max_u32(hi == max_hi ? lo : 0u);
+      const uint32_t max_lo = cuda::warp_max_u32(hi == max_hi ? lo : 0u);
       if (max_hi == 0 && max_lo == 0) break;  // K ** depth ran out: the rest is padding
       winners = __ballot_sync(kFullMask, hi == max_hi && lo == max_lo);
     }
@@ -380,7 +598,7 @@ __device__ int select_with_lists(BuildSmem& sm, Lp lp, int num_depths, int k, in
     const uint32_t key_lo = __shfl_sync(kFullMask, lo, winner);
     const float parent_score = __shfl_sync(kFullMask, list.parent_score[0], winner);
     const int prev = __shfl_sync(kFullMask, list.prev_sibling[0], winner);
-    const float s = from_ordered_bits(max_hi);
+    const float s = cuda::from_ordered_bits(max_hi);
     const int p = kListMaxParent - static_cast<int>(key_lo >> (kListRankBits + kListDepthBits));
     const int r = kListMaxRank - static_cast<int>((key_lo >> kListDepthBits) & kListMaxRank);
     const int d = static_cast<int>(key_lo & kListMaxDepth);
