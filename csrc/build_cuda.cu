@@ -19,9 +19,9 @@ using cuda::kWarp;
 // a fixed order and writes the top k with their log-softmax values.
 //
 // Per chunk a block keeps its best K_CAP (value, id) pairs without a sorted insert per element: each
-// warp takes the ceil(K_CAP / warps)-th largest of its lanes' maxima; the smallest of these over the
-// warps is a value at least K_CAP elements reach, so (like the K_CAP-th pair kept from earlier chunks)
-// a threshold no element of the top K_CAP lies below. The few elements at or above it are gathered in shared memory and each
+// warp takes the K_CAP-th largest of its lanes' maxima, a value at least K_CAP elements reach; the
+// largest of these (and of the K_CAP-th pair kept from earlier chunks) is a threshold no element of
+// the top K_CAP lies below. The few elements at or above it are gathered in shared memory and each
 // finds its rank by counting the candidates ranked before it. Order: higher value first, then lower id
 // (a total order, so the result does not depend on the order of the gathering). Chunks whose
 // candidates do not fit (many equal values at the threshold) take per-thread sorted lists instead.
@@ -68,7 +68,6 @@ __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kPacks = kTopkPerThread / kVec;
   static_assert(kPacks * kVec == kTopkPerThread, "whole packs per thread");
-  constexpr int kPerWarp = (K_CAP + kTopkWarps - 1) / kTopkWarps;
   __shared__ TopkSegmentSmem<K_CAP> sm;
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
   const int row = blockIdx.x / segments, seg = blockIdx.x % segments;
@@ -93,17 +92,20 @@ __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
   for (int64_t c = chunk_begin; c < chunk_end; ++c) {
     // Element (p, e) of this thread: body offset base + (p * threads + tid) * kVec + e.
     const int64_t base = c * kTopkChunk;
-    float v[kPacks][kVec];
+    auto load_chunk = [&](float (&v)[kPacks][kVec]) {
 #pragma unroll
-    for (int p = 0; p < kPacks; ++p) {
-      const int64_t off = base + (static_cast<int64_t>(p) * kTopkThreads + tid) * kVec;
-      if (off + kVec <= body_len) {
-        cuda::load_pack_float<T, kVec>(body + off, v[p]);
-      } else {
+      for (int p = 0; p < kPacks; ++p) {
+        const int64_t off = base + (static_cast<int64_t>(p) * kTopkThreads + tid) * kVec;
+        if (off + kVec <= body_len) {
+          cuda::load_pack_float<T, kVec>(body + off, v[p]);
+        } else {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) v[p][e] = off + e < body_len ? cuda::to_float(body[off + e]) : -INFINITY;
+          for (int e = 0; e < kVec; ++e) v[p][e] = off + e < body_len ? cuda::to_float(body[off + e]) : -INFINITY;
+        }
       }
-    }
+    };
+    float v[kPacks][kVec];
+    load_chunk(v);
     const bool with_head = c == 0 && tid < head;
     const float head_value = with_head ? cuda::to_float(row_ptr[tid]) : -INFINITY;
     const bool full = base + kTopkChunk <= body_len;
@@ -135,28 +137,14 @@ __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
       ms.s += sum;
     }
 
-    // Threshold: every warp takes the kPerWarp-th largest maximum of its lanes (lanes holding an element
-    // of the row; 0 when fewer lanes do), so kPerWarp elements of the warp reach it; the smallest over
-    // the warps that have one is reached by kPerWarp elements per such warp, enough when there are
-    // K_CAP of them (else 0: take all).
+    // Threshold: the K_CAP-th largest lane maximum per warp (lanes holding an element of the row).
     const bool holds = with_head || in_range(0, 0);
-    const unsigned warp_t = warp_kth_largest<kPerWarp>(holds ? cuda::ordered_bits(chunk_max) : 0u);
+    const unsigned warp_t = warp_kth_largest<K_CAP>(holds ? cuda::ordered_bits(chunk_max) : 0u);
     if (lane == 0) sm.warp_threshold[warp] = warp_t;
     __syncthreads();
-    unsigned threshold = 0xffffffffu;
-    int reaching = 0;  // elements known to reach `threshold`
+    unsigned threshold = sm.list_id[cur][K_CAP - 1] != cuda::kNoId ? cuda::ordered_bits(sm.list_val[cur][K_CAP - 1]) : 0u;
 #pragma unroll
-    for (int w = 0; w < kTopkWarps; ++w) {
-      const unsigned t = sm.warp_threshold[w];
-      if (t != 0) {
-        threshold = min(threshold, t);
-        reaching += kPerWarp;
-      }
-    }
-    if (reaching < K_CAP) threshold = 0;
-    if (sm.list_id[cur][K_CAP - 1] != cuda::kNoId) {  // K_CAP kept pairs reach their last one
-      threshold = max(threshold, cuda::ordered_bits(sm.list_val[cur][K_CAP - 1]));
-    }
+    for (int w = 0; w < kTopkWarps; ++w) threshold = max(threshold, sm.warp_threshold[w]);
     auto gather = [&](float x, int id) {
       if (x == x && cuda::ordered_bits(x) >= threshold) {
         const int at = atomicAdd(&sm.cand_count, 1);
@@ -203,14 +191,17 @@ __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
     } else {
       // Too many candidates: per-thread sorted lists of the elements at or above the threshold, merged
       // per warp, then the warps' lists and the kept list by warp 0.
+      // (The chunk is read again, from L2: keeping it in registers past the gathering costs spills.)
       cuda::TopList<K_CAP> top;
       top.clear();
       if (with_head && cuda::ordered_bits(head_value) >= threshold) top.insert(head_value, tid);
+      float again[kPacks][kVec];
+      load_chunk(again);
 #pragma unroll
       for (int p = 0; p < kPacks; ++p) {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          if (in_range(p, e) && cuda::ordered_bits(v[p][e]) >= threshold) top.insert(v[p][e], id_of(p, e));
+          if (in_range(p, e) && cuda::ordered_bits(again[p][e]) >= threshold) top.insert(again[p][e], id_of(p, e));
         }
       }
       for (int r = 0; r < K_CAP; ++r) {
@@ -357,12 +348,12 @@ void topk_by_sort(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens
 //
 // Two ways to keep the candidates, both popping the largest key:
 // - register lists (budget <= kListMaxBudget, the draft's case): every lane keeps a short sorted list
-//   of candidates in registers, beside a small hot set of candidates that every lane keeps alike. A pop
-//   takes the larger of the hot set's best and the largest list head (both known to every lane); its
-//   new candidates go to the hot set, and what the hot set cannot keep is dealt to the lists. Only a
-//   pop from the lists needs a warp-wide max (of the list heads) afterwards. A lane's list grows only
-//   by dealt candidates, at most one per pop, so ceil(budget / 32) entries never overflow before the
-//   last pop. No shared-memory traffic on the critical path besides two logp reads per pop.
+//   of candidates in registers. A pop is one warp-wide max of the list heads; the winner's head is
+//   broadcast, every lane derives the node and its (at most two) new candidates from it, the winner
+//   takes the first in place of the popped one and the second is dealt round-robin. A lane's list only
+//   grows by dealt candidates, and at most `budget` are dealt before the last pop, so ceil(budget / 32)
+//   entries per lane never overflow. No shared-memory traffic on the critical path besides two logp
+//   reads per pop.
 // - shared-memory slots (larger budgets): candidates live in slots, each lane tracks the best of its
 //   slots and rescans them when its best is taken.
 
@@ -554,43 +545,15 @@ __device__ int select_with_slots(BuildSmem& sm, Lp lp, int num_depths, int k, in
   return taken;
 }
 
-// Best-first selection with per-lane register lists of CAP >= ceil(budget / 32) candidates and a hot
-// set (see the section comment). Run by warp 0; returns the number of nodes taken besides the root.
-//
-// The hot set: the best kHotKeep candidates not in the lists, kept identically by every lane, where a
-// pop's new candidates go first; the largest list head (key and payload) is known to every lane too.
-// A pop takes the larger of the two, so only a pop from the lists needs a warp-wide max afterwards;
-// in a draft tree the next node is often a child or sibling of the last, already in the hot set.
-// Candidates pushed out of the hot set go to the lists: the first after a pop from the lists to the
-// lane that lost its head, any other round-robin (at most one per pop, so the per-lane bound holds).
+// Best-first selection with per-lane register lists of CAP >= ceil(budget / 32) candidates (see the
+// section comment). Run by warp 0; returns the number of nodes taken besides the root.
 template <int CAP, typename Lp>
 __device__ int select_with_lists(BuildSmem& sm, Lp lp, int num_depths, int k, int budget, bool spine) {
-  constexpr int kHotKeep = 4;
   const int lane = threadIdx.x % kWarp;
   CandidateList<CAP> list;
   list.clear();
-  CandidateList<kHotKeep + 2> hot;  // uniform; two spare entries for a pop's new candidates
-  hot.clear();
   int taken = 0;  // nodes taken besides the root
   int dealt = 0;  // candidates dealt round-robin so far: the next one goes to lane dealt % 32
-  // The largest list head: key (0 = the lists are empty), payload and the lane holding it.
-  uint64_t top_key = 0;
-  float top_parent_score = 0.f;
-  int top_prev = -1, top_lane = 0;
-  auto refresh_top = [&]() {
-    const uint32_t hi = static_cast<uint32_t>(list.key[0] >> 32);
-    const uint32_t lo = static_cast<uint32_t>(list.key[0]);
-    const uint32_t max_hi = cuda::warp_max_u32(hi);
-    uint32_t winners = __ballot_sync(kFullMask, hi == max_hi);
-    if (__popc(winners) > 1) {  // equal scores, or every list empty: the low words decide
-      const uint32_t max_lo = cuda::warp_max_u32(hi == max_hi ? lo : 0u);
-      winners = __ballot_sync(kFullMask, hi == max_hi && lo == max_lo);
-    }
-    top_lane = __ffs(winners) - 1;
-    top_key = (static_cast<uint64_t>(max_hi) << 32) | __shfl_sync(kFullMask, lo, top_lane);
-    top_parent_score = __shfl_sync(kFullMask, list.parent_score[0], top_lane);
-    top_prev = __shfl_sync(kFullMask, list.prev_sibling[0], top_lane);
-  };
   // Node i's tables; its place among its parent's children: children are taken in rank order.
   auto record = [&](int i, int p, int d, int r, int prev) {
     sm.parent[i] = p;
@@ -616,53 +579,52 @@ __device__ int select_with_lists(BuildSmem& sm, Lp lp, int num_depths, int k, in
       if (lane == 0) record(d, d - 1, d, 0, -1);
     }
     taken = spine_len;
-    refresh_top();
   } else {
-    hot.insert(list_key(0.f + lp(0, 0), 0, 0, 1), 0.f, -1);
+    if (lane == 0) list.insert(list_key(0.f + lp(0, 0), 0, 0, 1), 0.f, -1);
+    dealt = 1;
   }
 
   while (taken < budget) {
-    const bool from_hot = hot.key[0] > top_key;
-    uint64_t key;
-    float parent_score;
-    int prev;
-    if (from_hot) {
-      key = hot.key[0];
-      parent_score = hot.parent_score[0];
-      prev = hot.prev_sibling[0];
-      hot.pop_front();
-    } else {
-      if (top_key == 0) break;  // K ** depth ran out: the rest is padding
-      key = top_key;
-      parent_score = top_parent_score;
-      prev = top_prev;
-      if (lane == top_lane) list.pop_front();
+    const uint32_t hi = static_cast<uint32_t>(list.key[0] >> 32);
+    const uint32_t lo = static_cast<uint32_t>(list.key[0]);
+    const uint32_t max_hi = cuda::warp_max_u32(hi);
+    uint32_t winners = __ballot_sync(kFullMask, hi == max_hi);
+    if (__popc(winners) > 1) {  // equal scores, or every list empty: the low words decide
+      const uint32_t max_lo = cuda::warp_max_u32(hi == max_hi ? lo : 0u);
+      if (max_hi == 0 && max_lo == 0) break;  // K ** depth ran out: the rest is padding
+      winners = __ballot_sync(kFullMask, hi == max_hi && lo == max_lo);
     }
-    const uint32_t key_lo = static_cast<uint32_t>(key);
-    const float s = cuda::from_ordered_bits(static_cast<uint32_t>(key >> 32));
+    const int winner = __ffs(winners) - 1;
+    const uint32_t key_lo = __shfl_sync(kFullMask, lo, winner);
+    const float parent_score = __shfl_sync(kFullMask, list.parent_score[0], winner);
+    const int prev = __shfl_sync(kFullMask, list.prev_sibling[0], winner);
+    const float s = cuda::from_ordered_bits(max_hi);
     const int p = kListMaxParent - static_cast<int>(key_lo >> (kListRankBits + kListDepthBits));
     const int r = kListMaxRank - static_cast<int>((key_lo >> kListDepthBits) & kListMaxRank);
     const int d = static_cast<int>(key_lo & kListMaxDepth);
     const int i = ++taken;
     if (lane == 0) record(i, p, d, r, prev);
-    // The new candidates, the same float32 sums the reference pushes, into the hot set.
-    if (d < num_depths) hot.insert(list_key(s + lp(d, 0), i, 0, d + 1), s, -1);
-    if (r + 1 < k) hot.insert(list_key(parent_score + lp(d - 1, r + 1), p, r + 1, d), parent_score, i);
-#pragma unroll
-    for (int j = kHotKeep; j < kHotKeep + 2; ++j) {
-      if (hot.key[j] != 0) {
-        const int to = (!from_hot && j == kHotKeep) ? top_lane : dealt++ % kWarp;
-        if (lane == to) list.insert(hot.key[j], hot.parent_score[j], hot.prev_sibling[j]);
-        if (from_hot && hot.key[j] > top_key) {
-          top_key = hot.key[j];
-          top_parent_score = hot.parent_score[j];
-          top_prev = hot.prev_sibling[j];
-          top_lane = to;
-        }
-        hot.key[j] = 0;
+    // The new candidates, the same float32 sums the reference pushes.
+    uint64_t child = 0, sibling = 0;
+    if (d < num_depths) child = list_key(s + lp(d, 0), i, 0, d + 1);
+    if (r + 1 < k) sibling = list_key(parent_score + lp(d - 1, r + 1), p, r + 1, d);
+    const bool is_winner = lane == winner;
+    const bool deal = child != 0 && sibling != 0;  // two new candidates: the sibling is dealt
+    const int dealt_to = dealt % kWarp;
+    if (is_winner) list.pop_front();
+    if (is_winner) {
+      if (child) {
+        list.insert(child, s, -1);
+      } else {
+        list.insert(sibling, parent_score, i);
       }
+    } else if (deal && lane == dealt_to) {
+      list.insert(sibling, parent_score, i);
     }
-    if (!from_hot) refresh_top();
+    if (deal) {
+      if (dealt_to == winner && is_winner) list.insert(sibling, parent_score, i);
+      ++dealt;
+    }
   }
   return taken;
 }
