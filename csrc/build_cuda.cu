@@ -13,64 +13,303 @@ using cuda::kWarp;
 
 // ==== topk_logprobs ============================================================================
 //
-// A draft's 15 rows alone would occupy 15 multiprocessors, so each row is split into segments: one
-// block per (row, segment) makes one pass over its segment (row_topk.cuh) and writes its softmax
-// statistics and best K_CAP pairs; then one warp per row merges the segments in a fixed order and
-// writes the top k with their log-softmax values.
+// A draft's 15 rows alone would occupy 15 multiprocessors, so each row is split into segments of whole
+// chunks (kTopkChunk elements: 32 per thread, loaded at once in 16-byte packs, so one chunk is one
+// round trip to memory): one block per (row, segment), then one warp per row merges the segments in
+// a fixed order and writes the top k with their log-softmax values.
+//
+// Per chunk a block keeps its best K_CAP (value, id) pairs without a sorted insert per element: each
+// warp takes the K_CAP-th largest of its lanes' maxima, a value at least K_CAP elements reach; the
+// largest of these (and of the K_CAP-th pair kept from earlier chunks) is a threshold no element of
+// the top K_CAP lies below. The few elements at or above it are gathered in shared memory and each
+// finds its rank by counting the candidates ranked before it. Order: higher value first, then lower id
+// (a total order, so the result does not depend on the order of the gathering). Chunks whose
+// candidates do not fit (many equal values at the threshold) take per-thread sorted lists instead.
+// NaN logits never enter the top K (as before); they make the row's sum NaN.
 
 constexpr int kTopkThreads = 256;
-constexpr int kTopkMaxFast = 32;  // larger k takes the sort-based path
+constexpr int kTopkWarps = kTopkThreads / kWarp;
+constexpr int kTopkPerThread = 32;
+constexpr int64_t kTopkChunk = int64_t{kTopkThreads} * kTopkPerThread;
+constexpr int kTopkCandidates = 512;  // gathered per chunk before the per-thread lists take over
+constexpr int kTopkMaxFast = 32;      // larger k takes the sort-based path
+
+template <int K_CAP>
+struct TopkSegmentSmem {
+  float list_val[2][K_CAP];  // the best pairs so far (double-buffered across chunks)
+  int list_id[2][K_CAP];
+  float cand_val[kTopkCandidates];
+  int cand_id[kTopkCandidates];
+  int cand_count;
+  unsigned warp_threshold[kTopkWarps];
+  float warp_val[kTopkWarps + 1][K_CAP];  // per-thread-list path: per-warp lists, then the kept list
+  int warp_id[kTopkWarps + 1][K_CAP];
+  float warp_m[kTopkWarps], warp_s[kTopkWarps];
+};
+
+// The K-th largest of the lanes' keys counted with multiplicity (0 = no value), or 0 when fewer than K
+// lanes hold one. At most K rounds of a warp max.
+template <int K>
+__device__ __forceinline__ unsigned warp_kth_largest(unsigned key) {
+  int count = 0;
+  while (true) {
+    const unsigned top = cuda::warp_max_u32(key);
+    if (top == 0) return 0;
+    count += __popc(__ballot_sync(kFullMask, key == top));
+    if (count >= K) return top;
+    if (key == top) key = 0;
+  }
+}
 
 template <typename T, int K_CAP>
 __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
     const T* __restrict__ logits, int64_t lg_sb, int64_t lg_sl, int64_t vocab, int num_depths, int segments,
-    int64_t seg_len, float* __restrict__ part_val, int* __restrict__ part_id, float* __restrict__ part_stats) {
-  __shared__ cuda::RowTopKSmem<K_CAP, kTopkThreads> sm;
+    int chunks_per_segment, float* __restrict__ part_val, int* __restrict__ part_id, float* __restrict__ part_stats) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kPacks = kTopkPerThread / kVec;
+  static_assert(kPacks * kVec == kTopkPerThread, "whole packs per thread");
+  __shared__ TopkSegmentSmem<K_CAP> sm;
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
   const int row = blockIdx.x / segments, seg = blockIdx.x % segments;
   const int b = row / num_depths, l = row % num_depths;
-  const int64_t start = seg * seg_len;
-  const int64_t len = start + seg_len < vocab ? seg_len : vocab - start;
-  cuda::row_softmax_topk<T, K_CAP, kTopkThreads>(logits + b * lg_sb + l * lg_sl + start, len,
-                                                 static_cast<int>(start), [](float x) { return x; }, sm);
-  const int64_t part = static_cast<int64_t>(blockIdx.x);
-  for (int r = threadIdx.x; r < K_CAP; r += kTopkThreads) {
-    part_val[part * K_CAP + r] = sm.val[r];
-    part_id[part * K_CAP + r] = sm.id[r];
+  const T* row_ptr = logits + b * lg_sb + l * lg_sl;
+  // Elements before the first 16-byte boundary (the head) go to segment 0's first chunk, one per thread.
+  const int64_t head = cuda::elements_to_16b_boundary(row_ptr, vocab);
+  const T* body = row_ptr + head;
+  const int64_t body_len = vocab - head;
+  const int64_t chunks = body_len > 0 ? (body_len + kTopkChunk - 1) / kTopkChunk : 1;
+  const int64_t chunk_begin = static_cast<int64_t>(seg) * chunks_per_segment;
+  const int64_t chunk_end = min(chunks, chunk_begin + chunks_per_segment);
+
+  if (tid < K_CAP) {
+    sm.list_val[0][tid] = -INFINITY;
+    sm.list_id[0][tid] = cuda::kNoId;
   }
-  if (threadIdx.x == 0) {
-    part_stats[2 * part] = sm.m;
-    part_stats[2 * part + 1] = sm.s;
+  if (tid == 0) sm.cand_count = 0;
+  int cur = 0;
+  cuda::MaxSum ms;  // this thread's softmax statistics over all its chunks
+
+  for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+    // Element (p, e) of this thread: body offset base + (p * threads + tid) * kVec + e.
+    const int64_t base = c * kTopkChunk;
+    auto load_chunk = [&](float (&v)[kPacks][kVec]) {
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        const int64_t off = base + (static_cast<int64_t>(p) * kTopkThreads + tid) * kVec;
+        if (off + kVec <= body_len) {
+          cuda::load_pack_float<T, kVec>(body + off, v[p]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) v[p][e] = off + e < body_len ? cuda::to_float(body[off + e]) : -INFINITY;
+        }
+      }
+    };
+    float v[kPacks][kVec];
+    load_chunk(v);
+    const bool with_head = c == 0 && tid < head;
+    const float head_value = with_head ? cuda::to_float(row_ptr[tid]) : -INFINITY;
+    const bool full = base + kTopkChunk <= body_len;
+    auto in_range = [&](int p, int e) {
+      return full || base + (static_cast<int64_t>(p) * kTopkThreads + tid) * kVec + e < body_len;
+    };
+    auto id_of = [&](int p, int e) {
+      return static_cast<int>(head + base + (static_cast<int64_t>(p) * kTopkThreads + tid) * kVec + e);
+    };
+
+    // Softmax statistics: one rescale per chunk, then a plain sum (padding is -inf and adds 0).
+    float chunk_max = head_value;
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) chunk_max = fmaxf(chunk_max, v[p][e]);
+    }
+    if (chunk_max > ms.m) {
+      ms.s = ms.m == -INFINITY ? 0.f : ms.s * __expf(ms.m - chunk_max);
+      ms.m = chunk_max;
+    }
+    if (ms.m != -INFINITY) {
+      float sum = with_head ? __expf(head_value - ms.m) : 0.f;
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) sum += __expf(v[p][e] - ms.m);
+      }
+      ms.s += sum;
+    }
+
+    // Threshold: the K_CAP-th largest lane maximum per warp (lanes holding an element of the row).
+    const bool holds = with_head || in_range(0, 0);
+    const unsigned warp_t = warp_kth_largest<K_CAP>(holds ? cuda::ordered_bits(chunk_max) : 0u);
+    if (lane == 0) sm.warp_threshold[warp] = warp_t;
+    __syncthreads();
+    unsigned threshold = sm.list_id[cur][K_CAP - 1] != cuda::kNoId ? cuda::ordered_bits(sm.list_val[cur][K_CAP - 1]) : 0u;
+#pragma unroll
+    for (int w = 0; w < kTopkWarps; ++w) threshold = max(threshold, sm.warp_threshold[w]);
+    auto gather = [&](float x, int id) {
+      if (x == x && cuda::ordered_bits(x) >= threshold) {
+        const int at = atomicAdd(&sm.cand_count, 1);
+        if (at < kTopkCandidates) {
+          sm.cand_val[at] = x;
+          sm.cand_id[at] = id;
+        }
+      }
+    };
+    if (with_head) gather(head_value, tid);
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        if (in_range(p, e)) gather(v[p][e], id_of(p, e));
+      }
+    }
+    __syncthreads();
+    const int gathered = sm.cand_count;
+    const int next = cur ^ 1;
+    if (gathered <= kTopkCandidates) {
+      // Rank of each candidate (gathered ones, then the kept pairs) among all of them.
+      const float* kept_val = sm.list_val[cur];
+      const int* kept_id = sm.list_id[cur];
+      int kept = 0;
+#pragma unroll
+      for (int j = 0; j < K_CAP; ++j) kept += kept_id[j] != cuda::kNoId;
+      const int total = gathered + kept;  // kept pairs are the first `kept` of their list
+      for (int t = tid; t < total; t += kTopkThreads) {
+        const float x = t < gathered ? sm.cand_val[t] : kept_val[t - gathered];
+        const int id = t < gathered ? sm.cand_id[t] : kept_id[t - gathered];
+        int rank = 0;
+        for (int j = 0; j < gathered; ++j) rank += cuda::ranks_before(sm.cand_val[j], sm.cand_id[j], x, id);
+        for (int j = 0; j < kept; ++j) rank += cuda::ranks_before(kept_val[j], kept_id[j], x, id);
+        if (rank < K_CAP) {
+          sm.list_val[next][rank] = x;
+          sm.list_id[next][rank] = id;
+        }
+      }
+      if (tid >= total && tid < K_CAP) {
+        sm.list_val[next][tid] = -INFINITY;
+        sm.list_id[next][tid] = cuda::kNoId;
+      }
+    } else {
+      // Too many candidates: per-thread sorted lists of the elements at or above the threshold, merged
+      // per warp, then the warps' lists and the kept list by warp 0.
+      // (The chunk is read again, from L2: keeping it in registers past the gathering costs spills.)
+      cuda::TopList<K_CAP> top;
+      top.clear();
+      if (with_head && cuda::ordered_bits(head_value) >= threshold) top.insert(head_value, tid);
+      float again[kPacks][kVec];
+      load_chunk(again);
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          if (in_range(p, e) && cuda::ordered_bits(again[p][e]) >= threshold) top.insert(again[p][e], id_of(p, e));
+        }
+      }
+      for (int r = 0; r < K_CAP; ++r) {
+        float bv = top.val[0];
+        int bi = top.id[0];
+        cuda::warp_best(bv, bi);
+        if (top.id[0] == bi) top.pop_front();
+        if (lane == 0) {
+          sm.warp_val[warp][r] = bv;
+          sm.warp_id[warp][r] = bi;
+        }
+      }
+      if (tid < K_CAP) {
+        sm.warp_val[kTopkWarps][tid] = sm.list_val[cur][tid];
+        sm.warp_id[kTopkWarps][tid] = sm.list_id[cur][tid];
+      }
+      __syncthreads();
+      if (warp == 0) {
+        cuda::warp_merge_lists(&sm.warp_val[0][0], &sm.warp_id[0][0], K_CAP, kTopkWarps + 1, K_CAP, sm.list_val[next],
+                               sm.list_id[next]);
+      }
+    }
+    __syncthreads();
+    if (tid == 0) sm.cand_count = 0;  // read by every thread before the barrier above
+    cur = next;
+  }
+
+  // The block's softmax statistics: lanes by a fixed butterfly, then the warps in order.
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(kFullMask, ms.m, off);
+    const float s2 = __shfl_xor_sync(kFullMask, ms.s, off);
+    ms.merge(m2, s2);
+  }
+  if (lane == 0) {
+    sm.warp_m[warp] = ms.m;
+    sm.warp_s[warp] = ms.s;
+  }
+  __syncthreads();
+  const int64_t part = static_cast<int64_t>(blockIdx.x);
+  if (tid < K_CAP) {
+    part_val[part * K_CAP + tid] = sm.list_val[cur][tid];
+    part_id[part * K_CAP + tid] = sm.list_id[cur][tid];
+  }
+  if (tid == 0) {
+    cuda::MaxSum total;
+    for (int w = 0; w < kTopkWarps; ++w) total.merge(sm.warp_m[w], sm.warp_s[w]);
+    part_stats[2 * part] = total.m;
+    part_stats[2 * part + 1] = total.s;
   }
 }
 
+// One warp per row: the segments' statistics by a fixed butterfly; the best k pairs by k rounds of a
+// warp max over the segments' list heads, keyed [value as ordered bits | ~id] (higher value, then lower
+// id; a list's padding (-inf, kNoId) ranks below every real pair and an exhausted list below that).
 template <int K_CAP>
-__global__ void __launch_bounds__(cuda::kWarp) topk_merge_kernel(
+__global__ void __launch_bounds__(kWarp) topk_merge_kernel(
     const float* __restrict__ part_val, const int* __restrict__ part_id, const float* __restrict__ part_stats,
     int num_depths, int segments, int k, float* __restrict__ logp, int64_t lp_sb, int64_t lp_sl, int64_t lp_sk,
     int64_t* __restrict__ tokens, int64_t tk_sb, int64_t tk_sl, int64_t tk_sk) {
-  __shared__ float val[K_CAP];
-  __shared__ int id[K_CAP];
-  __shared__ float log_norm, max_logit;
+  const int lane = threadIdx.x;
   const int row = blockIdx.x, b = row / num_depths, l = row % num_depths;
-  const int64_t first = static_cast<int64_t>(row) * segments;
-  cuda::warp_merge_lists(part_val + first * K_CAP, part_id + first * K_CAP, K_CAP, segments, K_CAP, val, id);
-  if (threadIdx.x == 0) {
-    cuda::MaxSum total;
-    for (int s = 0; s < segments; ++s) total.merge(part_stats[2 * (first + s)], part_stats[2 * (first + s) + 1]);
-    log_norm = logf(total.s);
-    max_logit = total.m;
+  const bool live = lane < segments;
+  const int64_t list = static_cast<int64_t>(row) * segments + lane;
+  cuda::MaxSum total;
+  if (live) {
+    total.m = part_stats[2 * list];
+    total.s = part_stats[2 * list + 1];
   }
-  __syncwarp();
-  for (int r = threadIdx.x; r < k; r += cuda::kWarp) {
-    logp[b * lp_sb + l * lp_sl + r * lp_sk] = (val[r] - max_logit) - log_norm;
-    tokens[b * tk_sb + l * tk_sl + r * tk_sk] = id[r];
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(kFullMask, total.m, off);
+    const float s2 = __shfl_xor_sync(kFullMask, total.s, off);
+    total.merge(m2, s2);
+  }
+  const float log_norm = logf(total.s);
+  const float* vals = part_val + list * K_CAP;
+  const int* ids = part_id + list * K_CAP;
+  int pos = 0;
+  auto key_hi = [&](int at) { return live && at < K_CAP ? cuda::ordered_bits(vals[at]) : 0u; };
+  auto key_lo = [&](int at) { return live && at < K_CAP ? ~static_cast<unsigned>(ids[at]) : 0u; };
+  unsigned hi = key_hi(0), lo = key_lo(0);
+  unsigned next_hi = key_hi(1), next_lo = key_lo(1);
+  for (int r = 0; r < k; ++r) {
+    const unsigned max_hi = cuda::warp_max_u32(hi);
+    const unsigned max_lo = cuda::warp_max_u32(hi == max_hi ? lo : 0u);
+    if (hi == max_hi && lo == max_lo) {  // one lane: (value, id) pairs are unique within a row
+      logp[b * lp_sb + l * lp_sl + r * lp_sk] = (cuda::from_ordered_bits(max_hi) - total.m) - log_norm;
+      tokens[b * tk_sb + l * tk_sl + r * tk_sk] = static_cast<int>(~max_lo);
+      ++pos;
+      hi = next_hi;
+      lo = next_lo;
+      next_hi = key_hi(pos + 1);
+      next_lo = key_lo(pos + 1);
+    }
   }
 }
 
 template <typename T, int K_CAP>
 void launch_topk(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens) {
   const int64_t bsz = logits.size(0), depths = logits.size(1), vocab = logits.size(2), rows = bsz * depths;
-  const auto [segments, seg_len] = cuda::split_rows(rows, vocab);
+  // Segments of whole chunks: enough (row, segment) blocks to fill the GPU about four times, at most
+  // one per lane of the merging warp.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t chunks = std::max<int64_t>(1, cuda::ceil_div(vocab, kTopkChunk));
+  const int64_t wanted = std::min<int64_t>(std::max<int64_t>(1, cuda::ceil_div(4 * sms, rows)), kWarp);
+  const int64_t chunks_per_segment = cuda::ceil_div(chunks, std::min(wanted, chunks));
+  const int64_t segments = cuda::ceil_div(chunks, chunks_per_segment);
   // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture.
   const auto f32 = logits.options().dtype(at::kFloat);
   const at::Tensor part_val = at::empty({rows, segments, K_CAP}, f32);
@@ -79,10 +318,10 @@ void launch_topk(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens)
   const cudaStream_t stream = cuda::current_stream();
   topk_segment_kernel<T, K_CAP><<<static_cast<unsigned>(rows * segments), kTopkThreads, 0, stream>>>(
       logits.data_ptr<T>(), logits.stride(0), logits.stride(1), vocab, static_cast<int>(depths),
-      static_cast<int>(segments), seg_len, part_val.data_ptr<float>(), part_id.data_ptr<int>(),
-      part_stats.data_ptr<float>());
+      static_cast<int>(segments), static_cast<int>(chunks_per_segment), part_val.data_ptr<float>(),
+      part_id.data_ptr<int>(), part_stats.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  topk_merge_kernel<K_CAP><<<static_cast<unsigned>(rows), cuda::kWarp, 0, stream>>>(
+  topk_merge_kernel<K_CAP><<<static_cast<unsigned>(rows), kWarp, 0, stream>>>(
       part_val.data_ptr<float>(), part_id.data_ptr<int>(), part_stats.data_ptr<float>(), static_cast<int>(depths),
       static_cast<int>(segments), static_cast<int>(logp.size(2)), logp.data_ptr<float>(), logp.stride(0),
       logp.stride(1), logp.stride(2), tokens.data_ptr<int64_t>(), tokens.stride(0), tokens.stride(1),
@@ -101,21 +340,35 @@ void topk_by_sort(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens
 
 // ==== build_tree ===============================================================================
 //
-// One block per batch row. Warp 0 runs the best-first selection exactly as the reference does: the
-// candidates (children of taken nodes not yet taken) live in shared-memory slots as 64-bit keys
-// [score as ordered bits | 0xffff - parent | 0xffff - rank], so "largest key" is "highest float32
-// score, then lower parent index, then lower rank"; each lane tracks the best key of its slots and a
-// warp max picks the next node. All threads then write the padded tree.
+// One block per batch row. Warp 0 runs the best-first selection exactly as the reference does (same
+// pops in the same order, ties included): a candidate is a child of a taken node not yet taken, keyed
+// by 64 bits [score as ordered bits | parent | rank (| depth)] so that "largest key" is "highest
+// float32 score, then lower parent index, then lower rank" (the reference's heap order; a candidate's
+// (parent, rank) is unique, so the key is too). All threads then write the padded tree.
+//
+// Two ways to keep the candidates, both popping the largest key:
+// - register lists (budget <= kListMaxBudget, the draft's case): every lane keeps a short sorted list
+//   of candidates in registers. A pop is one warp-wide max of the list heads; the winner's head is
+//   broadcast, every lane derives the node and its (at most two) new candidates from it, the winner
+//   takes the first in place of the popped one and the second is dealt round-robin. A lane's list only
+//   grows by dealt candidates, and at most `budget` are dealt before the last pop, so ceil(budget / 32)
+//   entries per lane never overflow. No shared-memory traffic on the critical path besides two logp
+//   reads per pop.
+// - shared-memory slots (larger budgets): candidates live in slots, each lane tracks the best of its
+//   slots and rescans them when its best is taken.
 
 constexpr int kBuildThreads = 256;
-constexpr int kMaxKeyField = 0xffff;          // parent index and rank are packed in 16 bits each
+constexpr int kMaxKeyField = 0xffff;          // slots: parent index and rank are packed in 16 bits each
 constexpr int64_t kStagedLogpMax = 8192;     // logp rows up to this many floats are staged in shared memory
 
-__device__ __forceinline__ uint32_t ordered_bits(float f) {
-  uint32_t u = __float_as_uint(f);
-  if (u == 0x80000000u) u = 0;  // -0 and +0 compare equal as floats, so they get one key
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
+// Register lists: lo word = [1023 - parent (10 bits) | 8191 - rank (13 bits) | depth (9 bits)]. The
+// depth rides along (it never decides an order) so a pop needs no lookup of the parent's depth.
+constexpr int kListRankBits = 13, kListDepthBits = 9;
+constexpr int kListMaxParent = (1 << 10) - 1;
+constexpr int kListMaxRank = (1 << kListRankBits) - 1;
+constexpr int kListMaxDepth = (1 << kListDepthBits) - 1;
+constexpr int kListMaxPerLane = 16;
+constexpr int kListMaxBudget = kListMaxPerLane * kWarp;  // 512 < kListMaxParent, so a real lo word is never 0
 
 // Largest key over the warp. On sm_80+ two single-instruction reductions (the high words, then the low
 // words of the lanes holding the highest high word); a low word is never 0 for a real key (parent and
@@ -132,39 +385,288 @@ __device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
 }
 
 __device__ __forceinline__ uint64_t candidate_key(float score, int parent, int rank) {
-  return (static_cast<uint64_t>(ordered_bits(score)) << 32) |
+  return (static_cast<uint64_t>(cuda::ordered_bits(score)) << 32) |
          (static_cast<uint64_t>(kMaxKeyField - parent) << 16) | static_cast<uint64_t>(kMaxKeyField - rank);
 }
 
+__device__ __forceinline__ uint64_t list_key(float score, int parent, int rank, int depth) {
+  const uint32_t lo = (static_cast<uint32_t>(kListMaxParent - parent) << (kListRankBits + kListDepthBits)) |
+                      (static_cast<uint32_t>(kListMaxRank - rank) << kListDepthBits) | static_cast<uint32_t>(depth);
+  return (static_cast<uint64_t>(cuda::ordered_bits(score)) << 32) | lo;
+}
+
+// One lane's candidates, largest key first, in registers (every index is a compile-time constant).
+// Besides its key a candidate carries its parent's score (for its next sibling's score) and the node
+// index of its previous sibling (-1 for a first child), whose next_sibling link it sets when taken.
+template <int CAP>
+struct CandidateList {
+  uint64_t key[CAP];  // 0 = empty
+  float parent_score[CAP];
+  int prev_sibling[CAP];
+
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int j = 0; j < CAP; ++j) {
+      key[j] = 0;
+      parent_score[j] = 0.f;
+      prev_sibling[j] = -1;
+    }
+  }
+
+  // Keys are unique, so strict comparisons; inserting key 0 changes nothing.
+  __device__ __forceinline__ void insert(uint64_t k, float ps, int prev) {
+#pragma unroll
+    for (int j = CAP - 1; j > 0; --j) {
+      const bool shift = k > key[j - 1];
+      const bool here = !shift && k > key[j];
+      key[j] = shift ? key[j - 1] : (here ? k : key[j]);
+      parent_score[j] = shift ? parent_score[j - 1] : (here ? ps : parent_score[j]);
+      prev_sibling[j] = shift ? prev_sibling[j - 1] : (here ? prev : prev_sibling[j]);
+    }
+    const bool front = k > key[0];
+    key[0] = front ? k : key[0];
+    parent_score[0] = front ? ps : parent_score[0];
+    prev_sibling[0] = front ? prev : prev_sibling[0];
+  }
+
+  __device__ __forceinline__ void pop_front() {
+#pragma unroll
+    for (int j = 0; j < CAP - 1; ++j) {
+      key[j] = key[j + 1];
+      parent_score[j] = parent_score[j + 1];
+      prev_sibling[j] = prev_sibling[j + 1];
+    }
+    key[CAP - 1] = 0;
+  }
+};
+
 struct BuildSmem {
-  uint64_t* slot_key;  // [slot capacity]; 0 = empty (no real score maps to 0)
-  float* score;        // [N]
+  uint64_t* slot_key;  // [slot capacity] (slots only); 0 = empty (no real score maps to 0)
+  float* score;        // [N] (slots only)
+  int* last_child;     // [N] (slots only)
   int* parent;         // [N]
   int* depth;          // [N]
   int* rank;           // [N]
   int* first_child;    // [N]
   int* next_sibling;   // [N]
-  int* last_child;     // [N]
   uint64_t* mask;      // [N * W]
   float* logp;         // [L * K] when staged
 };
 
-__host__ __device__ inline size_t build_smem_bytes(int64_t n, int64_t words, int64_t slots, int64_t staged_logp) {
-  return sizeof(uint64_t) * (slots + n * words) + sizeof(float) * (n + staged_logp) + sizeof(int) * 6 * n;
+// Shared memory of one block; the slot selection also needs the slots, node scores and last children.
+__host__ __device__ inline size_t build_smem_bytes(int64_t n, int64_t words, int64_t slots, int64_t staged_logp,
+                                                   bool with_slots) {
+  const int64_t slot_part = with_slots ? sizeof(uint64_t) * slots + (sizeof(float) + sizeof(int)) * n : 0;
+  return sizeof(uint64_t) * n * words + sizeof(float) * staged_logp + sizeof(int) * 5 * n + slot_part;
 }
 
-__global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(
-    const float* __restrict__ logp, int64_t lp_sb, int64_t lp_sl, int64_t lp_sk, const int64_t* __restrict__ tokens,
-    int64_t tk_sb, int64_t tk_sl, int64_t tk_sk, const int64_t* __restrict__ root_token, int64_t rt_s,
-    const int64_t* __restrict__ prefix_len, int64_t pl_s, int num_depths, int k, int budget, bool spine, bool stage_logp,
-    int slot_capacity, int64_t* __restrict__ node_token, int64_t nt_sb, int64_t nt_sn, int32_t* __restrict__ parent_out,
-    int64_t pa_sb, int64_t pa_sn, int32_t* __restrict__ depth_out, int64_t de_sb, int64_t de_sn,
-    int32_t* __restrict__ num_nodes, int64_t nn_s, int32_t* __restrict__ first_child_out, int64_t fc_sb, int64_t fc_sn,
-    int32_t* __restrict__ next_sibling_out, int64_t ns_sb, int64_t ns_sn, int64_t* __restrict__ ancestor_mask,
-    int64_t am_sb, int64_t am_sn, int64_t am_sw, int64_t* __restrict__ position, int64_t po_sb, int64_t po_sn) {
+// Best-first selection with shared-memory slots (any budget the key fields hold). Run by warp 0;
+// returns the number of nodes taken besides the root.
+template <typename Lp>
+__device__ int select_with_slots(BuildSmem& sm, Lp lp, int num_depths, int k, int budget, bool spine) {
+  const int lane = threadIdx.x % kWarp;
+  if (lane == 0) sm.score[0] = 0.f;
+  __syncwarp();
+  int taken = 0;    // nodes taken besides the root
+  int slots = 0;    // slots in use (a popped slot is reused by the next candidate)
+  uint64_t my_best = 0;
+  int my_best_slot = -1;
+  auto rescan = [&]() {
+    my_best = 0;
+    my_best_slot = -1;
+    for (int s = lane; s < slots; s += kWarp) {
+      const uint64_t key = sm.slot_key[s];
+      if (key > my_best) {
+        my_best = key;
+        my_best_slot = s;
+      }
+    }
+  };
+  // Every lane runs the same control flow on the same values; the owner lane of a slot writes it.
+  auto put = [&](int slot, uint64_t key) {
+    if (lane == slot % kWarp) sm.slot_key[slot] = key;
+  };
+  auto take_node = [&](int p, int d, int r, float s) {
+    const int i = ++taken;
+    if (lane == 0) {
+      sm.score[i] = s;
+      sm.parent[i] = p;
+      sm.depth[i] = d;
+      sm.rank[i] = r;
+      if (sm.first_child[p] < 0) {
+        sm.first_child[p] = i;
+      } else {
+        sm.next_sibling[sm.last_child[p]] = i;
+      }
+      sm.last_child[p] = i;
+    }
+    __syncwarp();
+    return i;
+  };
+
+  if (spine) {
+    int prev = 0;
+    const int spine_len = min(num_depths, budget);
+    for (int d = 1; d <= spine_len; ++d) {
+      const float sp = sm.score[prev];
+      if (k > 1) put(slots++, candidate_key(sp + lp(d - 1, 1), prev, 1));  // the spine node's next sibling
+      prev = take_node(prev, d, 0, sp + lp(d - 1, 0));
+    }
+  } else {
+    put(slots++, candidate_key(0.f + lp(0, 0), 0, 0));
+  }
+  __syncwarp();
+  rescan();
+
+  while (taken < budget) {
+    const uint64_t best = warp_max_key(my_best);
+    if (best == 0) break;  // K ** depth ran out: the rest is padding
+    const int owner = __ffs(__ballot_sync(kFullMask, my_best == best)) - 1;
+    const int slot = __shfl_sync(kFullMask, my_best_slot, owner);
+    const int p = kMaxKeyField - static_cast<int>((best >> 16) & 0xffff);
+    const int r = kMaxKeyField - static_cast<int>(best & 0xffff);
+    const int d = sm.depth[p] + 1;
+    const float sp = sm.score[p];
+    const float s = sp + lp(d - 1, r);  // the same float32 sum that was pushed
+    const int i = take_node(p, d, r, s);
+    const uint64_t child = d < num_depths ? candidate_key(s + lp(d, 0), i, 0) : 0;         // first child
+    const uint64_t sibling = r + 1 < k ? candidate_key(sp + lp(d - 1, r + 1), p, r + 1) : 0;  // next sibling
+    const uint64_t first = child ? child : sibling;
+    const uint64_t second = child ? sibling : 0;
+    put(slot, first);
+    int extra = -1;
+    if (second) {
+      extra = slots++;
+      put(extra, second);
+    }
+    __syncwarp();
+    if (lane == slot % kWarp || (extra >= 0 && lane == extra % kWarp)) rescan();
+  }
+  return taken;
+}
+
+// Best-first selection with per-lane register lists of CAP >= ceil(budget / 32) candidates (see the
+// section comment). Run by warp 0; returns the number of nodes taken besides the root.
+template <int CAP, typename Lp>
+__device__ int select_with_lists(BuildSmem& sm, Lp lp, int num_depths, int k, int budget, bool spine) {
+  const int lane = threadIdx.x % kWarp;
+  CandidateList<CAP> list;
+  list.clear();
+  int taken = 0;  // nodes taken besides the root
+  int dealt = 0;  // candidates dealt round-robin so far: the next one goes to lane dealt % 32
+  // Node i's tables; its place among its parent's children: children are taken in rank order.
+  auto record = [&](int i, int p, int d, int r, int prev) {
+    sm.parent[i] = p;
+    sm.depth[i] = d;
+    sm.rank[i] = r;
+    if (r == 0) {
+      sm.first_child[p] = i;
+    } else {
+      sm.next_sibling[prev] = i;
+    }
+  };
+
+  if (spine) {
+    // The top-1 chain is nodes 1..spine_len; each spine node's next sibling is a candidate.
+    const int spine_len = min(num_depths, budget);
+    float s = 0.f;  // score of node d - 1
+    for (int d = 1; d <= spine_len; ++d) {
+      if (k > 1) {
+        if (lane == dealt % kWarp) list.insert(list_key(s + lp(d - 1, 1), d - 1, 1, d), s, d);
+        ++dealt;
+      }
+      s = s + lp(d - 1, 0);
+      if (lane == 0) record(d, d - 1, d, 0, -1);
+    }
+    taken = spine_len;
+  } else {
+    if (lane == 0) list.insert(list_key(0.f + lp(0, 0), 0, 0, 1), 0.f, -1);
+    dealt = 1;
+  }
+
+  while (taken < budget) {
+    const uint32_t hi = static_cast<uint32_t>(list.key[0] >> 32);
+    const uint32_t lo = static_cast<uint32_t>(list.key[0]);
+    const uint32_t max_hi = cuda::warp_max_u32(hi);
+    uint32_t winners = __ballot_sync(kFullMask, hi == max_hi);
+    if (__popc(winners) > 1) {  // equal scores, or every list empty: the low words decide
+      const uint32_t max_lo = cuda::warp_max_u32(hi == max_hi ? lo : 0u);
+      if (max_hi == 0 && max_lo == 0) break;  // K ** depth ran out: the rest is padding
+      winners = __ballot_sync(kFullMask, hi == max_hi && lo == max_lo);
+    }
+    const int winner = __ffs(winners) - 1;
+    const uint32_t key_lo = __shfl_sync(kFullMask, lo, winner);
+    const float parent_score = __shfl_sync(kFullMask, list.parent_score[0], winner);
+    const int prev = __shfl_sync(kFullMask, list.prev_sibling[0], winner);
+    const float s = cuda::from_ordered_bits(max_hi);
+    const int p = kListMaxParent - static_cast<int>(key_lo >> (kListRankBits + kListDepthBits));
+    const int r = kListMaxRank - static_cast<int>((key_lo >> kListDepthBits) & kListMaxRank);
+    const int d = static_cast<int>(key_lo & kListMaxDepth);
+    const int i = ++taken;
+    if (lane == 0) record(i, p, d, r, prev);
+    // The new candidates, the same float32 sums the reference pushes.
+    uint64_t child = 0, sibling = 0;
+    if (d < num_depths) child = list_key(s + lp(d, 0), i, 0, d + 1);
+    if (r + 1 < k) sibling = list_key(parent_score + lp(d - 1, r + 1), p, r + 1, d);
+    const bool is_winner = lane == winner;
+    const bool deal = child != 0 && sibling != 0;  // two new candidates: the sibling is dealt
+    const int dealt_to = dealt % kWarp;
+    if (is_winner) list.pop_front();
+    if (is_winner) {
+      if (child) {
+        list.insert(child, s, -1);
+      } else {
+        list.insert(sibling, parent_score, i);
+      }
+    } else if (deal && lane == dealt_to) {
+      list.insert(sibling, parent_score, i);
+    }
+    if (deal) {
+      if (dealt_to == winner && is_winner) list.insert(sibling, parent_score, i);
+      ++dealt;
+    }
+  }
+  return taken;
+}
+
+// The kernel's arguments (pointers and strides of every input and output).
+struct BuildArgs {
+  const float* logp;
+  int64_t lp_sb, lp_sl, lp_sk;
+  const int64_t* tokens;
+  int64_t tk_sb, tk_sl, tk_sk;
+  const int64_t* root_token;
+  int64_t rt_s;
+  const int64_t* prefix_len;
+  int64_t pl_s;
+  int num_depths, k, budget, slot_capacity;
+  bool spine, stage_logp;
+  int64_t* node_token;
+  int64_t nt_sb, nt_sn;
+  int32_t* parent;
+  int64_t pa_sb, pa_sn;
+  int32_t* depth;
+  int64_t de_sb, de_sn;
+  int32_t* num_nodes;
+  int64_t nn_s;
+  int32_t* first_child;
+  int64_t fc_sb, fc_sn;
+  int32_t* next_sibling;
+  int64_t ns_sb, ns_sn;
+  int64_t* ancestor_mask;
+  int64_t am_sb, am_sn, am_sw;
+  int64_t* position;
+  int64_t po_sb, po_sn;
+};
+
+// LIST_CAP > 0: register lists of that many candidates per lane; 0: shared-memory slots.
+template <int LIST_CAP>
+__global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(const BuildArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int n = budget + 1;
+  constexpr bool kSlots = LIST_CAP == 0;
+  const int n = a.budget + 1;
   const int words = (n + 63) / 64;
+  const int num_depths = a.num_depths, k = a.k;
   BuildSmem sm;
   {
     unsigned char* p = smem_raw;
@@ -173,20 +675,20 @@ __global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(
       p += bytes;
       return q;
     };
-    sm.slot_key = reinterpret_cast<uint64_t*>(take(sizeof(uint64_t) * slot_capacity));
     sm.mask = reinterpret_cast<uint64_t*>(take(sizeof(uint64_t) * n * words));
-    sm.score = reinterpret_cast<float*>(take(sizeof(float) * n));
-    sm.logp = reinterpret_cast<float*>(take(sizeof(float) * (stage_logp ? num_depths * k : 0)));
+    sm.slot_key = reinterpret_cast<uint64_t*>(take(kSlots ? sizeof(uint64_t) * a.slot_capacity : 0));
+    sm.logp = reinterpret_cast<float*>(take(sizeof(float) * (a.stage_logp ? num_depths * k : 0)));
+    sm.score = reinterpret_cast<float*>(take(kSlots ? sizeof(float) * n : 0));
+    sm.last_child = reinterpret_cast<int*>(take(kSlots ? sizeof(int) * n : 0));
     sm.parent = reinterpret_cast<int*>(take(sizeof(int) * n));
     sm.depth = reinterpret_cast<int*>(take(sizeof(int) * n));
     sm.rank = reinterpret_cast<int*>(take(sizeof(int) * n));
     sm.first_child = reinterpret_cast<int*>(take(sizeof(int) * n));
     sm.next_sibling = reinterpret_cast<int*>(take(sizeof(int) * n));
-    sm.last_child = reinterpret_cast<int*>(take(sizeof(int) * n));
   }
   const int b = blockIdx.x;
   const int tid = threadIdx.x;
-  const float* lp_row = logp + b * lp_sb;
+  const float* lp_row = a.logp + b * a.lp_sb;
 
   for (int i = tid; i < n; i += kBuildThreads) {
     sm.first_child[i] = -1;
@@ -194,93 +696,27 @@ __global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(
     sm.parent[i] = i == 0 ? -1 : 0;  // padding nodes hang under the root
     sm.depth[i] = i == 0 ? 0 : 1;
   }
-  for (int i = tid; i < slot_capacity; i += kBuildThreads) sm.slot_key[i] = 0;
-  if (stage_logp) {
-    for (int i = tid; i < num_depths * k; i += kBuildThreads) sm.logp[i] = lp_row[(i / k) * lp_sl + (i % k) * lp_sk];
+  if constexpr (kSlots) {
+    for (int i = tid; i < a.slot_capacity; i += kBuildThreads) sm.slot_key[i] = 0;
   }
-  if (tid == 0) sm.score[0] = 0.f;
+  if (a.stage_logp) {
+    for (int i = tid; i < num_depths * k; i += kBuildThreads) sm.logp[i] = lp_row[(i / k) * a.lp_sl + (i % k) * a.lp_sk];
+  }
   __syncthreads();
 
   __shared__ int taken_shared;
   if (tid < kWarp) {
-    const int lane = tid;
-    auto lp = [&](int d0, int r) { return stage_logp ? sm.logp[d0 * k + r] : lp_row[d0 * lp_sl + r * lp_sk]; };
-    int taken = 0;    // nodes taken besides the root
-    int slots = 0;    // slots in use (a popped slot is reused by the next candidate)
-    uint64_t my_best = 0;
-    int my_best_slot = -1;
-    auto rescan = [&]() {
-      my_best = 0;
-      my_best_slot = -1;
-      for (int s = lane; s < slots; s += kWarp) {
-        const uint64_t key = sm.slot_key[s];
-        if (key > my_best) {
-          my_best = key;
-          my_best_slot = s;
-        }
-      }
-    };
-    // Every lane runs the same control flow on the same values; the owner lane of a slot writes it.
-    auto put = [&](int slot, uint64_t key) {
-      if (lane == slot % kWarp) sm.slot_key[slot] = key;
-    };
-    auto take_node = [&](int p, int d, int r, float s) {
-      const int i = ++taken;
-      if (lane == 0) {
-        sm.score[i] = s;
-        sm.parent[i] = p;
-        sm.depth[i] = d;
-        sm.rank[i] = r;
-        if (sm.first_child[p] < 0) {
-          sm.first_child[p] = i;
-        } else {
-          sm.next_sibling[sm.last_child[p]] = i;
-        }
-        sm.last_child[p] = i;
-      }
-      __syncwarp();
-      return i;
-    };
-
-    if (spine) {
-      int prev = 0;
-      const int spine_len = k > 0 ? min(num_depths, budget) : 0;
-      for (int d = 1; d <= spine_len; ++d) {
-        const float sp = sm.score[prev];
-        if (k > 1) put(slots++, candidate_key(sp + lp(d - 1, 1), prev, 1));  // the spine node's next sibling
-        prev = take_node(prev, d, 0, sp + lp(d - 1, 0));
-      }
-    } else if (num_depths > 0 && k > 0) {
-      put(slots++, candidate_key(0.f + lp(0, 0), 0, 0));
+    const bool staged = a.stage_logp;
+    const int64_t lp_sl = a.lp_sl, lp_sk = a.lp_sk;
+    const float* staged_lp = sm.logp;
+    auto lp = [=](int d0, int r) { return staged ? staged_lp[d0 * k + r] : lp_row[d0 * lp_sl + r * lp_sk]; };
+    int taken;
+    if constexpr (kSlots) {
+      taken = select_with_slots(sm, lp, num_depths, k, a.budget, a.spine);
+    } else {
+      taken = select_with_lists<LIST_CAP>(sm, lp, num_depths, k, a.budget, a.spine);
     }
-    __syncwarp();
-    rescan();
-
-    while (taken < budget) {
-      const uint64_t best = warp_max_key(my_best);
-      if (best == 0) break;  // K ** depth ran out: the rest is padding
-      const int owner = __ffs(__ballot_sync(kFullMask, my_best == best)) - 1;
-      const int slot = __shfl_sync(kFullMask, my_best_slot, owner);
-      const int p = kMaxKeyField - static_cast<int>((best >> 16) & 0xffff);
-      const int r = kMaxKeyField - static_cast<int>(best & 0xffff);
-      const int d = sm.depth[p] + 1;
-      const float sp = sm.score[p];
-      const float s = sp + lp(d - 1, r);  // the same float32 sum that was pushed
-      const int i = take_node(p, d, r, s);
-      const uint64_t child = d < num_depths ? candidate_key(s + lp(d, 0), i, 0) : 0;         // first child
-      const uint64_t sibling = r + 1 < k ? candidate_key(sp + lp(d - 1, r + 1), p, r + 1) : 0;  // next sibling
-      const uint64_t first = child ? child : sibling;
-      const uint64_t second = child ? sibling : 0;
-      put(slot, first);
-      int extra = -1;
-      if (second) {
-        extra = slots++;
-        put(extra, second);
-      }
-      __syncwarp();
-      if (lane == slot % kWarp || (extra >= 0 && lane == extra % kWarp)) rescan();
-    }
-    if (lane == 0) taken_shared = taken;
+    if (tid == 0) taken_shared = taken;
   }
   __syncthreads();
   const int taken = taken_shared;
@@ -293,23 +729,30 @@ __global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(
   }
   __syncthreads();
 
-  const int64_t root = root_token[b * rt_s];
-  const int64_t prefix = prefix_len[b * pl_s];
+  const int64_t root = a.root_token[b * a.rt_s];
+  const int64_t prefix = a.prefix_len[b * a.pl_s];
   for (int i = tid; i < n; i += kBuildThreads) {
     const bool real = i >= 1 && i <= taken;
     const int d = sm.depth[i];
-    node_token[b * nt_sb + i * nt_sn] = real ? tokens[b * tk_sb + (d - 1) * tk_sl + sm.rank[i] * tk_sk] : root;
-    parent_out[b * pa_sb + i * pa_sn] = sm.parent[i];
-    depth_out[b * de_sb + i * de_sn] = d;
-    first_child_out[b * fc_sb + i * fc_sn] = sm.first_child[i];
-    next_sibling_out[b * ns_sb + i * ns_sn] = sm.next_sibling[i];
-    position[b * po_sb + i * po_sn] = prefix + d;
+    a.node_token[b * a.nt_sb + i * a.nt_sn] = real ? a.tokens[b * a.tk_sb + (d - 1) * a.tk_sl + sm.rank[i] * a.tk_sk] : root;
+    a.parent[b * a.pa_sb + i * a.pa_sn] = sm.parent[i];
+    a.depth[b * a.de_sb + i * a.de_sn] = d;
+    a.first_child[b * a.fc_sb + i * a.fc_sn] = sm.first_child[i];
+    a.next_sibling[b * a.ns_sb + i * a.ns_sn] = sm.next_sibling[i];
+    a.position[b * a.po_sb + i * a.po_sn] = prefix + d;
   }
   for (int e = tid; e < n * words; e += kBuildThreads) {
     const int i = e / words, w = e % words;
-    ancestor_mask[b * am_sb + i * am_sn + w * am_sw] = static_cast<int64_t>(sm.mask[e]);
+    a.ancestor_mask[b * a.am_sb + i * a.am_sn + w * a.am_sw] = static_cast<int64_t>(sm.mask[e]);
   }
-  if (tid == 0) num_nodes[b * nn_s] = taken + 1;
+  if (tid == 0) a.num_nodes[b * a.nn_s] = taken + 1;
+}
+
+template <int LIST_CAP>
+void launch_build_tree(const BuildArgs& args, int64_t bsz, size_t smem) {
+  cuda::allow_dynamic_smem(build_tree_kernel<LIST_CAP>, smem);
+  build_tree_kernel<LIST_CAP><<<static_cast<unsigned>(bsz), kBuildThreads, smem, cuda::current_stream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // ==== tree_attention_mask ======================================================================
@@ -415,28 +858,42 @@ void build_tree_cuda(const at::Tensor& logp, const at::Tensor& tokens, const at:
   const c10::cuda::CUDAGuard guard(logp.device());
   const int64_t bsz = logp.size(0), depths = logp.size(1), k = logp.size(2);
   const int64_t n = budget + 1, words = (n + 63) / 64;
-  TORCH_CHECK_VALUE(n - 1 <= kMaxKeyField && k <= kMaxKeyField, op, ": the CUDA op supports budget and K up to ",
-                    kMaxKeyField, ", got budget ", budget, " and K ", k);
-  // Candidates: the initial ones (spine siblings or the first root child), then at most one more per pop.
-  const int64_t slots = depths + budget + 1;
+  const bool lists = budget <= kListMaxBudget && k <= kListMaxRank && depths <= kListMaxDepth;
+  TORCH_CHECK_VALUE(lists || (n - 1 <= kMaxKeyField && k <= kMaxKeyField), op,
+                    ": the CUDA op supports budget and K up to ", kMaxKeyField, ", got budget ", budget, " and K ", k);
+  // Slots: the initial candidates (spine siblings or the first root child), then at most one more per pop.
+  const int64_t slots = lists ? 0 : depths + budget + 1;
   const bool stage = depths * k <= kStagedLogpMax;
-  const size_t smem = build_smem_bytes(n, words, slots, stage ? depths * k : 0);
+  const size_t smem = build_smem_bytes(n, words, slots, stage ? depths * k : 0, !lists);
   TORCH_CHECK_VALUE(smem <= cuda::max_dynamic_smem(), op, ": budget ", budget,
                     " needs more shared memory than this GPU offers (", smem, " bytes)");
   if (bsz == 0) return;
-  cuda::allow_dynamic_smem(build_tree_kernel, smem);
-  build_tree_kernel<<<static_cast<unsigned>(bsz), kBuildThreads, smem, cuda::current_stream()>>>(
-      logp.data_ptr<float>(), logp.stride(0), logp.stride(1), logp.stride(2), tokens.data_ptr<int64_t>(),
-      tokens.stride(0), tokens.stride(1), tokens.stride(2), root_token.data_ptr<int64_t>(), root_token.stride(0),
-      prefix_len.data_ptr<int64_t>(), prefix_len.stride(0), static_cast<int>(depths), static_cast<int>(k),
-      static_cast<int>(budget), spine, stage, static_cast<int>(slots), node_token.data_ptr<int64_t>(),
-      node_token.stride(0), node_token.stride(1), parent.data_ptr<int32_t>(), parent.stride(0), parent.stride(1),
-      depth.data_ptr<int32_t>(), depth.stride(0), depth.stride(1), num_nodes.data_ptr<int32_t>(), num_nodes.stride(0),
-      first_child.data_ptr<int32_t>(), first_child.stride(0), first_child.stride(1), next_sibling.data_ptr<int32_t>(),
-      next_sibling.stride(0), next_sibling.stride(1), ancestor_mask.data_ptr<int64_t>(), ancestor_mask.stride(0),
-      ancestor_mask.stride(1), ancestor_mask.stride(2), position.data_ptr<int64_t>(), position.stride(0),
-      position.stride(1));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const BuildArgs args{logp.data_ptr<float>(), logp.stride(0), logp.stride(1), logp.stride(2),
+                       tokens.data_ptr<int64_t>(), tokens.stride(0), tokens.stride(1), tokens.stride(2),
+                       root_token.data_ptr<int64_t>(), root_token.stride(0), prefix_len.data_ptr<int64_t>(),
+                       prefix_len.stride(0), static_cast<int>(depths), static_cast<int>(k), static_cast<int>(budget),
+                       static_cast<int>(slots), spine, stage, node_token.data_ptr<int64_t>(), node_token.stride(0),
+                       node_token.stride(1), parent.data_ptr<int32_t>(), parent.stride(0), parent.stride(1),
+                       depth.data_ptr<int32_t>(), depth.stride(0), depth.stride(1), num_nodes.data_ptr<int32_t>(),
+                       num_nodes.stride(0), first_child.data_ptr<int32_t>(), first_child.stride(0),
+                       first_child.stride(1), next_sibling.data_ptr<int32_t>(), next_sibling.stride(0),
+                       next_sibling.stride(1), ancestor_mask.data_ptr<int64_t>(), ancestor_mask.stride(0),
+                       ancestor_mask.stride(1), ancestor_mask.stride(2), position.data_ptr<int64_t>(),
+                       position.stride(0), position.stride(1)};
+  // Entries per lane: at most ceil(budget / 32) candidates are dealt to one lane (section comment).
+  const int64_t per_lane = cuda::ceil_div(budget, kWarp);
+  if (!lists) {
+    launch_build_tree<0>(args, bsz, smem);
+  } else if (per_lane <= 2) {
+    launch_build_tree<2>(args, bsz, smem);
+  } else if (per_lane <= 4) {
+    launch_build_tree<4>(args, bsz, smem);
+  } else if (per_lane <= 8) {
+    launch_build_tree<8>(args, bsz, smem);
+  } else {
+    static_assert(kListMaxPerLane == 16, "16 entries per lane cover every list budget");
+    launch_build_tree<16>(args, bsz, smem);
+  }
 }
 
 void tree_attention_mask_cuda(const at::Tensor& ancestor_mask, const at::Tensor& prefix_len, at::Tensor& mask) {

@@ -17,6 +17,30 @@ namespace cuda {
 
 constexpr int kNoId = 0x7fffffff;
 
+// A float's bits mapped to an unsigned key with the float order (-0 and +0 share one key; NaNs sort
+// above +inf or below -inf by their sign bit: callers keep NaN out where it matters).
+__device__ __forceinline__ uint32_t ordered_bits(float f) {
+  uint32_t u = __float_as_uint(f);
+  if (u == 0x80000000u) u = 0;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The float whose ordered_bits are `o` (-0 comes back as +0).
+__device__ __forceinline__ float from_ordered_bits(uint32_t o) {
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
+
+// Largest value over the warp, every lane gets it: one instruction on sm_80+.
+__device__ __forceinline__ unsigned warp_max_u32(unsigned x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(kFullMask, x);
+#else
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) x = max(x, __shfl_xor_sync(kFullMask, x, off));
+  return x;
+#endif
+}
+
 __device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) { return a > b || (a == b && ia < ib); }
 
 // (max, sum of exp(x - max)) of a running softmax; -inf elements contribute nothing. The hardware exp

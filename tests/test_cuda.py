@@ -149,6 +149,7 @@ BUILD_CASES = [  # (batch, budget, depths, k)
     (2, 40, 3, 3),  # 3 + 9 + 27 = 39 prefixes < 40
     (1, 256, 16, 256),  # pure best-first with K = budget
     (2, 32, 3, 5000),  # logp too large to stage in shared memory
+    (1, 600, 5, 8),  # above the register lists' budget: candidates in shared-memory slots
 ]
 
 
@@ -166,6 +167,23 @@ def test_build_tree(bsz, budget, depths, k, spine, ties):
     got = ops.build_tree(*to([logp, tokens, root, prefix], DEV), budget, spine=spine, out=out)
     assert_fields_equal(got, expected_cpu, "vs CPU op")
     assert_fields_equal(got, expected_ref, "vs reference")
+
+
+@pytest.mark.parametrize("spine", [True, False])
+@pytest.mark.parametrize("budget", [7, 64, 200, 513])
+def test_build_tree_unsorted(budget, spine):
+    """Log-probs in no order and of either sign (children can outscore parents): the pops must still be
+    the reference's, node for node."""
+    gen = make_gen(budget + 5)
+    bsz, depths, k = 3, 9, 6
+    logp = torch.randn(bsz, depths, k, generator=gen) * 2
+    logp[1] = logp[1].round()  # ties
+    tokens = torch.randint(0, 1000, (bsz, depths, k), generator=gen)
+    root = torch.randint(0, 1000, (bsz,), generator=gen)
+    prefix = torch.randint(0, 500, (bsz,), generator=gen)
+    expected = ops.build_tree(logp, tokens, root, prefix, budget, spine=spine)
+    got = ops.build_tree(*to([logp, tokens, root, prefix], DEV), budget, spine=spine)
+    assert_fields_equal(got, expected, "vs CPU op")
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, *FLOAT_DTYPES])
