@@ -90,7 +90,6 @@ class DecodeRound:
         self.tmp: Dict[str, object] = {}  # a round's intermediate tensors
 
         self.use_graphs = use_graphs
-        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._graphs: Dict[int, Tuple[List[Tuple[str, torch.cuda.CUDAGraph]], Dict[str, object]]] = {}
         self._eager_rounds: Dict[int, int] = {}
         self.captures = 0  # graph sets captured (one per kv_len)
@@ -191,17 +190,19 @@ class DecodeRound:
         )
 
     def _capture(self, kv_len: int):
-        """Capture every stage at this width into its own graph (one shared pool); nothing runs.
-        The intermediates the graphs own are kept with them: freeing one would let a later capture in
-        the pool reuse its memory under a graph still replaying. Widths only grow within a generation,
-        so the graphs of narrower widths are released first (their memory goes back to the pool)."""
+        """Capture every stage at this width into its own graph, all in one new memory pool; nothing
+        runs. The intermediates the graphs own are kept with them: freeing one would let a later capture
+        in the pool reuse its memory under a graph still replaying. Widths only grow within a
+        generation, so the graphs of narrower widths are released first, and their pool with them (a
+        pool dies with its last graph: it is never reused)."""
+        torch.cuda.synchronize(self.device)  # nothing of the old graphs may still run when they go
         self._graphs.clear()
         self.tmp = {}
         graphs = []
-        torch.cuda.synchronize(self.device)
+        pool = torch.cuda.graph_pool_handle()
         for name, stage in self._stages(kv_len):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=pool):
                 stage()
             graphs.append((name, graph))
         self._graphs[kv_len] = (graphs, self.tmp)
