@@ -26,13 +26,15 @@ from ddtree_ext import ops
 EAGER_ROUNDS_BEFORE_CAPTURE = 2
 
 # Attention reads the first kv_len cache slots, kv_len a bucket of the needed length (kv_bucket), so
-# that captured rounds are few (one per bucket) and read at most ~25% more than needed.
+# that captured rounds are few (one set of graphs per width) and read little more than needed.
 _MIN_KV_BUCKET = 256
 
 
 def kv_bucket(length: int) -> int:
     """The attention width used for ``length`` needed cache slots: ``length`` rounded up to a multiple
-    of a quarter of its octave (at least 256): 256, 512, 768, 1024, 1280, ..., 2048, 2560, ..."""
+    of a quarter of its octave, but of at least 256: 256, 512, 768, 1024, 1280, ..., 2048, 2560, ...
+    So a width is at most 256 slots or 25% over what is needed, whichever is more, and a generation
+    sees about four widths per octave of its length."""
     if length <= _MIN_KV_BUCKET:
         return _MIN_KV_BUCKET
     step = max(_MIN_KV_BUCKET, 1 << ((length - 1).bit_length() - 3))

@@ -363,6 +363,35 @@ def test_build_tree_allocates_without_out():
     assert_trees_equal(tree, reference.build_tree(logp, tokens, root_token, prefix_len, 10))
 
 
+@pytest.mark.parametrize("n", [1, 2, 17, 64, 65, 129, 257])
+def test_chain_tree_matches_reference(n):
+    """ops.chain_tree (device ops, what an autoregressive round and forward_chain verify) is the tree
+    reference.tree_from_parents makes of a chain, every field, into poisoned buffers."""
+    gen = torch.Generator().manual_seed(n)
+    tokens = torch.randint(0, 1000, (2, n), generator=gen)
+    prefix_len = torch.tensor([5, 300])
+    out = ops.empty_tree(2, n - 1)
+    for field in out:
+        poison(field)
+    got = ops.chain_tree(tokens, prefix_len, out=out)
+    parent = torch.arange(-1, n - 1, dtype=torch.int32).expand(2, n).contiguous()
+    expected = reference.tree_from_parents(parent, tokens, prefix_len)
+    for name in Tree._fields:
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_kv_bucket_widths():
+    """Attention widths: never below what is needed, at most 256 slots or 25% above it (whichever is
+    more), non-decreasing, and few: a quarter octave apart."""
+    from ddtree_ext.round import kv_bucket
+
+    widths = [kv_bucket(n) for n in range(1, 70000)]
+    assert all(w >= n for n, w in enumerate(widths, start=1))
+    assert all(w <= n + max(256, 0.25 * n) for n, w in enumerate(widths, start=1))
+    assert all(a <= b for a, b in zip(widths, widths[1:]))
+    assert len(set(widths)) <= 4 * 9  # 256 .. 70000: about four widths per octave
+
+
 def test_build_tree_strided_inputs():
     """Inputs may be strided views (the outputs must be contiguous)."""
     gen = seeded(13)
