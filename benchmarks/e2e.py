@@ -132,11 +132,12 @@ def build_draft(target, preset: dict, dtype=torch.bfloat16) -> DFlashDraftModel:
     return draft.eval()
 
 
-def weight_bytes_read(model) -> int:
-    """Bytes of weights one forward reads: every parameter but the input embedding table (one row per
-    token), plus the LM head."""
-    embed = model.get_input_embeddings().weight
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+def weight_bytes_read(adapter: TargetAdapter) -> int:
+    """Bytes of weights one text forward reads: the text model's parameters but the input embedding
+    table (one row per token), plus the LM head (a vision tower, if any, is not read for text)."""
+    embed = adapter.embed_tokens.weight
+    params = {id(p): p for m in (adapter.text_model, adapter.lm_head) for p in m.parameters() if p is not embed}
+    return sum(p.numel() * p.element_size() for p in params.values())
 
 
 # ---- timing helpers ---------------------------------------------------------------------------
@@ -328,26 +329,33 @@ def profile_round(target, draft, prompt, budget: int, rounds: int = 4, top: int 
 # ---- main -------------------------------------------------------------------------------------
 
 
+def load_checkpoints(target_path: str, draft_path: str):
+    """A real target (the multimodal class when the checkpoint is one, e.g. Qwen3.6-27B) and its draft."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    architectures = AutoConfig.from_pretrained(target_path).architectures or []
+    cls = AutoModelForImageTextToText if any("ConditionalGeneration" in a for a in architectures) else AutoModelForCausalLM
+    target = cls.from_pretrained(target_path, dtype=torch.bfloat16, device_map="cuda", attn_implementation="sdpa")
+    draft = DFlashDraftModel.from_pretrained(draft_path, dtype=torch.bfloat16, device="cuda")
+    return target.eval(), draft
+
+
 def run_preset(name: str, args, bandwidth: float) -> dict:
-    preset = PRESETS[name]
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     if args.target:
-        from transformers import AutoModelForCausalLM
-
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16, device_map="cuda",
-                                                      attn_implementation="sdpa").eval()
-        draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.bfloat16, device="cuda")
+        target, draft = load_checkpoints(args.target, args.draft)
     else:
-        target = build_target(preset)
-        draft = build_draft(target, preset)
+        target = build_target(PRESETS[name])
+        draft = build_draft(target, PRESETS[name])
     adapter = TargetAdapter(target, draft.target_layer_ids)
     build_s = time.perf_counter() - start
     vocab = adapter.vocab_size
     prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).cuda()
-    floor_bytes = weight_bytes_read(target)
+    floor_bytes = weight_bytes_read(adapter)
     floor_ms = 1e3 * floor_bytes / bandwidth
-    result = dict(preset=name, family=preset["family"], build_s=build_s, weight_bytes=floor_bytes,
+    family = "qwen3_5" if adapter.is_hybrid else "qwen3"
+    result = dict(preset=name, family=family, build_s=build_s, weight_bytes=floor_bytes,
                   floor_ms=floor_ms, prompt_len=args.prompt_len, runs=[])
     print(f"[{name}] built in {build_s:.1f} s; weights read per forward {floor_bytes / 1e9:.2f} GB, "
           f"floor {floor_ms:.2f} ms", flush=True)
@@ -367,7 +375,7 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
                   f"{run['round_ms']:.2f} ms/round over {run['rounds_measured']} rounds (tau {run['tau']:.2f}); "
                   f"stages ms: {stages}", flush=True)
 
-    if preset["family"] == "qwen3":
+    if family == "qwen3":
         result["reference_round_ms"] = {}
         for budget in (64, 256):
             ms = reference_round_pattern_ms(adapter, draft, prompt, budget, args.eager_rounds)
@@ -454,7 +462,9 @@ def main(argv=None) -> None:
     parser.add_argument("--target", help="a real target checkpoint (directory or hub id) instead of a preset shape")
     parser.add_argument("--draft", help="its DFlash draft checkpoint (with --target)")
     parser.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128, 256])
-    parser.add_argument("--rounds", type=int, default=30, help="replayed rounds per graph measurement (>= 20)")
+    parser.add_argument("--rounds", type=int, default=30,
+                        help="new tokens (+12) per graph measurement: about that many replayed rounds with random "
+                             "weights, fewer with a real draft")
     parser.add_argument("--eager-rounds", type=int, default=10, help="measured rounds per eager measurement")
     parser.add_argument("--hf-steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -466,7 +476,7 @@ def main(argv=None) -> None:
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
     if bool(args.target) != bool(args.draft):
         raise SystemExit("--target and --draft go together")
-    presets = args.preset or (["27b"] if args.target else ["27b", "qwen3-8b"])
+    presets = ["checkpoint"] if args.target else (args.preset or ["27b", "qwen3-8b"])
 
     import transformers
 

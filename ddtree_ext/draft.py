@@ -353,12 +353,14 @@ class DFlashDraftModel(nn.Module):
         appended = num_context.to(torch.int64) if num_context is not None else torch.full_like(cache.length, ctx_len)
         if kv_len is None:
             # Host reads: the eager convenience. Rows up to length + T (padding) + block are written.
+            if num_context is not None and not bool(((num_context >= 1) & (num_context <= ctx_len)).all()):
+                raise ValueError(f"{where}: num_context must lie in [1, {ctx_len}], got {num_context.tolist()}")
             need = int((cache.length + max(ctx_len, 0)).max()) + self.block_size
             if need > cache.capacity:
                 raise ValueError(f"{where}: cache capacity {cache.capacity} < {need} rows needed")
             kv_len = need
-        elif not 1 <= kv_len <= cache.capacity:
-            raise ValueError(f"{where}: kv_len must be in [1, {cache.capacity}], got {kv_len}")
+        elif not isinstance(kv_len, int) or isinstance(kv_len, bool) or not 1 <= kv_len <= cache.capacity:
+            raise ValueError(f"{where}: kv_len must be an int in [1, {cache.capacity}], got {kv_len!r}")
 
         dtype = self.fc.weight.dtype
         steps = torch.arange(max(ctx_len, self.block_size), device=device)

@@ -220,7 +220,10 @@ def generate(
     reach = max(budget + 1, max_accept)
     capacity = prompt_len + max_new_tokens + reach
     start = time.perf_counter()
-    with torch.inference_mode():
+    # The target's device is made current: CUDA events, graph capture and the result copy use the
+    # current device's streams, and a target on cuda:1 with cuda:0 current would escape capture.
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with torch.inference_mode(), on_device:
         state = adapter.new_state(1, capacity=capacity)
         draft_cache = draft.new_cache(1, capacity=capacity) if speculative else None
         decode = DecodeRound(

@@ -92,6 +92,9 @@ class DecodeRound:
         self.tmp: Dict[str, object] = {}  # a round's intermediate tensors
 
         self.use_graphs = use_graphs
+        # Capture on a stream of the target's device (torch.cuda.graph's default side stream is made
+        # once per process, on whichever device was current then).
+        self._capture_stream = torch.cuda.Stream(device) if use_graphs else None
         self._graphs: Dict[int, Tuple[List[Tuple[str, torch.cuda.CUDAGraph]], Dict[str, object]]] = {}
         self._eager_rounds: Dict[int, int] = {}
         self.captures = 0  # graph sets captured (one per kv_len)
@@ -204,7 +207,7 @@ class DecodeRound:
         pool = torch.cuda.graph_pool_handle()
         for name, stage in self._stages(kv_len):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream):
                 stage()
             graphs.append((name, graph))
         self._graphs[kv_len] = (graphs, self.tmp)

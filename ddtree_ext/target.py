@@ -85,6 +85,7 @@ class TargetState:
 
     capacity: cache slots per attention layer (committed tokens + one verify block must fit);
     prefix_len [B] int64 on the adapter's device: tokens run through the target and committed;
+    layer_devices: each decoder layer's device when the state was made (its buffers live there);
     keys / values: per full-attention layer index, [B, H_kv, capacity, head_dim] in the model dtype on
     that layer's device (slots >= prefix_len are scratch for the next verify block);
     conv: per GDN layer index, [B, conv_dim, W] pre-conv inputs (model dtype), oldest first;
@@ -94,6 +95,7 @@ class TargetState:
 
     capacity: int
     prefix_len: torch.Tensor
+    layer_devices: List[torch.device]
     keys: Dict[int, torch.Tensor]
     values: Dict[int, torch.Tensor]
     conv: Dict[int, torch.Tensor]
@@ -219,12 +221,16 @@ class TargetAdapter:
             )
         params = inspect.signature(self.text_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.layer_devices = [module_device(layer) for layer in self.text_model.layers]
 
     @property
     def device(self) -> torch.device:
         """Where the embeddings (and so the token inputs, prefix_len, trees and walks) live."""
         return self.embed_tokens.weight.device
+
+    @property
+    def layer_devices(self) -> List[torch.device]:
+        """The device of every decoder layer, read now (the model may have moved since the adapter was made)."""
+        return [module_device(layer) for layer in self.text_model.layers]
 
     @property
     def single_device(self) -> bool:
@@ -242,21 +248,28 @@ class TargetAdapter:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"TargetAdapter.new_state: capacity must be an int >= 1, got {capacity!r}")
         dtype = self.embed_tokens.weight.dtype
+        devices = self.layer_devices
+        if any(d.type == "meta" for d in [self.device, *devices]):
+            raise ValueError(
+                "TargetAdapter.new_state: model: some layers are on the meta device (offloaded?); every layer "
+                "must sit on a CPU or GPU"
+            )
         head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
         kv_shape = (batch_size, self.config.num_key_value_heads, capacity, head_dim)
         state = TargetState(
             capacity=capacity,
             prefix_len=torch.zeros(batch_size, dtype=torch.int64, device=self.device),
+            layer_devices=devices,
             keys={}, values={}, conv={}, recurrent={},
         )
         for i in self.attention_layer_ids:
             # Zeros, not garbage: masked-out slots are still read by the attention kernel, and a NaN
             # there would survive a float mask (0 * NaN).
-            state.keys[i] = torch.zeros(kv_shape, dtype=dtype, device=self.layer_devices[i])
-            state.values[i] = torch.zeros(kv_shape, dtype=dtype, device=self.layer_devices[i])
+            state.keys[i] = torch.zeros(kv_shape, dtype=dtype, device=devices[i])
+            state.values[i] = torch.zeros(kv_shape, dtype=dtype, device=devices[i])
         for i in self.gdn_layer_ids:
             gdn = self.text_model.layers[i].linear_attn
-            device = self.layer_devices[i]
+            device = devices[i]
             state.conv[i] = torch.zeros(batch_size, gdn.conv_dim, gdn.conv_kernel_size, dtype=dtype, device=device)
             state.recurrent[i] = torch.zeros(
                 batch_size, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, dtype=torch.float32, device=device
@@ -296,7 +309,8 @@ class TargetAdapter:
         """ONE forward over the tree's N nodes (tokens tree.token, positions tree.position).
 
         Full-attention layers see the tree mask (committed prefix + ancestors) over the first
-        ``kv_len`` cache slots (default: ``kv_bucket(prefix_len + N)``, read from the device); node i's
+        ``kv_len`` cache slots (default: ``min(kv_bucket(prefix_len + N), capacity)``, prefix_len read
+        from the device); node i's
         K/V land at slot prefix_len + i. GDN layers run the tree conv and delta rule from the committed
         states without modifying them and stash what ``commit`` needs. Returns (logits [B, N, V]
         float32, taps [B, N, n_taps * hidden]) on the adapter's device; prefix_len unchanged. Must be
@@ -317,7 +331,7 @@ class TargetAdapter:
             )
         if kv_len is None:
             kv_len = min(kv_bucket(prefix + num_nodes), state.capacity)
-        if not prefix + num_nodes <= kv_len <= state.capacity:
+        if not isinstance(kv_len, int) or isinstance(kv_len, bool) or not prefix + num_nodes <= kv_len <= state.capacity:
             raise ValueError(
                 f"TargetAdapter.verify: kv_len must be in [prefix_len + N, capacity] = [{prefix + num_nodes}, "
                 f"{state.capacity}], got {kv_len} (state capacity too small for this tree?)"
@@ -332,7 +346,7 @@ class TargetAdapter:
         num_nodes = tree.token.shape[1]
         mask = _ops.tree_attention_mask(tree.ancestor_mask, state.prefix_len, kv_len, dtype=self._mask_dtype)
         masks = {_FULL_ATTENTION: mask, _LINEAR_ATTENTION: None}
-        devices = set(self.layer_devices)
+        devices = set(state.layer_devices)
         nodes = torch.arange(num_nodes, device=self.device)
         slots = (state.prefix_len[0] + nodes).to(torch.int64)
         slots_by_device = {d: slots.to(d) for d in devices}
@@ -340,8 +354,9 @@ class TargetAdapter:
         stash = _VerifyStash(num_nodes)
         with self._tree_gdn_forwards(state, parent_by_device, stash):
             hidden, taps = self._run(tree.token, tree.position, masks, _StaticAttentionCache(state, slots_by_device, kv_len))
-        state.pending = stash
-        return self._logits(hidden), taps
+        logits = self._logits(hidden)
+        state.pending = stash  # only once nothing can fail any more: a failed verify leaves none
+        return logits, taps
 
     @torch.no_grad()
     def forward_chain(self, tokens: torch.Tensor, state: TargetState) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -372,8 +387,8 @@ class TargetAdapter:
         stash = state.pending
         if stash is None:
             raise ValueError("TargetAdapter.commit: no verified tree to commit; call verify first")
-        # The commit ops each check the walk, but K/V, GDN states and conv windows are written by several
-        # calls: a walk the second one refused would leave the first one's writes behind.
+        # The CPU commit ops check the walk's values but the CUDA kernels cannot (no host reads), and K/V,
+        # GDN states and conv windows are written by several calls: check the whole walk here, first.
         self._check_walk(walk, state, stash.num_nodes)
         self.commit_unchecked(walk, state)
 
@@ -382,11 +397,11 @@ class TargetAdapter:
         """``commit`` without the host-side walk check; capturable in a CUDA graph. One launch per state
         kind and device."""
         stash = state.pending
-        for device, ids in _by_device(self.attention_layer_ids, self.layer_devices).items():
+        for device, ids in _by_device(self.attention_layer_ids, state.layer_devices).items():
             accepted, accept_len = walk.accepted.to(device), walk.accept_len.to(device)
             kv = [t for i in ids for t in (state.keys[i], state.values[i])]
             _ops.commit_kv(kv, state.prefix_len.to(device), accepted, accept_len)
-        for device, ids in _by_device(self.gdn_layer_ids, self.layer_devices).items():
+        for device, ids in _by_device(self.gdn_layer_ids, state.layer_devices).items():
             accepted, accept_len = walk.accepted.to(device), walk.accept_len.to(device)
             gdn = [stash.gdn[i] for i in ids]
             _ops.commit_gdn_state(
@@ -475,7 +490,7 @@ class TargetAdapter:
         try:
             for i in self.gdn_layer_ids:
                 gdn = self.text_model.layers[i].linear_attn
-                parent = parent_by_device[self.layer_devices[i]]
+                parent = parent_by_device[state.layer_devices[i]]
 
                 def tree_forward(hidden_states, *args, _gdn=gdn, _i=i, _parent=parent, **kwargs):
                     out, stash.conv_input[_i], stash.gdn[_i] = _gdn_tree_forward(

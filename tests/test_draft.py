@@ -286,8 +286,10 @@ def test_padded_context_equals_exact_context(target, sliding_window):
                 rows[b, : count[b]] = real[0]
                 expected.append(draft.propose(real, bonus[b : b + 1], exact[b], **propose_args(target)))
                 offsets[b] += count[b]
+            # The narrowest width the call may read: every row's length + n + block_size.
+            kv_len = max(offsets) + draft.block_size
             actual = draft.propose(
-                rows, bonus, padded, num_context=torch.tensor(count), kv_len=CAPACITY, **propose_args(target)
+                rows, bonus, padded, num_context=torch.tensor(count), kv_len=kv_len, **propose_args(target)
             )
             assert padded.length.tolist() == offsets
             assert_close(actual, torch.cat(expected), torch.float32, f"call {r}")
@@ -309,6 +311,14 @@ def test_propose_checks_capacity_and_padding(target):
     with torch.no_grad(), pytest.raises(ValueError, match="at most block_size"):
         draft.propose(random_context(draft, 1, 5), random_bonus(1, 256), cache, num_context=torch.tensor([2]),
                       **propose_args(target))
+    for count in (0, 4):
+        with torch.no_grad(), pytest.raises(ValueError, match=r"num_context must lie in \[1, 3\]"):
+            draft.propose(random_context(draft, 1, 3), random_bonus(1, 256), cache,
+                          num_context=torch.tensor([count]), **propose_args(target))
+    for kv_len in (0, 11, 4.0, True):
+        with torch.no_grad(), pytest.raises(ValueError, match="kv_len must be an int in"):
+            draft.propose(random_context(draft, 1, 3), random_bonus(1, 256), cache, num_context=torch.tensor([3]),
+                          kv_len=kv_len, **propose_args(target))
     assert cache.length.tolist() == [0]
 
 

@@ -17,7 +17,7 @@ PROMPT = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(5
 
 def split_over_two_gpus(model):
     """accelerate's dispatch of a 4-layer model: embeddings and layers 0-1 on GPU 0, the rest on GPU 1."""
-    from accelerate import dispatch_model
+    dispatch_model = pytest.importorskip("accelerate").dispatch_model
 
     text = "model.language_model" if hasattr(model.model, "language_model") else "model"
     device_map = {f"{text}.embed_tokens": 0, f"{text}.rotary_emb": 0, f"{text}.norm": 1, "lm_head": 1}
@@ -42,3 +42,18 @@ def test_split_target_equals_single_gpu_hf_generate(family, method, budget):
     assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"
     if method != "autoregressive":
         assert stats.tau > 1.5, stats.summary()
+
+
+@pytest.mark.parametrize("method", ["ddtree", "autoregressive"])
+def test_graphs_on_a_gpu_that_is_not_the_current_one(method):
+    """A whole target on cuda:1 while cuda:0 is current: the rounds are captured on cuda:1's streams
+    (captured on cuda:0's, they would record nothing and replay stale results)."""
+    target = make_predictable_target("qwen3_5", seed=3)
+    draft = make_agreeing_draft(target, seed=1)
+    reference = tiny.hf_greedy(target.to("cuda:1"), PROMPT.to("cuda:1"), NEW_TOKENS)
+    assert torch.cuda.current_device() == 0
+    out, stats = generate(target, draft.to("cuda:1"), PROMPT.to("cuda:1"), NEW_TOKENS, method=method,
+                          cuda_graph=True, return_stats=True)
+    assert stats.graph_captures >= 1 and sum(stats.round_replayed) > stats.rounds // 2
+    diff = (out.cpu() != reference.cpu())[0].nonzero()
+    assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"

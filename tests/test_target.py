@@ -117,8 +117,8 @@ def _rounds(adapter, seed, num_rounds):
     reference is the stock HF model over the whole committed sequence (its logits, and the caches a
     stock prefill of that sequence leaves in a fresh state).
 
-    Yields (round, tree logits at the path's nodes [A, V], stock logits there [A, V], tree state,
-    stock state) after each round, then once more for a chain forward of 4 tokens on both."""
+    Yields (round, tree logits at the path's nodes [A, V], stock logits there [A, V], stock state,
+    tree state) after each round, then once more for a chain forward of 4 tokens on both."""
     gen = torch.Generator().manual_seed(seed)
     sequence = _tokens(gen, 1, 5)
     tree_state = adapter.new_state(capacity=CAPACITY)
@@ -291,8 +291,8 @@ def test_call_order_is_checked(hybrid):
 
 
 def test_failed_verify_restores_layers_and_cache(hybrid, monkeypatch):
-    """An error in the second GDN layer (after an attention layer appended the nodes' K/V) leaves the
-    GDN forwards and the cache as they were."""
+    """An error in the second GDN layer (after an attention layer wrote the nodes' K/V into scratch
+    slots) leaves the GDN forwards, the committed state and pending as they were."""
     adapter = TargetAdapter(hybrid)
     gen = torch.Generator().manual_seed(4)
     prompt = _tokens(gen, 1, 5)
@@ -319,7 +319,7 @@ def test_failed_verify_restores_layers_and_cache(hybrid, monkeypatch):
     after = _cache_tensors(adapter, state)
     for name, t in before.items():
         assert torch.equal(after[name], t), name
-    # And the state is still good for the stock forward.
+    # And the state is still good: a chain forward after it agrees with the stock model.
     nxt = _tokens(gen, 1, 2)
     logits, _ = adapter.forward_chain(nxt, state)
     stock = hybrid(input_ids=torch.cat([prompt, nxt], dim=1)).logits[:, -2:]
@@ -343,7 +343,8 @@ def test_capacity_is_checked_before_any_work(hybrid):
 
 def test_attention_width_does_not_change_the_result(adapter):
     """kv_len (the bucket of slots attention reads) only adds masked slots: the same tree over the
-    smallest width and over the whole capacity gives the same logits and taps."""
+    smallest width and over the whole capacity gives the same logits and taps, even with large leftovers
+    (as earlier rounds leave) in the scratch slots."""
     gen = torch.Generator().manual_seed(8)
     prompt = _tokens(gen, 1, 7)
     tree = None
@@ -351,6 +352,9 @@ def test_attention_width_does_not_change_the_result(adapter):
     for kv_len in (7 + 9, CAPACITY):
         state = adapter.new_state(capacity=CAPACITY)
         adapter.prefill(prompt, state)
+        for i in adapter.attention_layer_ids:
+            state.keys[i][:, :, 7:] = 1e4
+            state.values[i][:, :, 7:] = -1e4
         tree = tree if tree is not None else _random_tree(gen, state.prefix_len, 9, "random")
         results.append(adapter.verify(tree, state, kv_len=kv_len))
     for a, b in zip(*results):
