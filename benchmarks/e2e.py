@@ -30,51 +30,40 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ddtree_ext import generate, ops  # noqa: E402
+from ddtree_ext import generate  # noqa: E402
 from ddtree_ext.draft import DFlashDraftModel  # noqa: E402
-from ddtree_ext.target import TargetAdapter  # noqa: E402
+from ddtree_ext.target import TargetAdapter, record_layer_outputs  # noqa: E402
 from ddtree_ext.tiny import tiny_draft_config  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
 
+
+def _qwen3_5(hidden: int, intermediate: int, layers: int, heads: int, value_heads: int, taps: list) -> dict:
+    """A Qwen3.5 / 3.6 dense text shape ([GDN x 3, attention] x layers/4; attention 4 KV heads of 256, GDN
+    16 key heads of 128) and its DFlash draft (5 layers, the target's MLP width)."""
+    return dict(
+        family="qwen3_5",
+        target=dict(
+            vocab_size=248320, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+            layer_types=[LIN, LIN, LIN, FULL] * (layers // 4), num_attention_heads=heads, num_key_value_heads=4,
+            head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_num_key_heads=16, linear_num_value_heads=value_heads,
+        ),
+        draft=dict(num_layers=5, intermediate_size=intermediate, taps=taps, mask_token_id=248070),
+    )
+
+
 # Target shapes (text configs) and their DFlash drafts' shapes. 27b = Qwen3.6-27B / Qwen3.5-27B.
 PRESETS = {
-    "27b": dict(
-        family="qwen3_5",
-        target=dict(
-            vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-            layer_types=[LIN, LIN, LIN, FULL] * 16, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-            linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
-            linear_num_value_heads=48,
-        ),
-        draft=dict(num_layers=5, intermediate_size=17408, taps=[1, 16, 31, 46, 61], mask_token_id=248070),
-    ),
-    "9b": dict(
-        family="qwen3_5",
-        target=dict(
-            vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-            layer_types=[LIN, LIN, LIN, FULL] * 8, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-            linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
-            linear_num_value_heads=32,
-        ),
-        draft=dict(num_layers=5, intermediate_size=12288, taps=[1, 8, 15, 22, 29], mask_token_id=248070),
-    ),
-    "4b": dict(
-        family="qwen3_5",
-        target=dict(
-            vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
-            layer_types=[LIN, LIN, LIN, FULL] * 8, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-            linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
-            linear_num_value_heads=32,
-        ),
-        draft=dict(num_layers=5, intermediate_size=9216, taps=[1, 8, 15, 22, 29], mask_token_id=248070),
-    ),
+    "27b": _qwen3_5(5120, 17408, 64, 24, 48, [1, 16, 31, 46, 61]),
+    "9b": _qwen3_5(4096, 12288, 32, 16, 32, [1, 8, 15, 22, 29]),
+    "4b": _qwen3_5(2560, 9216, 32, 16, 32, [1, 8, 15, 22, 29]),
     "qwen3-8b": dict(
         family="qwen3",
         target=dict(
@@ -225,8 +214,6 @@ def reference_round_pattern_ms(adapter: TargetAdapter, draft, prompt, budget: in
     kw = cache_kwarg(model)
     cache = DynamicCache(config=model.config)
     taps_ids = draft.target_layer_ids
-    from ddtree_ext.target import record_layer_outputs
-
     with record_layer_outputs(adapter.text_model.layers, taps_ids) as rec:
         out = model(input_ids=prompt, use_cache=True, **{kw: cache})
     context = torch.cat([rec[i] for i in taps_ids], dim=-1)

@@ -355,7 +355,7 @@ class DFlashDraftModel(nn.Module):
             # Host reads: the eager convenience. Rows up to length + T (padding) + block are written.
             if num_context is not None and not bool(((num_context >= 1) & (num_context <= ctx_len)).all()):
                 raise ValueError(f"{where}: num_context must lie in [1, {ctx_len}], got {num_context.tolist()}")
-            need = int((cache.length + max(ctx_len, 0)).max()) + self.block_size
+            need = int(cache.length.max()) + ctx_len + self.block_size
             if need > cache.capacity:
                 raise ValueError(f"{where}: cache capacity {cache.capacity} < {need} rows needed")
             kv_len = need

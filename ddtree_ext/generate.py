@@ -256,10 +256,8 @@ def generate(
     if streamer is not None:
         streamer.end()
     prefill_s, stats.round_stage_s = clock.per_round()
-    stats.stage_time_s = {
-        s: prefill_s.get(s, 0.0) + sum(r.get(s, 0.0) for r in stats.round_stage_s) for s in STAGES
-    }
-    stats.stage_time_s = {s: t for s, t in stats.stage_time_s.items() if t > 0}
+    totals = {s: prefill_s.get(s, 0.0) + sum(r.get(s, 0.0) for r in stats.round_stage_s) for s in STAGES}
+    stats.stage_time_s = {s: t for s, t in totals.items() if t > 0}
     stats.wall_time_s = time.perf_counter() - start
     stats.new_tokens = len(out_tokens)
 
