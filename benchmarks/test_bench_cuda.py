@@ -67,10 +67,8 @@ def ceilings():
     return dict(copy_bytes_per_s=2 * (1 << 30) / (copy_ms * 1e-3), fp32_flops_per_s=2 * n**3 / (mm_ms * 1e-3))
 
 
-def bench(benchmark, ceilings, op: str, shape: str, calls: Sequence[Callable[[], object]], bytes_moved: float,
-          flops: float = 0.0):
-    """Captures `calls` (one op call each, on rotating inputs) in one graph and times its replay.
-    bytes_moved and flops are per call."""
+def _captured(calls: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+    """`calls` warmed up on a side stream, then captured in one graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -83,7 +81,19 @@ def bench(benchmark, ceilings, op: str, shape: str, calls: Sequence[Callable[[],
             call()
     for _ in range(3):
         graph.replay()
+    return graph
+
+
+def bench(benchmark, ceilings, op: str, shape: str, calls: Sequence[Callable[[], object]], bytes_moved: float,
+          flops: float = 0.0, baseline: Sequence[Callable[[], object]] = ()):
+    """Captures `calls` (one op call each, on rotating inputs) in one graph and times its replay.
+    bytes_moved and flops are per call. `baseline` (the same work done the stock way, e.g. the Hugging
+    Face module the op replaces, one call per entry) is captured and timed the same way."""
+    graph = _captured(calls)
     per_op_us = _median_event_ms(graph.replay, ROUNDS) * 1e3 / len(calls)
+    if baseline:
+        baseline_us = _median_event_ms(_captured(baseline).replay, ROUNDS) * 1e3 / len(baseline)
+        benchmark.extra_info.update(baseline_us=baseline_us)
 
     def replay():
         graph.replay()
@@ -309,3 +319,63 @@ def test_tree_attention_mask(benchmark, ceilings):
     mask = torch.empty(1, 1, 257, 4096, dtype=torch.bool, device=DEV)
     calls = [lambda: ops.tree_attention_mask(tree.ancestor_mask, prefix, out=mask)] * 8
     bench(benchmark, ceilings, "tree_attention_mask", "N=257 kv=4096 bool", calls, 257 * 4096 + 257 * 5 * 8)
+
+
+# ---- layer bodies (baseline: the Hugging Face modules each op replaces, timed the same way) ---------
+
+LAYER_ROWS = [1, 65]  # a decode step, a budget-64 verify
+MLP_DIM = 17408
+BF16 = 2
+
+
+@pytest.mark.parametrize("rows", LAYER_ROWS)
+def test_rms_norm_hidden(benchmark, ceilings, rows):
+    """Qwen3_5RMSNorm over the hidden state (input / post-attention norms: 2 per layer x 64 layers)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    norm = Qwen3_5RMSNorm(HIDDEN).to(device=DEV, dtype=torch.bfloat16)
+    xs = [torch.randn(rows, HIDDEN, dtype=torch.bfloat16, device=DEV) for _ in range(16)]
+    out = torch.empty(rows, HIDDEN, dtype=torch.bfloat16, device=DEV)
+    calls = [lambda x=x: ops.rms_norm(x, norm.weight, norm.eps, zero_centered=True, out=out) for x in xs]
+    bench(benchmark, ceilings, "rms_norm", f"[{rows}, {HIDDEN}] bf16 zero-centred", calls,
+          2 * rows * HIDDEN * BF16 + HIDDEN * BF16, baseline=[lambda x=x: norm(x) for x in xs])
+
+
+@pytest.mark.parametrize("rows", LAYER_ROWS)
+def test_rms_norm_gated(benchmark, ceilings, rows):
+    """Qwen3_5RMSNormGated over the GDN output heads (one per GDN layer)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    norm = Qwen3_5RMSNormGated(VD).to(device=DEV, dtype=torch.bfloat16)
+    xs = [torch.randn(rows * HV, VD, dtype=torch.bfloat16, device=DEV) for _ in range(16)]
+    zs = [torch.randn(rows * HV, VD, dtype=torch.bfloat16, device=DEV) for _ in range(16)]
+    out = torch.empty(rows * HV, VD, dtype=torch.bfloat16, device=DEV)
+    calls = [lambda x=x, z=z: ops.rms_norm(x, norm.weight, norm.variance_epsilon, gate=z, out=out) for x, z in zip(xs, zs)]
+    bench(benchmark, ceilings, "rms_norm_gated", f"[{rows * HV}, {VD}] bf16", calls, 3 * rows * HV * VD * BF16,
+          baseline=[lambda x=x, z=z: norm(x, z) for x, z in zip(xs, zs)])
+
+
+@pytest.mark.parametrize("rows", LAYER_ROWS)
+def test_silu_mul(benchmark, ceilings, rows):
+    act = torch.nn.SiLU()
+    gates = [torch.randn(rows, MLP_DIM, dtype=torch.bfloat16, device=DEV) for _ in range(16)]
+    ups = [torch.randn(rows, MLP_DIM, dtype=torch.bfloat16, device=DEV) for _ in range(16)]
+    out = torch.empty(rows, MLP_DIM, dtype=torch.bfloat16, device=DEV)
+    calls = [lambda g=g, u=u: ops.silu_mul(g, u, out=out) for g, u in zip(gates, ups)]
+    bench(benchmark, ceilings, "silu_mul", f"[{rows}, {MLP_DIM}] bf16", calls, 3 * rows * MLP_DIM * BF16,
+          baseline=[lambda g=g, u=u: act(g) * u for g, u in zip(gates, ups)])
+
+
+@pytest.mark.parametrize("rows", LAYER_ROWS)
+def test_gdn_gating(benchmark, ceilings, rows):
+    a = [torch.randn(rows, HV, dtype=torch.bfloat16, device=DEV) for _ in range(16)]
+    b = [torch.randn(rows, HV, dtype=torch.bfloat16, device=DEV) for _ in range(16)]
+    A_log = torch.randn(HV, dtype=torch.bfloat16, device=DEV)
+    dt_bias = torch.randn(HV, dtype=torch.bfloat16, device=DEV)
+
+    def stock(a, b):  # Qwen3_5GatedDeltaNet.forward's lines
+        return b.sigmoid().float(), -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+
+    calls = [lambda a=a_, b=b_: ops.gdn_gating(a, b, A_log, dt_bias) for a_, b_ in zip(a, b)]
+    bench(benchmark, ceilings, "gdn_gating", f"[{rows}, {HV}] bf16", calls, rows * HV * (2 * BF16 + 8),
+          baseline=[lambda a=a_, b=b_: stock(a, b) for a_, b_ in zip(a, b)])

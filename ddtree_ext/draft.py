@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree_ext.fused import LayerFusion
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 _CHECKPOINT_PREFIX = "model."  # some exporters prefix every weight name; accepted and stripped
@@ -243,6 +245,8 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        # Norms and SwiGLUs as single ops during propose (ddtree_ext.fused).
+        self._fusion = LayerFusion(self)
 
     @property
     def context_hidden_size(self) -> int:
@@ -362,12 +366,23 @@ class DFlashDraftModel(nn.Module):
         elif not isinstance(kv_len, int) or isinstance(kv_len, bool) or not 1 <= kv_len <= cache.capacity:
             raise ValueError(f"{where}: kv_len must be an int in [1, {cache.capacity}], got {kv_len!r}")
 
-        dtype = self.fc.weight.dtype
         steps = torch.arange(max(ctx_len, self.block_size), device=device)
         context_rows = cache.length[:, None] + steps[:ctx_len]
         start = cache.length + appended  # position of the bonus token, [B]
         block_rows = start[:, None] + steps[: self.block_size]
 
+        with self._fusion.active():
+            logits = self._forward_block(context_hidden, bonus_token, cache, embed_tokens, lm_head, context_rows,
+                                         block_rows, kv_len)
+        # Only now the context rows count as appended: a call that raised before this line leaves the
+        # cache as it was (the rows it wrote are scratch), so a retry does not append them twice.
+        cache.length += appended
+        return logits
+
+    def _forward_block(self, context_hidden, bonus_token, cache, embed_tokens, lm_head, context_rows, block_rows,
+                       kv_len) -> torch.Tensor:
+        """The layers over the context rows and the block (propose's arguments); returns the logits."""
+        batch, device, dtype = bonus_token.shape[0], self.fc.weight.device, self.fc.weight.dtype
         context = self.hidden_norm(self.fc(context_hidden.to(device=device, dtype=dtype)))
         block_ids = bonus_token.new_full((batch, self.block_size), self.mask_token_id)
         block_ids[:, 0] = bonus_token
@@ -384,9 +399,6 @@ class DFlashDraftModel(nn.Module):
             logits = logits * self.output_multiplier
         if self.final_logit_softcapping is not None:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
-        # Only now the context rows count as appended: a call that raised before this line leaves the
-        # cache as it was (the rows it wrote are scratch), so a retry does not append them twice.
-        cache.length += appended
         return logits
 
     @classmethod

@@ -285,6 +285,67 @@ def tree_gated_delta_rule(
     return out
 
 
+# ---- layer bodies ----------------------------------------------------------------------------
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as [R, D] without a copy when the leading dims merge (a copy otherwise)."""
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    gate: Optional[torch.Tensor] = None,
+    zero_centered: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dim in one pass, with the rounding points of the HF Qwen norms.
+
+    x [..., D] float16/bfloat16/float32 (last dim contiguous), weight [D] in x's dtype, gate None or
+    like x -> out, shaped like x (contiguous unless given). With x_hat = x / sqrt(mean(x^2) + eps) in
+    float32 and round() to x's dtype:
+
+    * ``zero_centered`` (Qwen3_5RMSNorm): round(x_hat * (1 + weight));
+    * otherwise (Qwen3RMSNorm): round(weight * round(x_hat));
+    * with ``gate`` (Qwen3_5RMSNormGated): round(round(weight * round(x_hat)) * silu(gate)).
+    """
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    gate_rows = _rows(gate) if gate is not None else None
+    load_ops().rms_norm(_rows(x), weight, gate_rows, float(eps), zero_centered, out.view(-1, out.shape[-1]))
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SwiGLU's product round(round(silu(gate)) * up) in one pass (what HF's ``act_fn(gate) * up`` gives).
+
+    gate, up [..., D] one float dtype, last dim contiguous -> out like gate (contiguous unless given).
+    """
+    if out is None:
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    load_ops().silu_mul(_rows(gate), _rows(up), out.view(-1, out.shape[-1]))
+    return out
+
+
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gated DeltaNet's gates in one pass, as ``Qwen3_5GatedDeltaNet.forward`` computes them.
+
+    a, b [..., HV] (the in_proj_a / in_proj_b outputs, one float dtype, last dim contiguous),
+    A_log, dt_bias [HV] (any float dtype) -> (g, beta), both [..., HV] float32:
+    g = -exp(A_log) * softplus(a + dt_bias) in float32, beta = sigmoid(b) rounded to b's dtype.
+    """
+    g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+    beta = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+    heads = a.shape[-1]
+    load_ops().gdn_gating(_rows(a), _rows(b), A_log, dt_bias, g.view(-1, heads), beta.view(-1, heads))
+    return g, beta
+
+
 # ---- walk ------------------------------------------------------------------------------------
 
 

@@ -251,6 +251,31 @@ def tree_gated_delta_rule(
     return GDNTreeOutput(out.to(dtype=v.dtype, device=dev), stash_u.to(dev), kf.to(dev), stash_cumg.to(dev))
 
 
+# ---- layer bodies ----------------------------------------------------------------------------
+# The HF modules' own arithmetic (Qwen3RMSNorm, Qwen3_5RMSNorm, Qwen3_5RMSNormGated, the MLPs' SwiGLU,
+# Qwen3_5GatedDeltaNet's gates), written out so the tests need no model to check the fused ops.
+
+
+def rms_norm(x, weight, eps, *, gate=None, zero_centered: bool = False) -> torch.Tensor:
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    y = weight * normed.to(x.dtype)
+    if gate is not None:
+        y = y * torch.nn.functional.silu(gate.float())
+    return y.to(x.dtype)
+
+
+def silu_mul(gate, up) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def gdn_gating(a, b, A_log, dt_bias):
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return g, b.sigmoid().float()
+
+
 # ---- walk ------------------------------------------------------------------------------------
 
 

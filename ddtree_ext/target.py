@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
+from ddtree_ext.fused import LayerFusion, swapped_forwards
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
 
@@ -221,6 +221,8 @@ class TargetAdapter:
             )
         params = inspect.signature(self.text_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # Norms and SwiGLUs run as single ops in verify (prefill stays the stock forward).
+        self._fusion = LayerFusion(self.text_model)
 
     @property
     def device(self) -> torch.device:
@@ -352,7 +354,7 @@ class TargetAdapter:
         slots_by_device = {d: slots.to(d) for d in devices}
         parent_by_device = {d: tree.parent.to(d) for d in devices}
         stash = _VerifyStash(num_nodes)
-        with self._tree_gdn_forwards(state, parent_by_device, stash):
+        with self._tree_gdn_forwards(state, parent_by_device, stash), self._fusion.active():
             hidden, taps = self._run(tree.token, tree.position, masks, _StaticAttentionCache(state, slots_by_device, kv_len))
         logits = self._logits(hidden)
         state.pending = stash  # only once nothing can fail any more: a failed verify leaves none
@@ -480,34 +482,23 @@ class TargetAdapter:
             return hidden, hidden.new_empty(*hidden.shape[:2], 0, device=self.device)
         return hidden, torch.cat([recorded[i].to(self.device) for i in self.tap_layer_ids], dim=-1)
 
-    @contextlib.contextmanager
     def _tree_gdn_forwards(
         self, state: TargetState, parent_by_device: Dict[torch.device, torch.Tensor], stash: _VerifyStash
-    ) -> Iterator[None]:
-        """Replace every GDN layer's forward (per instance) by its tree forward; restore on exit."""
-        swapped: List[Tuple[torch.nn.Module, object]] = []
-        missing = object()
-        try:
-            for i in self.gdn_layer_ids:
-                gdn = self.text_model.layers[i].linear_attn
-                parent = parent_by_device[state.layer_devices[i]]
+    ) -> contextlib.AbstractContextManager:
+        """A context in which every GDN layer (per instance) runs its tree forward."""
+        swaps = []
+        for i in self.gdn_layer_ids:
+            gdn = self.text_model.layers[i].linear_attn
+            parent = parent_by_device[state.layer_devices[i]]
 
-                def tree_forward(hidden_states, *args, _gdn=gdn, _i=i, _parent=parent, **kwargs):
-                    out, stash.conv_input[_i], stash.gdn[_i] = _gdn_tree_forward(
-                        _gdn, hidden_states, state.conv[_i], state.recurrent[_i], _parent
-                    )
-                    return out
+            def tree_forward(hidden_states, *args, _gdn=gdn, _i=i, _parent=parent, **kwargs):
+                out, stash.conv_input[_i], stash.gdn[_i] = _gdn_tree_forward(
+                    _gdn, hidden_states, state.conv[_i], state.recurrent[_i], _parent
+                )
+                return out
 
-                # An instance attribute may already wrap forward (e.g. accelerate hooks): put it back after.
-                swapped.append((gdn, gdn.__dict__.get("forward", missing)))
-                gdn.forward = tree_forward
-            yield
-        finally:
-            for gdn, previous in swapped:
-                if previous is missing:
-                    del gdn.forward
-                else:
-                    gdn.forward = previous
+            swaps.append((gdn, tree_forward))
+        return swapped_forwards(swaps)
 
 
 def _by_device(layer_ids: Sequence[int], devices: Sequence[torch.device]) -> Dict[torch.device, List[int]]:
@@ -531,7 +522,7 @@ def _gdn_tree_forward(
     recurrent_state [B, HV, K, V] float32 (the committed states, read only), parent [B, N] int32.
     Returns (layer output [B, N, hidden], pre-conv inputs x [B, N, C], the delta rule's
     :class:`GDNTreeOutput`). Casts and rounding points follow the HF forward: beta is the sigmoid in the
-    model dtype, g = -exp(A_log) * softplus(a + dt_bias) in float32.
+    model dtype, g = -exp(A_log) * softplus(a + dt_bias) in float32 (one ``gdn_gating`` op).
     """
     if recurrent_state.dtype != torch.float32:
         raise ValueError(f"TargetAdapter.verify: GDN recurrent state must be float32, got {recurrent_state.dtype}")
@@ -550,8 +541,7 @@ def _gdn_tree_forward(
     key = key.reshape(batch, num_nodes, -1, gdn.head_k_dim)
     value = value.reshape(batch, num_nodes, -1, gdn.head_v_dim)
 
-    beta = b.sigmoid().float()
-    g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)
+    g, beta = _ops.gdn_gating(a, b, gdn.A_log, gdn.dt_bias)
     delta = _ops.tree_gated_delta_rule(query, key, value, g, beta, recurrent_state, parent, use_qk_l2norm=True)
 
     core = gdn.norm(delta.out.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))

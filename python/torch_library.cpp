@@ -24,6 +24,11 @@ TORCH_LIBRARY(ddtree, m) {
       "tree_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, Tensor parent, "
       "float scale, bool use_qk_l2norm, Tensor(a!) out, Tensor(b!) stash_u, Tensor(c!) stash_k, "
       "Tensor(d!) stash_cumg) -> ()");
+  // layer bodies
+  m.def("rms_norm(Tensor x, Tensor weight, Tensor? gate, float eps, bool zero_centered, Tensor(a!) out) -> ()");
+  m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
+  m.def(
+      "gdn_gating(Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, Tensor(a!) g, Tensor(b!) beta) -> ()");
   // walk
   m.def(
       "walk_greedy(Tensor node_token, Tensor first_child, Tensor next_sibling, Tensor target_token, "
@@ -47,6 +52,9 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("tree_attention_mask", &ddtree::tree_attention_mask_cpu);
   m.impl("tree_conv1d", &ddtree::tree_conv1d_cpu);
   m.impl("tree_gated_delta_rule", &ddtree::tree_gated_delta_rule_cpu);
+  m.impl("rms_norm", &ddtree::rms_norm_cpu);
+  m.impl("silu_mul", &ddtree::silu_mul_cpu);
+  m.impl("gdn_gating", &ddtree::gdn_gating_cpu);
   m.impl("walk_greedy", &ddtree::walk_greedy_cpu);
   m.impl("walk_sample", &ddtree::walk_sample_cpu);
   m.impl("commit_gdn_state", &ddtree::commit_gdn_state_cpu);

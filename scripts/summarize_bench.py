@@ -4,7 +4,8 @@
 
 One row per benchmark: op, shape, median time per op call (CUDA-event median of graph replays, divided
 by the calls captured per replay), its floor (bytes / measured copy bandwidth or FLOPs / measured
-float32 rate, whichever is larger) and the ratio of the two.
+float32 rate, whichever is larger), the ratio of the two, and the baseline where the benchmark has one
+(the stock Hugging Face computation the op replaces, timed the same way).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ def table(data: dict) -> str:
         floor_us = info.get("floor_us")
         ratio = f"{median_us / floor_us:.1f}" if floor_us else "-"
         floor = f"{floor_us:.2f}" if floor_us else "-"
+        baseline_us = info.get("baseline_us")
+        baseline = f"{baseline_us:.2f}" if baseline_us else "-"
         rows.append((str(info.get("op", bench["group"] or bench["name"])), str(info.get("shape", bench["name"])),
-                     f"{median_us:.2f}", floor, ratio))
-    lines = ["| op | shape | median us | floor us | ratio to floor |", "| --- | --- | ---: | ---: | ---: |"]
+                     f"{median_us:.2f}", floor, ratio, baseline))
+    lines = ["| op | shape | median us | floor us | ratio to floor | baseline us |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {' | '.join(r)} |" for r in rows]
     first = next((b["extra_info"] for b in data["benchmarks"] if "copy_GBps" in b.get("extra_info", {})), None)
     machine = data.get("machine_info", {})

@@ -662,6 +662,61 @@ def test_gather_rows(dtype, features):
     assert torch.equal(got.cpu(), expected_ref)
 
 
+# ---- layer bodies ---------------------------------------------------------------------------------
+
+# (rows, features): a decode step, head sizes, odd sizes (single-element path), 27B hidden and MLP rows.
+LAYER_SHAPES = [(1, 5120), (65, 5120), (130, 256), (7, 128), (5, 7), (3, 129), (2, 17408)]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("rows,dim", LAYER_SHAPES)
+@pytest.mark.parametrize("kind", ["zero_centered", "plain", "gated"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "unaligned"])
+def test_rms_norm(kind, rows, dim, dtype, layout):
+    gen = make_gen(rows * dim)
+    pad = {"contiguous": 0, "strided": 16, "unaligned": 1}[layout]
+    base = (torch.randn(rows, dim + pad, generator=gen) * 3).to(dtype)
+    x = base[:, pad:] if layout == "unaligned" else base[:, :dim]
+    weight = (torch.randn(dim, generator=gen) * 0.3 + (kind != "zero_centered")).to(dtype)
+    gate = (torch.randn(rows, dim, generator=gen) * 2).to(dtype) if kind == "gated" else None
+    args = dict(gate=gate, zero_centered=kind == "zero_centered")
+    expected = ops.rms_norm(x, weight, 1e-6, **args)
+    out = poison(torch.empty(rows, dim, dtype=dtype, device=DEV))
+    got = ops.rms_norm(*to([x, weight], DEV), 1e-6, gate=None if gate is None else gate.to(DEV),
+                       zero_centered=args["zero_centered"], out=out)
+    assert_close(got, expected, dtype, f"{kind} vs CPU")
+    assert_close(got, reference.rms_norm(x, weight, 1e-6, **args), dtype, f"{kind} vs reference")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("rows,dim", LAYER_SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "unaligned"])
+def test_silu_mul(rows, dim, dtype, layout):
+    gen = make_gen(dim)
+    pad = 1 if layout == "unaligned" else 0
+    both = (torch.randn(rows, 2 * dim + pad, generator=gen) * 3).to(dtype)
+    gate, up = both[:, pad : pad + dim], both[:, pad + dim :]
+    out = poison(torch.empty(rows, dim, dtype=dtype, device=DEV))
+    got = ops.silu_mul(*to([gate, up], DEV), out=out)
+    assert_close(got, ops.silu_mul(gate, up), dtype, "vs CPU")
+    assert_close(got, reference.silu_mul(gate, up), dtype, "vs reference")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("rows,heads", [(1, 48), (65, 48), (257, 48), (3, 5)])
+def test_gdn_gating(rows, heads, dtype):
+    gen = make_gen(rows)
+    a = (torch.randn(rows, heads, generator=gen) * 12).to(dtype)
+    b = (torch.randn(rows, heads, generator=gen) * 3).to(dtype)
+    A_log, dt_bias = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen).to(dtype)
+    g_cpu, beta_cpu = ops.gdn_gating(a, b, A_log, dt_bias)
+    g, beta = ops.gdn_gating(*to([a, b, A_log, dt_bias], DEV))
+    assert_close(g, g_cpu, torch.float32, "g")
+    assert_close(beta, beta_cpu, torch.float32, "beta")
+    if dtype != torch.float32:  # beta is rounded to dtype: an ulp of exp cannot move it
+        assert torch.equal(beta.cpu(), beta_cpu)
+
+
 # ---- CUDA graphs and determinism ---------------------------------------------------------------
 
 
@@ -754,6 +809,30 @@ def _case_commit():
     return OpCase(inputs, run)
 
 
+def _case_layer():
+    def inputs(gen):
+        x = torch.randn(65, 5120, generator=gen).to(torch.bfloat16)
+        heads = torch.randn(65, 48, 128, generator=gen).to(torch.bfloat16)
+        return {k: v.to(DEV) for k, v in dict(
+            x=x, weight=torch.randn(5120, generator=gen).to(torch.bfloat16), heads=heads,
+            gate=torch.randn(65, 48, 128, generator=gen).to(torch.bfloat16),
+            head_weight=torch.randn(128, generator=gen).to(torch.bfloat16),
+            up=torch.randn(65, 5120, generator=gen).to(torch.bfloat16),
+            a=torch.randn(65, 48, generator=gen).to(torch.bfloat16), b=torch.randn(65, 48, generator=gen).to(torch.bfloat16),
+            A_log=torch.randn(48, generator=gen), dt_bias=torch.randn(48, generator=gen).to(torch.bfloat16),
+        ).items()}
+
+    def run(x):
+        return [
+            ops.rms_norm(x["x"], x["weight"], 1e-6, zero_centered=True),
+            ops.rms_norm(x["heads"], x["head_weight"], 1e-6, gate=x["gate"]),
+            ops.silu_mul(x["x"], x["up"]),
+            *ops.gdn_gating(x["a"], x["b"], x["A_log"], x["dt_bias"]),
+        ]
+
+    return OpCase(inputs, run)
+
+
 OP_CASES = {
     "topk_logprobs": _case_topk,
     "build_tree+mask": _case_build,
@@ -764,6 +843,7 @@ OP_CASES = {
     "walk_sample_full": functools.partial(_case_walk_sample, 0, 1.0),
     "walk_sample_sorted": functools.partial(_case_walk_sample, 0, 0.9),
     "commit": _case_commit,
+    "layer": _case_layer,
 }
 
 

@@ -1,0 +1,232 @@
+// CUDA implementations of the layer-body ops (csrc/layer.cpp has the CPU twins and the rounding points).
+//
+// Each op is one launch where Hugging Face runs a chain of small kernels. They matter in a decode round
+// replayed from a CUDA graph: there the GPU time of a tiny kernel (2-3 us) is what a 64-layer model pays
+// per norm, cast and gate, more than the weights' read time of most of them.
+//
+// rms_norm gives each row a group of threads: a warp when the row is short (attention heads, GDN value
+// heads: 128-256 features), a 256-thread block when it is a hidden state (thousands). Rows are read
+// twice (sum of squares, then the output), the second time from L1/L2.
+#include "cuda_common.cuh"
+#include "ops.h"
+
+namespace ddtree {
+namespace {
+
+using cuda::from_float;
+using cuda::to_float;
+
+constexpr int kThreads = 256;
+constexpr int kLongRowFeatures = 1024;  // rows longer than this get a whole block
+
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+// torch's CUDA silu and sigmoid: float math with expf (no fast-math intrinsics).
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+template <typename T>
+struct RmsNormArgs {
+  const T* x;
+  const T* gate;  // nullptr: no gate
+  const T* weight;
+  T* out;
+  int64_t x_stride, gate_stride, out_stride, rows;
+  int dim;
+  float eps, inv_dim;
+  bool zero_centered;
+};
+
+// GROUP threads per row (a warp or the whole block), VEC elements per access (16-byte packs when every row
+// is aligned, else 1).
+template <typename T, int GROUP, int VEC>
+__global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T> p) {
+  constexpr int kRowsPerBlock = kThreads / GROUP;
+  constexpr int kWarpsPerGroup = GROUP / cuda::kWarp;
+  __shared__ float partial[kRowsPerBlock][kWarpsPerGroup];
+  const int slot = threadIdx.x / GROUP, t = threadIdx.x % GROUP;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + slot;
+  const bool active = row < p.rows;  // inactive threads still take part in the block's barrier
+  const T* x = p.x + (active ? row : 0) * p.x_stride;
+
+  float sum = 0.f;
+  if (active) {
+    for (int i = t * VEC; i < p.dim; i += GROUP * VEC) {
+      float v[VEC];
+      cuda::load_pack_float<T, VEC>(x + i, v);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) sum = fmaf(v[e], v[e], sum);
+    }
+  }
+  sum = cuda::warp_sum(sum);
+  if (kWarpsPerGroup > 1) {
+    if (t % cuda::kWarp == 0) partial[slot][t / cuda::kWarp] = sum;
+    __syncthreads();
+    sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarpsPerGroup; ++w) sum += partial[slot][w];  // same order in every thread
+  }
+  if (!active) return;
+  // torch.rsqrt on CUDA is rsqrtf; the mean is the sum times 1/n as in torch's reduction.
+  const float inv_rms = rsqrtf(sum * p.inv_dim + p.eps);
+  const T* gate = p.gate != nullptr ? p.gate + row * p.gate_stride : nullptr;
+  T* out = p.out + row * p.out_stride;
+  for (int i = t * VEC; i < p.dim; i += GROUP * VEC) {
+    float v[VEC], w[VEC], y[VEC];
+    cuda::load_pack_float<T, VEC>(x + i, v);
+    cuda::load_pack_float<T, VEC>(p.weight + i, w);
+    if (p.zero_centered) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) y[e] = v[e] * inv_rms * (1.f + w[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) y[e] = w[e] * round_to<T>(v[e] * inv_rms);
+      if (gate != nullptr) {
+        float gv[VEC];
+        cuda::load_pack_float<T, VEC>(gate + i, gv);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) y[e] = round_to<T>(y[e]) * silu(gv[e]);
+      }
+    }
+    cuda::store_pack_float<T, VEC>(out + i, y);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    silu_mul_kernel(const T* gate, const T* up, T* out, int64_t gate_stride, int64_t up_stride, int64_t out_stride,
+                    int64_t rows, int64_t packs_per_row) {
+  const int64_t packs = rows * packs_per_row;
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < packs;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = p / packs_per_row, i = (p % packs_per_row) * VEC;
+    float g[VEC], u[VEC], y[VEC];
+    cuda::load_pack_float<T, VEC>(gate + r * gate_stride + i, g);
+    cuda::load_pack_float<T, VEC>(up + r * up_stride + i, u);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) y[e] = round_to<T>(silu(g[e])) * u[e];
+    cuda::store_pack_float<T, VEC>(out + r * out_stride + i, y);
+  }
+}
+
+template <typename T, typename A, typename D>
+__global__ void __launch_bounds__(kThreads)
+    gdn_gating_kernel(const T* a, const T* b, const A* A_log, const D* dt_bias, float* g, float* beta,
+                      int64_t a_stride, int64_t b_stride, int64_t rows, int heads) {
+  const int64_t total = rows * heads;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / heads;
+    const int h = static_cast<int>(idx % heads);
+    const float x = to_float(a[r * a_stride + h]) + to_float(dt_bias[h]);
+    const float softplus = x > 20.f ? x : log1pf(expf(x));  // torch's threshold 20
+    g[idx] = -expf(to_float(A_log[h])) * softplus;
+    beta[idx] = round_to<T>(1.f / (1.f + expf(-to_float(b[r * b_stride + h]))));
+  }
+}
+
+// 16-byte packs of T when every pointer and row stride allows them, else single elements.
+template <typename T>
+bool can_pack(std::initializer_list<const at::Tensor*> tensors, int64_t dim) {
+  constexpr int64_t vec = 16 / sizeof(T);
+  if (dim % vec != 0) return false;
+  for (const at::Tensor* t : tensors) {
+    if (!cuda::is_aligned(t->data_ptr(), 16) || (t->dim() == 2 && t->stride(0) % vec != 0)) return false;
+  }
+  return true;
+}
+
+unsigned grid_for(int64_t work, int threads) {
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(cuda::ceil_div(work, threads), sms * 8)));
+}
+
+template <typename T, int GROUP, int VEC>
+void launch_rms_norm(const RmsNormArgs<T>& args) {
+  constexpr int kRowsPerBlock = kThreads / GROUP;
+  const unsigned blocks = static_cast<unsigned>(cuda::ceil_div(args.rows, kRowsPerBlock));
+  rms_norm_kernel<T, GROUP, VEC><<<blocks, kThreads, 0, cuda::current_stream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
+                   bool zero_centered, at::Tensor& out) {
+  check_rms_norm(x, weight, gate, eps, zero_centered, out);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), dim = x.size(1);
+  if (rows == 0) return;
+  TORCH_CHECK_VALUE(dim <= INT32_MAX, "rms_norm: x has too many features (", dim, ")");
+  DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
+    using T = scalar_t;
+    RmsNormArgs<T> args{x.data_ptr<T>(),
+                        gate.has_value() ? gate->data_ptr<T>() : nullptr,
+                        weight.data_ptr<T>(),
+                        out.data_ptr<T>(),
+                        x.stride(0),
+                        gate.has_value() ? gate->stride(0) : 0,
+                        out.stride(0),
+                        rows,
+                        static_cast<int>(dim),
+                        static_cast<float>(eps),
+                        1.f / static_cast<float>(dim),
+                        zero_centered};
+    const bool packed = gate.has_value() ? can_pack<T>({&x, &weight, &*gate, &out}, dim)
+                                         : can_pack<T>({&x, &weight, &out}, dim);
+    constexpr int kVec = 16 / sizeof(T);
+    if (dim > kLongRowFeatures) {
+      packed ? launch_rms_norm<T, kThreads, kVec>(args) : launch_rms_norm<T, kThreads, 1>(args);
+    } else {
+      packed ? launch_rms_norm<T, cuda::kWarp, kVec>(args) : launch_rms_norm<T, cuda::kWarp, 1>(args);
+    }
+  });
+}
+
+void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
+  check_silu_mul(gate, up, out);
+  const c10::cuda::CUDAGuard guard(gate.device());
+  const int64_t rows = gate.size(0), dim = gate.size(1);
+  if (rows == 0 || dim == 0) return;
+  DDTREE_CUDA_DISPATCH_FLOAT(gate.scalar_type(), "silu_mul", [&] {
+    using T = scalar_t;
+    constexpr int kVec = 16 / sizeof(T);
+    auto launch = [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      const int64_t packs_per_row = dim / VEC;
+      silu_mul_kernel<T, VEC><<<grid_for(rows * packs_per_row, kThreads), kThreads, 0, cuda::current_stream()>>>(
+          gate.data_ptr<T>(), up.data_ptr<T>(), out.data_ptr<T>(), gate.stride(0), up.stride(0), out.stride(0), rows,
+          packs_per_row);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (can_pack<T>({&gate, &up, &out}, dim)) {
+      launch(std::integral_constant<int, kVec>{});
+    } else {
+      launch(std::integral_constant<int, 1>{});
+    }
+  });
+}
+
+void gdn_gating_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                     at::Tensor& g, at::Tensor& beta) {
+  check_gdn_gating(a, b, A_log, dt_bias, g, beta);
+  const c10::cuda::CUDAGuard guard(a.device());
+  const int64_t rows = a.size(0), heads = a.size(1);
+  if (rows == 0 || heads == 0) return;
+  DDTREE_CUDA_DISPATCH_FLOAT(a.scalar_type(), "gdn_gating", [&] {
+    using T = scalar_t;
+    DDTREE_CUDA_DISPATCH_FLOAT(A_log.scalar_type(), "gdn_gating", [&] {
+      using A = scalar_t;
+      DDTREE_CUDA_DISPATCH_FLOAT(dt_bias.scalar_type(), "gdn_gating", [&] {
+        gdn_gating_kernel<T, A, scalar_t><<<grid_for(rows * heads, kThreads), kThreads, 0, cuda::current_stream()>>>(
+            a.data_ptr<T>(), b.data_ptr<T>(), A_log.data_ptr<A>(), dt_bias.data_ptr<scalar_t>(), g.data_ptr<float>(),
+            beta.data_ptr<float>(), a.stride(0), b.stride(0), rows, static_cast<int>(heads));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+  });
+}
+
+}  // namespace ddtree

@@ -1,0 +1,243 @@
+"""The layer-body ops (rms_norm, silu_mul, gdn_gating) on the CPU and the fused forwards that use them.
+
+Each op against the Hugging Face module it replaces (the modules' own forwards, not a copy of their math)
+and against the reference, over dtypes, odd sizes and strided inputs; bad input; opcheck. Then
+``LayerFusion``: which modules it swaps, that it restores them, that a fused model gives the stock
+model's logits, and the cases where the stock forward must stay.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_close, poison
+
+from ddtree_ext import ops, reference
+from ddtree_ext._loader import load_ops
+from ddtree_ext.fused import LayerFusion
+from ddtree_ext.tiny import make_tiny_draft, make_tiny_target
+
+qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (rows, features): one row (a decode step), head sizes, odd sizes, a 27B hidden state.
+SHAPES = ((1, 256), (7, 128), (5, 7), (3, 129), (2, 5120))
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def _norm_module(kind: str, dim: int, dtype, gen):
+    """A HF norm module with random weights (zero-centred weights near 0, the others near 1)."""
+    if kind == "zero_centered":
+        norm = qwen3_5.Qwen3_5RMSNorm(dim, eps=1e-6)
+        norm.weight.data = torch.randn(dim, generator=gen) * 0.3
+    elif kind == "plain":
+        norm = qwen3.Qwen3RMSNorm(dim, eps=1e-6)
+        norm.weight.data = 1 + torch.randn(dim, generator=gen) * 0.3
+    else:
+        norm = qwen3_5.Qwen3_5RMSNormGated(dim, eps=1e-6)
+        norm.weight.data = 1 + torch.randn(dim, generator=gen) * 0.3
+    return norm.to(dtype)
+
+
+def _fused_norm(kind, norm, x, gate):
+    if kind == "zero_centered":
+        return ops.rms_norm(x, norm.weight, norm.eps, zero_centered=True)
+    return ops.rms_norm(x, norm.weight, norm.variance_epsilon, gate=gate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", SHAPES)
+@pytest.mark.parametrize("kind", ["zero_centered", "plain", "gated"])
+def test_rms_norm_equals_the_hf_module(kind, rows, dim, dtype, gen):
+    norm = _norm_module(kind, dim, dtype, gen)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+    gate = (torch.randn(rows, dim, generator=gen) * 2).to(dtype) if kind == "gated" else None
+    with torch.no_grad():
+        stock = norm(x) if gate is None else norm(x, gate)
+    got = _fused_norm(kind, norm, x, gate)
+    assert got.dtype == dtype and got.shape == x.shape
+    # Same rounding points; only the float32 sum of squares runs in another order.
+    assert_close(got, stock, dtype, f"{kind} vs HF")
+    expected = reference.rms_norm(x, norm.weight, 1e-6, gate=gate, zero_centered=kind == "zero_centered")
+    assert_close(got, expected, dtype, f"{kind} vs reference")
+    if dtype != torch.float32:  # the rounding points match: almost every element is bitwise HF's
+        assert (got != stock).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("kind", ["zero_centered", "gated"])
+def test_rms_norm_strided_rows_and_out(kind, gen):
+    """Rows of a wider tensor (q of Qwen3.5's q_proj output is half of each head's row), a given out."""
+    dtype = torch.bfloat16
+    norm = _norm_module(kind, 64, dtype, gen)
+    wide = torch.randn(2, 5, 4, 128, generator=gen).to(dtype)
+    x, gate = wide[..., :64], wide[..., 64:]
+    gate = gate if kind == "gated" else None
+    out = poison(torch.empty(2, 5, 4, 64, dtype=dtype))
+    got = ops.rms_norm(x, norm.weight, 1e-6, gate=gate, zero_centered=kind == "zero_centered", out=out)
+    assert got is out
+    expected = reference.rms_norm(x, norm.weight, 1e-6, gate=gate, zero_centered=kind == "zero_centered")
+    assert_close(got, expected, dtype, kind)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", SHAPES)
+def test_silu_mul_equals_the_hf_mlp_activation(rows, dim, dtype, gen):
+    gate = (torch.randn(rows, dim, generator=gen) * 4).to(dtype)
+    up = torch.randn(rows, dim, generator=gen).to(dtype)
+    act = qwen3.ACT2FN["silu"]
+    got = ops.silu_mul(gate, up)
+    assert_close(got, act(gate) * up, dtype, "silu_mul vs HF")
+    assert_close(got, reference.silu_mul(gate, up), dtype, "silu_mul vs reference")
+
+
+def test_silu_mul_strided():
+    gen = torch.Generator().manual_seed(1)
+    both = torch.randn(3, 2, 96, generator=gen).to(torch.bfloat16)
+    gate, up = both[..., :48], both[..., 48:]
+    assert_close(ops.silu_mul(gate, up), reference.silu_mul(gate, up), torch.bfloat16, "strided")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("param_dtype", [None, torch.float32])
+def test_gdn_gating_equals_the_hf_formula(dtype, param_dtype, gen):
+    """a spans softplus's linear branch (a + dt_bias > 20) too."""
+    heads = 48
+    a = (torch.randn(3, 5, heads, generator=gen) * 12).to(dtype)
+    b = (torch.randn(3, 5, heads, generator=gen) * 3).to(dtype)
+    A_log = torch.randn(heads, generator=gen).to(param_dtype or dtype)
+    dt_bias = torch.randn(heads, generator=gen).to(param_dtype or dtype)
+    g, beta = ops.gdn_gating(a, b, A_log, dt_bias)
+    assert g.dtype == beta.dtype == torch.float32 and g.shape == beta.shape == a.shape
+    # Qwen3_5GatedDeltaNet.forward's own lines.
+    hf_beta = b.sigmoid()
+    hf_g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    # Rounded to a 16-bit dtype, beta is HF's bit for bit; in float32 torch's vectorised exp may differ
+    # from libm's by an ulp.
+    assert_close(beta, hf_beta.float(), torch.float32, "beta")
+    if dtype != torch.float32:
+        assert torch.equal(beta, hf_beta.float())
+    assert_close(g, hf_g, torch.float32, "g")
+    ref_g, ref_beta = reference.gdn_gating(a, b, A_log, dt_bias)
+    assert_close(beta, ref_beta, torch.float32, "beta vs reference")
+    assert_close(g, ref_g, torch.float32, "g vs reference")
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def test_rms_norm_bad_inputs():
+    x = torch.randn(4, 8)
+    w = torch.ones(8)
+    out = torch.empty(4, 8)
+    rms = load_ops().rms_norm
+    cases = [
+        (lambda: rms(x, w.half(), None, 1e-6, False, out), "weight must have dtype"),
+        (lambda: rms(x, torch.ones(7), None, 1e-6, False, out), r"weight must have shape \[8\]"),
+        (lambda: rms(x, w, torch.randn(4, 8), 1e-6, True, out), "gate is only supported with zero_centered=False"),
+        (lambda: rms(x, w, torch.randn(3, 8), 1e-6, False, out), r"gate must have shape \[4, 8\]"),
+        (lambda: rms(x, w, None, -1.0, False, out), "eps must be finite and >= 0"),
+        (lambda: rms(x, w, None, 1e-6, False, torch.empty(4, 8, dtype=torch.bfloat16)), "out must have dtype"),
+        (lambda: rms(x.t(), torch.ones(4), None, 1e-6, False, torch.empty(8, 4)), "x must be contiguous in its last dim"),
+        (lambda: rms(x.long(), w, None, 1e-6, False, out), "x must be float32, float16 or bfloat16"),
+        (lambda: rms(torch.randn(4, 0), torch.ones(0), None, 1e-6, False, torch.empty(4, 0)), "at least one feature"),
+    ]
+    for call, message in cases:
+        before = out.clone()
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert torch.equal(out, before), message  # nothing written
+
+
+def test_silu_mul_and_gdn_gating_bad_inputs():
+    g = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"silu_mul: up must have shape \[4, 8\]"):
+        ops.silu_mul(g, torch.randn(4, 9))
+    with pytest.raises(ValueError, match="silu_mul: up must have dtype"):
+        ops.silu_mul(g, torch.randn(4, 8).half())
+    a = torch.randn(3, 6)
+    with pytest.raises(ValueError, match=r"gdn_gating: A_log must have shape \[6\]"):
+        ops.gdn_gating(a, a, torch.randn(5), torch.randn(6))
+    with pytest.raises(ValueError, match="gdn_gating: dt_bias must be float32, float16 or bfloat16"):
+        ops.gdn_gating(a, a, torch.randn(6), torch.ones(6, dtype=torch.int64))
+    with pytest.raises(ValueError, match="gdn_gating: b must have dtype"):
+        ops.gdn_gating(a, a.half(), torch.randn(6), torch.randn(6))
+
+
+def test_layer_ops_opcheck(gen):
+    lib = load_ops()
+    x = torch.randn(3, 16, generator=gen)
+    torch.library.opcheck(lib.rms_norm.default, (x, torch.randn(16, generator=gen), x.clone(), 1e-6, False, torch.empty(3, 16)))
+    torch.library.opcheck(lib.silu_mul.default, (x, x.clone(), torch.empty(3, 16)))
+    a = torch.randn(3, 6, generator=gen)
+    torch.library.opcheck(lib.gdn_gating.default, (a, a.clone(), torch.randn(6), torch.randn(6), torch.empty(3, 6), torch.empty(3, 6)))
+
+
+# ---- LayerFusion ---------------------------------------------------------------------------------
+
+
+def _swapped_types(fusion):
+    return sorted({type(m).__name__ for m, _ in fusion.swaps})
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_fusion_swaps_the_norms_and_mlps_and_restores_them(family):
+    model = make_tiny_target(family, seed=0)
+    fusion = LayerFusion(model.model)
+    layers = model.config.num_hidden_layers
+    if family == "qwen3":
+        # input + post norms and q/k norms per layer, the final norm; one MLP per layer.
+        assert _swapped_types(fusion) == ["Qwen3MLP", "Qwen3RMSNorm"]
+        assert len(fusion.swaps) == 5 * layers + 1
+    else:
+        assert _swapped_types(fusion) == ["Qwen3_5MLP", "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"]
+    marker = lambda *a, **k: None  # an instance forward of the user's own (an accelerate hook, say)
+    first = fusion.swaps[0][0]
+    first.forward = marker
+    with torch.no_grad(), fusion.active():
+        assert all("forward" in m.__dict__ and m.forward is f for m, f in fusion.swaps)
+    assert first.forward is marker
+    assert all("forward" not in m.__dict__ for m, _ in fusion.swaps[1:])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_model_gives_the_stock_logits(family, dtype):
+    model = make_tiny_target(family, seed=1, dtype=dtype)
+    tokens = torch.randint(0, model.config.get_text_config().vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    fusion = LayerFusion(model)
+    with torch.no_grad():
+        stock = model(input_ids=tokens).logits.float()
+        with fusion.active():
+            fused = model(input_ids=tokens).logits.float()
+    assert_close(fused, stock, dtype, f"{family} fused logits")
+    assert torch.equal(fused.argmax(-1), stock.argmax(-1))
+
+
+def test_fusion_keeps_the_stock_forward_where_the_ops_do_not_apply():
+    model = make_tiny_target("qwen3_5", seed=0)
+    fusion = LayerFusion(model.model)
+    norm = next(m for m, _ in fusion.swaps if type(m).__name__ == "Qwen3_5RMSNorm")
+    x = torch.randn(2, norm.weight.shape[0], dtype=torch.float64)  # a dtype the op does not take
+    with torch.no_grad(), fusion.active():
+        assert torch.equal(norm(x), type(norm).forward(norm, x))
+    # Grad mode (training a draft): no swaps, the ops have no backward.
+    with fusion.active():
+        assert all("forward" not in m.__dict__ for m, _ in fusion.swaps)
+
+
+def test_fusion_of_a_deep_copy_swaps_the_copy():
+    target = make_tiny_target("qwen3", seed=0)
+    draft = make_tiny_draft(target, seed=0)
+    twin = copy.deepcopy(draft)
+    originals = {id(m) for m, _ in draft._fusion.swaps}
+    assert all(id(m) not in originals for m, _ in twin._fusion.swaps)
+    with torch.no_grad(), twin._fusion.active():
+        assert all("forward" not in m.__dict__ for m, _ in draft._fusion.swaps)
+        assert all(m.forward.args[0] is m for m, _ in twin._fusion.swaps)
