@@ -297,20 +297,23 @@ class _ProfileRounds:
         self.profiler.stop()
 
 
-def profile_round(target, draft, prompt, budget: int, rounds: int = 4, top: int = 15) -> List[dict]:
-    """Top kernels by CUDA time over ``rounds`` eager DDTree rounds (torch profiler, prefill excluded)."""
+def profile_round(target, draft, prompt, method: str, budget: int, rounds: int = 4, top: int = 15) -> dict:
+    """Kernels of ``rounds`` eager rounds (torch profiler, prefill excluded): per round the kernel count and
+    CUDA time, and the top kernels by CUDA time."""
     from torch.profiler import ProfilerActivity, profile
 
-    generate(target, draft, prompt, rounds, tree_budget=budget, cuda_graph=False)  # warm-up
+    kw = dict(method=method, tree_budget=budget, cuda_graph=False)
+    generate(target, draft, prompt, rounds, **kw)  # warm-up
     prof = profile(activities=[ProfilerActivity.CUDA])
-    generate(target, draft, prompt, rounds + 1, tree_budget=budget, cuda_graph=False, streamer=_ProfileRounds(prof))
+    generate(target, draft, prompt, rounds + 1, streamer=_ProfileRounds(prof), **kw)
     rows = []
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events) or 1.0
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         rows.append(dict(name=e.key[:90], calls=e.count, cuda_ms=e.device_time_total / 1e3,
                          share=e.device_time_total / total))
-    return rows
+    return dict(method=method, budget=budget, rounds=rounds, top=rows,
+                kernels_per_round=sum(e.count for e in events) / rounds, cuda_ms_per_round=total / 1e3 / rounds)
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -369,7 +372,8 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
             result["reference_round_ms"][budget] = ms
             print(f"[{name}] reference implementation's round pattern, budget {budget}: {ms:.2f} ms", flush=True)
     if args.profile:
-        result["profile_budget_64"] = profile_round(adapter, draft, prompt, 64)
+        result["profiles"] = [profile_round(adapter, draft, prompt, "autoregressive", 1),
+                              profile_round(adapter, draft, prompt, "ddtree", 64)]
 
     # Static buffers for a 32k-token generation (the target's caches and the draft's), measured by
     # allocating them; the run's own peak used a capacity of prompt + a few hundred slots.
@@ -432,11 +436,13 @@ def markdown(report: dict) -> str:
             lines += ["", "Reference implementation's round pattern (re-created here, eager, same run):", ""]
             for budget, ms in res["reference_round_ms"].items():
                 lines.append(f"- budget {budget}: {ms:.2f} ms per round ({ms / floor:.2f}x floor)")
-        if "profile_budget_64" in res:
-            lines += ["", "Top kernels by CUDA time over 4 eager DDTree rounds at budget 64, prefill excluded "
-                      "(torch profiler; random weights accept about 1 token a round):", "",
+        for prof in res.get("profiles", []):
+            what = "autoregressive steps" if prof["method"] == "autoregressive" else f"DDTree rounds at budget {prof['budget']}"
+            lines += ["", f"Top kernels by CUDA time over {prof['rounds']} eager {what}, prefill excluded (torch "
+                      f"profiler; the kernels are those the graphs replay): {prof['kernels_per_round']:.0f} kernels and "
+                      f"{prof['cuda_ms_per_round']:.2f} ms of CUDA time per round.", "",
                       "| kernel | calls | CUDA ms | share |", "| --- | ---: | ---: | ---: |"]
-            for row in res["profile_budget_64"]:
+            for row in prof["top"]:
                 lines.append(f"| `{row['name']}` | {row['calls']} | {row['cuda_ms']:.2f} | {100 * row['share']:.1f}% |")
         lines.append("")
     return "\n".join(lines)

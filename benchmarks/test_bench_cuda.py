@@ -367,15 +367,34 @@ def test_silu_mul(benchmark, ceilings, rows):
 
 
 @pytest.mark.parametrize("rows", LAYER_ROWS)
-def test_gdn_gating(benchmark, ceilings, rows):
-    a = [torch.randn(rows, HV, dtype=torch.bfloat16, device=DEV) for _ in range(16)]
-    b = [torch.randn(rows, HV, dtype=torch.bfloat16, device=DEV) for _ in range(16)]
-    A_log = torch.randn(HV, dtype=torch.bfloat16, device=DEV)
-    dt_bias = torch.randn(HV, dtype=torch.bfloat16, device=DEV)
+def test_gdn_gates(benchmark, ceilings, rows):
+    """Both gate projections and the gating of one GDN layer (HF: two GEMMs and seven small kernels)."""
+    bf16 = dict(dtype=torch.bfloat16, device=DEV)
+    xs = [torch.randn(rows, HIDDEN, **bf16) for _ in range(16)]
+    proj_a = torch.nn.Linear(HIDDEN, HV, bias=False, **bf16)
+    proj_b = torch.nn.Linear(HIDDEN, HV, bias=False, **bf16)
+    A_log, dt_bias = torch.randn(HV, **bf16), torch.randn(HV, **bf16)
 
-    def stock(a, b):  # Qwen3_5GatedDeltaNet.forward's lines
-        return b.sigmoid().float(), -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    def stock(x):  # Qwen3_5GatedDeltaNet.forward's lines
+        beta = proj_b(x).sigmoid().float()
+        return -A_log.float().exp() * torch.nn.functional.softplus(proj_a(x).float() + dt_bias), beta
 
-    calls = [lambda a=a_, b=b_: ops.gdn_gating(a, b, A_log, dt_bias) for a_, b_ in zip(a, b)]
-    bench(benchmark, ceilings, "gdn_gating", f"[{rows}, {HV}] bf16", calls, rows * HV * (2 * BF16 + 8),
-          baseline=[lambda a=a_, b=b_: stock(a, b) for a_, b_ in zip(a, b)])
+    calls = [lambda x=x: ops.gdn_gates(x, proj_a.weight, proj_b.weight, A_log, dt_bias) for x in xs]
+    bench(benchmark, ceilings, "gdn_gates", f"[{rows}, {HIDDEN}] bf16 -> 2 x [{rows}, {HV}]", calls,
+          rows * HIDDEN * BF16 + 2 * HV * HIDDEN * BF16 + 2 * rows * HV * 4,
+          baseline=[lambda x=x: stock(x) for x in xs])
+
+
+@pytest.mark.parametrize("rows", LAYER_ROWS)
+def test_rope(benchmark, ceilings, rows):
+    """q and k of one Qwen3.5 attention layer (24 / 4 heads of 256, rotary width 64)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+    bf16 = dict(dtype=torch.bfloat16, device=DEV)
+    qs = [torch.randn(1, rows, 24, HEAD_DIM, **bf16).transpose(1, 2) for _ in range(16)]
+    ks = [torch.randn(1, rows, KV_HEADS, HEAD_DIM, **bf16).transpose(1, 2) for _ in range(16)]
+    cos, sin = torch.rand(1, rows, 64, **bf16), torch.rand(1, rows, 64, **bf16)
+    calls = [lambda q=q, k=k: (ops.rope(q, cos, sin), ops.rope(k, cos, sin)) for q, k in zip(qs, ks)]
+    bench(benchmark, ceilings, "rope (q and k)", f"[1, 24 + {KV_HEADS}, {rows}, {HEAD_DIM}] bf16, rotary 64", calls,
+          2 * rows * (24 + KV_HEADS) * HEAD_DIM * BF16 + 2 * rows * 64 * BF16,
+          baseline=[lambda q=q, k=k: apply_rotary_pos_emb(q, k, cos, sin) for q, k in zip(qs, ks)])

@@ -5,11 +5,15 @@
 //   rms_norm     Qwen3RMSNorm (weight * round(x_hat)), Qwen3_5RMSNorm (round(x_hat * (1 + weight))) and
 //                Qwen3_5RMSNormGated (round(round(weight * round(x_hat)) * silu(gate)))
 //   silu_mul     the SwiGLU of Qwen3MLP / Qwen3_5MLP: round(round(silu(gate)) * up)
-//   gdn_gating   the Gated DeltaNet gates: g = -exp(A_log) * softplus(a + dt_bias), beta = round(sigmoid(b))
+//   rope         rotate-half rotary embedding of q or k (apply_rotary_pos_emb, partial rotary included):
+//                round(round(x * cos) + round(rotate_half(x) * sin)) on the first R features, the rest copied
+//   gdn_gates    the Gated DeltaNet gates from the layer input: a = round(x W_a^T), b = round(x W_b^T),
+//                g = -exp(A_log) * softplus(a + dt_bias), beta = round(sigmoid(b)) (two projections and
+//                seven elementwise kernels in HF)
 //
 // round() is a rounding to the activation dtype; everything between rounding points is float32. The only
-// difference from HF is the order of the float32 sum of squares, which moves a normalised value by at most
-// an ulp of float32. Semantics in Python: ddtree_ext/reference.py; where each op is used:
+// differences from HF are the order of float32 sums (a norm's sum of squares, the gate projections' dot
+// products), which move a value by an ulp of float32 before its rounding. Semantics in Python: ddtree_ext/reference.py; where each op is used:
 // ddtree_ext/fused.py.
 #include <ATen/Parallel.h>
 
@@ -32,6 +36,22 @@ void check_rows(const char* op, const char* name, const at::Tensor& ref, const a
   TORCH_CHECK_VALUE(t.stride(1) == 1 || dim == 1, op, ": ", name, " must be contiguous in its last dim, got strides ",
                     shape_str(t.strides()));
   TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " must be on ", ref.device(), " like the input, got ",
+                    t.device());
+}
+
+// The op's first input x: [rows, features >= 1] in a float dtype, last dim contiguous.
+void check_input_rows(const char* op, const at::Tensor& x) {
+  DDTREE_CHECK_DIM(op, x, 2);
+  DDTREE_CHECK_FLOAT(op, x);
+  DDTREE_CHECK(op, x.size(1) >= 1, "x must have at least one feature, got shape ", shape_str(x.sizes()));
+  check_rows(op, "x", x, x, x.size(0), x.size(1));
+}
+
+// t has ref's dtype and sits on ref's device (ref: the op's first input, x).
+void check_like_x(const char* op, const char* name, const at::Tensor& ref, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have dtype ", ref.scalar_type(),
+                    " like x, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " must be on ", ref.device(), " like x, got ",
                     t.device());
 }
 
@@ -104,25 +124,67 @@ void silu_mul_kernel(const at::Tensor& gate, const at::Tensor& up, at::Tensor& o
   });
 }
 
+template <typename T>
+void rope_kernel(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t bsz = x.size(0), heads = x.size(1), n = x.size(2), dim = x.size(3), rot = cos.size(2), half = rot / 2;
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, bsz * heads * n, std::max<int64_t>(1, at::internal::GRAIN_SIZE / dim), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (heads * n), h = (row / n) % heads, i = row % n;
+      const T* xr = xp + b * x.stride(0) + h * x.stride(1) + i * x.stride(2);
+      const T* c = cp + b * cos.stride(0) + i * cos.stride(1);
+      const T* s = sp + b * sin.stride(0) + i * sin.stride(1);
+      T* o = op + b * out.stride(0) + h * out.stride(1) + i * out.stride(2);
+      for (int64_t e = 0; e < dim; ++e) {
+        if (e >= rot) {
+          o[e] = xr[e];
+          continue;
+        }
+        const float rotated = e < half ? -static_cast<float>(xr[e + half]) : static_cast<float>(xr[e - half]);
+        o[e] = static_cast<T>(round_to<T>(static_cast<float>(xr[e]) * static_cast<float>(c[e])) +
+                              round_to<T>(rotated * static_cast<float>(s[e])));
+      }
+    }
+  });
+}
+
+// The gates of one (row, head) from its two projections, each already rounded to the activation dtype.
+template <typename T>
+inline void gdn_gate_values(float a, float b, float A_log, float dt_bias, float* g, float* beta) {
+  const float x = a + dt_bias;
+  const float softplus = x > 20.f ? x : std::log1p(std::exp(x));  // torch's threshold 20
+  *g = -std::exp(A_log) * softplus;
+  *beta = round_to<T>(1.f / (1.f + std::exp(-b)));
+}
+
 template <typename T, typename A, typename D>
-void gdn_gating_kernel(const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
-                       at::Tensor& g, at::Tensor& beta) {
-  const int64_t rows = a.size(0), heads = a.size(1);
-  const T* a_ptr = a.data_ptr<T>();
-  const T* b_ptr = b.data_ptr<T>();
+void gdn_gates_kernel(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b,
+                      const at::Tensor& A_log, const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta) {
+  const int64_t rows = x.size(0), features = x.size(1), heads = weight_a.size(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wa = weight_a.data_ptr<T>();
+  const T* wb = weight_b.data_ptr<T>();
   const A* alog = A_log.data_ptr<A>();
   const D* dt = dt_bias.data_ptr<D>();
   float* g_ptr = g.data_ptr<float>();
   float* beta_ptr = beta.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const float x = static_cast<float>(a_ptr[r * a.stride(0) + h]) + static_cast<float>(dt[h]);
-      const float softplus = x > 20.f ? x : std::log1p(std::exp(x));  // torch's threshold 20
-      g_ptr[r * heads + h] = -std::exp(static_cast<float>(alog[h])) * softplus;
-      const float bv = static_cast<float>(b_ptr[r * b.stride(0) + h]);
-      beta_ptr[r * heads + h] = round_to<T>(1.f / (1.f + std::exp(-bv)));
+  at::parallel_for(0, rows * heads, std::max<int64_t>(1, at::internal::GRAIN_SIZE / features), [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t r = idx / heads, h = idx % heads;
+      const T* xr = xp + r * x.stride(0);
+      float a = 0.f, b = 0.f;
+      for (int64_t f = 0; f < features; ++f) {
+        const float v = static_cast<float>(xr[f]);
+        a += v * static_cast<float>(wa[h * features + f]);
+        b += v * static_cast<float>(wb[h * features + f]);
+      }
+      gdn_gate_values<T>(round_to<T>(a), round_to<T>(b), static_cast<float>(alog[h]), static_cast<float>(dt[h]),
+                         g_ptr + idx, beta_ptr + idx);
     }
-  }
+  });
 }
 
 }  // namespace
@@ -132,11 +194,8 @@ void gdn_gating_kernel(const at::Tensor& a, const at::Tensor& b, const at::Tenso
 void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                     bool zero_centered, const at::Tensor& out) {
   constexpr const char* op = "rms_norm";
-  DDTREE_CHECK_DIM(op, x, 2);
-  DDTREE_CHECK_FLOAT(op, x);
+  check_input_rows(op, x);
   const int64_t rows = x.size(0), dim = x.size(1);
-  DDTREE_CHECK(op, dim >= 1, "x must have at least one feature, got shape ", shape_str(x.sizes()));
-  check_rows(op, "x", x, x, rows, dim);
   check_vector(op, "weight", x, weight, dim);
   DDTREE_CHECK_DTYPE(op, weight, x.scalar_type());
   if (gate.has_value()) {
@@ -156,17 +215,47 @@ void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const at::Tens
   check_rows(op, "out", gate, out, gate.size(0), gate.size(1));
 }
 
-void check_gdn_gating(const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
-                      const at::Tensor& g, const at::Tensor& beta) {
-  constexpr const char* op = "gdn_gating";
-  DDTREE_CHECK_DIM(op, a, 2);
-  DDTREE_CHECK_FLOAT(op, a);
-  const int64_t rows = a.size(0), heads = a.size(1);
-  check_rows(op, "a", a, a, rows, heads);
-  check_rows(op, "b", a, b, rows, heads);
-  check_vector(op, "A_log", a, A_log, heads);
+void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
+  constexpr const char* op = "rope";
+  DDTREE_CHECK_DIM(op, x, 4);
+  DDTREE_CHECK_FLOAT(op, x);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, x);
+  const int64_t bsz = x.size(0), n = x.size(2), dim = x.size(3);
+  for (const auto* t : {&cos, &sin}) {
+    const char* name = t == &cos ? "cos" : "sin";
+    TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == bsz && t->size(1) == n, op, ": ", name,
+                      " must have shape [B, N, R] = [", bsz, ", ", n, ", R], got ", shape_str(t->sizes()));
+    check_like_x(op, name, x, *t);
+    TORCH_CHECK_VALUE(t->stride(2) == 1 || t->size(2) == 1, op, ": ", name, " must be contiguous in its last dim");
+  }
+  const int64_t rot = cos.size(2);
+  DDTREE_CHECK(op, sin.size(2) == rot, "sin must have shape ", shape_str(cos.sizes()), " like cos, got ",
+               shape_str(sin.sizes()));
+  DDTREE_CHECK(op, rot >= 2 && rot % 2 == 0 && rot <= dim, "the rotary width R (cos's last dim) must be even and in [2, ",
+               dim, "] (x's head dim), got ", rot);
+  DDTREE_CHECK_SHAPE(op, out, {x.size(0), x.size(1), n, dim});
+  DDTREE_CHECK_DTYPE(op, out, x.scalar_type());
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, out);
+  DDTREE_CHECK_SAME_DEVICE(op, x, out);
+}
+
+void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b,
+                     const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& g, const at::Tensor& beta) {
+  constexpr const char* op = "gdn_gates";
+  check_input_rows(op, x);
+  const int64_t rows = x.size(0), features = x.size(1);
+  DDTREE_CHECK_DIM(op, weight_a, 2);
+  const int64_t heads = weight_a.size(0);
+  for (const auto* t : {&weight_a, &weight_b}) {
+    const char* name = t == &weight_a ? "weight_a" : "weight_b";
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == heads && t->size(1) == features, op, ": ", name,
+                      " must have shape [HV, F] = [", heads, ", ", features, "], got ", shape_str(t->sizes()));
+    check_like_x(op, name, x, *t);
+    TORCH_CHECK_VALUE(t->is_contiguous(), op, ": ", name, " must be contiguous");
+  }
+  check_vector(op, "A_log", x, A_log, heads);
   DDTREE_CHECK_FLOAT(op, A_log);
-  check_vector(op, "dt_bias", a, dt_bias, heads);
+  check_vector(op, "dt_bias", x, dt_bias, heads);
   DDTREE_CHECK_FLOAT(op, dt_bias);
   for (const auto* t : {&g, &beta}) {
     const char* name = t == &g ? "g" : "beta";
@@ -175,7 +264,7 @@ void check_gdn_gating(const at::Tensor& a, const at::Tensor& b, const at::Tensor
     TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat, op, ": ", name, " must have dtype Float, got ",
                       t->scalar_type());
     TORCH_CHECK_VALUE(t->is_contiguous(), op, ": ", name, " must be contiguous");
-    TORCH_CHECK_VALUE(t->device() == a.device(), op, ": ", name, " must be on ", a.device(), " like a, got ",
+    TORCH_CHECK_VALUE(t->device() == x.device(), op, ": ", name, " must be on ", x.device(), " like x, got ",
                       t->device());
   }
 }
@@ -199,16 +288,22 @@ void silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out)
   DDTREE_DISPATCH_FLOAT(gate.scalar_type(), "silu_mul", [&] { silu_mul_kernel<scalar_t>(gate, up, out); });
 }
 
-void gdn_gating_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
-                    at::Tensor& g, at::Tensor& beta) {
-  check_gdn_gating(a, b, A_log, dt_bias, g, beta);
-  if (a.numel() == 0) return;
-  DDTREE_DISPATCH_FLOAT(a.scalar_type(), "gdn_gating", [&] {
+void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  check_rope(x, cos, sin, out);
+  if (x.numel() == 0) return;
+  DDTREE_DISPATCH_FLOAT(x.scalar_type(), "rope", [&] { rope_kernel<scalar_t>(x, cos, sin, out); });
+}
+
+void gdn_gates_cpu(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
+                   const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta) {
+  check_gdn_gates(x, weight_a, weight_b, A_log, dt_bias, g, beta);
+  if (g.numel() == 0) return;
+  DDTREE_DISPATCH_FLOAT(x.scalar_type(), "gdn_gates", [&] {
     using T = scalar_t;
-    DDTREE_DISPATCH_FLOAT(A_log.scalar_type(), "gdn_gating", [&] {
+    DDTREE_DISPATCH_FLOAT(A_log.scalar_type(), "gdn_gates", [&] {
       using A = scalar_t;
-      DDTREE_DISPATCH_FLOAT(dt_bias.scalar_type(), "gdn_gating",
-                            [&] { gdn_gating_kernel<T, A, scalar_t>(a, b, A_log, dt_bias, g, beta); });
+      DDTREE_DISPATCH_FLOAT(dt_bias.scalar_type(), "gdn_gates",
+                            [&] { gdn_gates_kernel<T, A, scalar_t>(x, weight_a, weight_b, A_log, dt_bias, g, beta); });
     });
   });
 }

@@ -111,19 +111,71 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, typename A, typename D>
+// One thread per output element; a row is one (batch, head, node). rotate_half(x)[e] is -x[e + R/2] in the
+// first half of the rotary width and x[e - R/2] in the second.
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    gdn_gating_kernel(const T* a, const T* b, const A* A_log, const D* dt_bias, float* g, float* beta,
-                      int64_t a_stride, int64_t b_stride, int64_t rows, int heads) {
-  const int64_t total = rows * heads;
+    rope_kernel(const T* x, const T* cos, const T* sin, T* out, int64_t xs0, int64_t xs1, int64_t xs2, int64_t cs0,
+                int64_t cs1, int64_t ss0, int64_t ss1, int64_t os0, int64_t os1, int64_t os2, int64_t heads, int64_t n,
+                int dim, int rot, int64_t total) {
+  const int half = rot / 2;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / heads;
-    const int h = static_cast<int>(idx % heads);
-    const float x = to_float(a[r * a_stride + h]) + to_float(dt_bias[h]);
-    const float softplus = x > 20.f ? x : log1pf(expf(x));  // torch's threshold 20
-    g[idx] = -expf(to_float(A_log[h])) * softplus;
-    beta[idx] = round_to<T>(1.f / (1.f + expf(-to_float(b[r * b_stride + h]))));
+    const int e = static_cast<int>(idx % dim);
+    const int64_t row = idx / dim, i = row % n, h = (row / n) % heads, b = row / (n * heads);
+    const T* xr = x + b * xs0 + h * xs1 + i * xs2;
+    T* o = out + b * os0 + h * os1 + i * os2;
+    if (e >= rot) {
+      o[e] = xr[e];
+      continue;
+    }
+    const float c = to_float(cos[b * cs0 + i * cs1 + e]), s = to_float(sin[b * ss0 + i * ss1 + e]);
+    const float rotated = e < half ? -to_float(xr[e + half]) : to_float(xr[e - half]);
+    o[e] = from_float<T>(round_to<T>(to_float(xr[e]) * c) + round_to<T>(rotated * s));
+  }
+}
+
+// Block: kGateHeads value heads x (a, b) = 8 weight rows, one per warp, over a chunk of kGateRows rows of x.
+// Each warp takes its dot products row by row (its weight row stays in L1 across the chunk), then the
+// block turns the rounded projections into the gates.
+constexpr int kGateHeads = kThreads / cuda::kWarp / 2;
+constexpr int kGateRows = 16;
+
+template <typename T, typename A, typename D, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    gdn_gates_kernel(const T* x, int64_t x_stride, const T* weight_a, const T* weight_b, const A* A_log,
+                     const D* dt_bias, float* g, float* beta, int64_t rows, int features, int heads) {
+  __shared__ float proj[kGateRows][kGateHeads][2];
+  const int warp = threadIdx.x / cuda::kWarp, lane = threadIdx.x % cuda::kWarp;
+  const int head0 = blockIdx.x * kGateHeads;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kGateRows;
+  const int chunk = static_cast<int>(rows - row0 < kGateRows ? rows - row0 : kGateRows);
+  const int head = head0 + warp / 2, which = warp % 2;  // which: 0 = a, 1 = b
+  if (head < heads) {
+    const T* w = (which == 0 ? weight_a : weight_b) + static_cast<int64_t>(head) * features;
+    for (int r = 0; r < chunk; ++r) {
+      const T* xr = x + (row0 + r) * x_stride;
+      float acc = 0.f;
+      for (int f = lane * VEC; f < features; f += cuda::kWarp * VEC) {
+        float xv[VEC], wv[VEC];
+        cuda::load_pack_float<T, VEC>(xr + f, xv);
+        cuda::load_pack_float<T, VEC>(w + f, wv);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc = fmaf(xv[e], wv[e], acc);
+      }
+      acc = cuda::warp_sum(acc);
+      if (lane == 0) proj[r][warp / 2][which] = round_to<T>(acc);  // the projection's output dtype
+    }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < chunk * kGateHeads; t += blockDim.x) {
+    const int r = t / kGateHeads, hl = t % kGateHeads, h = head0 + hl;
+    if (h >= heads) continue;
+    const float xa = proj[r][hl][0] + to_float(dt_bias[h]);
+    const float softplus = xa > 20.f ? xa : log1pf(expf(xa));  // torch's threshold 20
+    const int64_t o = (row0 + r) * heads + h;
+    g[o] = -expf(to_float(A_log[h])) * softplus;
+    beta[o] = round_to<T>(1.f / (1.f + expf(-proj[r][hl][1])));
   }
 }
 
@@ -209,21 +261,50 @@ void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out
   });
 }
 
-void gdn_gating_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
-                     at::Tensor& g, at::Tensor& beta) {
-  check_gdn_gating(a, b, A_log, dt_bias, g, beta);
-  const c10::cuda::CUDAGuard guard(a.device());
-  const int64_t rows = a.size(0), heads = a.size(1);
-  if (rows == 0 || heads == 0) return;
-  DDTREE_CUDA_DISPATCH_FLOAT(a.scalar_type(), "gdn_gating", [&] {
+void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  check_rope(x, cos, sin, out);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t total = x.numel();
+  if (total == 0) return;
+  DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "rope", [&] {
     using T = scalar_t;
-    DDTREE_CUDA_DISPATCH_FLOAT(A_log.scalar_type(), "gdn_gating", [&] {
+    rope_kernel<T><<<grid_for(total, kThreads), kThreads, 0, cuda::current_stream()>>>(
+        x.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), out.data_ptr<T>(), x.stride(0), x.stride(1),
+        x.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), out.stride(0), out.stride(1),
+        out.stride(2), x.size(1), x.size(2), static_cast<int>(x.size(3)), static_cast<int>(cos.size(2)), total);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
+                    const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta) {
+  check_gdn_gates(x, weight_a, weight_b, A_log, dt_bias, g, beta);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), features = x.size(1), heads = weight_a.size(0);
+  if (rows == 0 || heads == 0) return;
+  TORCH_CHECK_VALUE(features <= INT32_MAX && heads <= INT32_MAX, "gdn_gates: x or the weights are too large");
+  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(heads, kGateHeads)),
+                  static_cast<unsigned>(cuda::ceil_div(rows, kGateRows)));
+  TORCH_CHECK_VALUE(grid.y <= 65535, "gdn_gates: x has too many rows (", rows, ")");
+  DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "gdn_gates", [&] {
+    using T = scalar_t;
+    const bool packed = can_pack<T>({&x, &weight_a, &weight_b}, features);
+    DDTREE_CUDA_DISPATCH_FLOAT(A_log.scalar_type(), "gdn_gates", [&] {
       using A = scalar_t;
-      DDTREE_CUDA_DISPATCH_FLOAT(dt_bias.scalar_type(), "gdn_gating", [&] {
-        gdn_gating_kernel<T, A, scalar_t><<<grid_for(rows * heads, kThreads), kThreads, 0, cuda::current_stream()>>>(
-            a.data_ptr<T>(), b.data_ptr<T>(), A_log.data_ptr<A>(), dt_bias.data_ptr<scalar_t>(), g.data_ptr<float>(),
-            beta.data_ptr<float>(), a.stride(0), b.stride(0), rows, static_cast<int>(heads));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      DDTREE_CUDA_DISPATCH_FLOAT(dt_bias.scalar_type(), "gdn_gates", [&] {
+        using D = scalar_t;
+        auto launch = [&](auto kernel) {
+          kernel<<<grid, kThreads, 0, cuda::current_stream()>>>(
+              x.data_ptr<T>(), x.stride(0), weight_a.data_ptr<T>(), weight_b.data_ptr<T>(), A_log.data_ptr<A>(),
+              dt_bias.data_ptr<D>(), g.data_ptr<float>(), beta.data_ptr<float>(), rows, static_cast<int>(features),
+              static_cast<int>(heads));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        };
+        if (packed) {
+          launch(gdn_gates_kernel<T, A, D, 16 / sizeof(T)>);
+        } else {
+          launch(gdn_gates_kernel<T, A, D, 1>);
+        }
       });
     });
   });

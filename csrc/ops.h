@@ -51,17 +51,19 @@ void tree_gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const a
                                double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,
                                at::Tensor& stash_k, at::Tensor& stash_cumg);
 
-// ---- layer bodies: fused norms, SwiGLU and GDN gates (csrc/layer.cpp) -----------------------------
+// ---- layer bodies: fused norms, SwiGLU, RoPE and GDN gates (csrc/layer.cpp) -----------------------------
 void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                     bool zero_centered, const at::Tensor& out);
 void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                   bool zero_centered, at::Tensor& out);
 void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out);
 void silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
-void check_gdn_gating(const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
-                      const at::Tensor& g, const at::Tensor& beta);
-void gdn_gating_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
-                    at::Tensor& g, at::Tensor& beta);
+void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out);
+void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);
+void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b,
+                     const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& g, const at::Tensor& beta);
+void gdn_gates_cpu(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
+                   const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta);
 
 // ---- walk: follow the target's tokens down the tree ------------------------------------------
 void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& first_child,
@@ -113,8 +115,9 @@ void tree_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const 
 void rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                    bool zero_centered, at::Tensor& out);
 void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
-void gdn_gating_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias,
-                     at::Tensor& g, at::Tensor& beta);
+void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);
+void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
+                    const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta);
 void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                       const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
                       at::Tensor& next_token);

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree_ext.fused import LayerFusion
+from ddtree_ext.fused import LayerFusion, rotary
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -95,15 +95,13 @@ class DFlashAttention(nn.Module):
         context_rows [B, T] / block_rows [B, S] int64 the cache rows (= positions) they go to.
         Writes the context K/V, then the block's (which overwrites any padding rows), then attends over
         the first kv_len rows. Returns [B, S, hidden]."""
-        from transformers.models.qwen3.modeling_qwen3 import rotate_half
-
         ctx_len = context.shape[1]
         query = self.q_norm(self._heads(self.q_proj, block, self.num_heads))
         kv_input = torch.cat([context, block], dim=1)
         key = self.k_norm(self._heads(self.k_proj, kv_input, self.num_kv_heads))
         value = self._heads(self.v_proj, kv_input, self.num_kv_heads)
-        query = query * cos[:, :, ctx_len:] + rotate_half(query) * sin[:, :, ctx_len:]
-        key = key * cos + rotate_half(key) * sin
+        query = rotary(query, cos[:, 0, ctx_len:], sin[:, 0, ctx_len:])
+        key = rotary(key, cos[:, 0], sin[:, 0])
 
         # Two scatters in this order: a padding context row and a block row may share a cache row.
         for rows, part in ((context_rows, slice(0, ctx_len)), (block_rows, slice(ctx_len, None))):

@@ -15,8 +15,12 @@ module                     fused forward
 ``Qwen3MLP``/``Qwen3_5MLP``  ``down_proj(ops.silu_mul(gate_proj(x), up_proj(x)))`` (SiLU models)
 =========================  ===================================================
 
-The HF forward still runs for inputs the ops do not take (a weight dtype other than the input's, a
-missing gate), so a swap never changes what a module accepts. The one numerical difference from HF is
+and, for the attention layers, the modeling modules' ``apply_rotary_pos_emb`` (a module global the
+layers look up at call time) for two ``ops.rope`` launches that round where it rounds, so its
+results are HF's bit for bit; the swap is process-wide while a context is open.
+
+The HF code still runs for inputs the ops do not take (a weight dtype other than the input's, a
+missing gate, other rotary layouts), so a swap never changes what a module accepts. The one numerical difference from HF is
 the order of the float32 sum of squares in a norm (an ulp of float32 on the normalised value).
 """
 
@@ -34,22 +38,27 @@ _MISSING = object()
 
 
 @contextlib.contextmanager
-def swapped_forwards(swaps: Sequence[Tuple[torch.nn.Module, Callable]]) -> Iterator[None]:
-    """Sets ``module.forward`` (an instance attribute) for every (module, forward) pair while the context
-    is open and puts back what was there before (an instance forward of its own, e.g. an accelerate
-    hook, or none) on exit, also when the body raised."""
-    saved: List[Tuple[torch.nn.Module, object]] = []
+def swapped_attributes(swaps: Sequence[Tuple[object, str, object]]) -> Iterator[None]:
+    """Sets ``owner.name = value`` for every (owner, name, value) while the context is open and puts back
+    what the owner itself held before (for a module's ``forward``: an instance forward of its own, e.g.
+    an accelerate hook, or none) on exit, also when the body raised."""
+    saved: List[Tuple[object, str, object]] = []
     try:
-        for module, forward in swaps:
-            saved.append((module, module.__dict__.get("forward", _MISSING)))
-            module.forward = forward
+        for owner, name, value in swaps:
+            saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+            setattr(owner, name, value)
         yield
     finally:
-        for module, previous in reversed(saved):
+        for owner, name, previous in reversed(saved):
             if previous is _MISSING:
-                del module.forward
+                delattr(owner, name)
             else:
-                module.forward = previous
+                setattr(owner, name, previous)
+
+
+def swapped_forwards(swaps: Sequence[Tuple[torch.nn.Module, Callable]]) -> contextlib.AbstractContextManager:
+    """``swapped_attributes`` for the ``forward`` of every (module, forward) pair (set per instance)."""
+    return swapped_attributes([(module, "forward", forward) for module, forward in swaps])
 
 
 # The fused forwards are partials over the module, not closures: a deep copy of a model (and of the
@@ -70,6 +79,29 @@ def _gated_norm_forward(norm: torch.nn.Module, hidden_states: torch.Tensor, gate
 
 def _mlp_forward(mlp: torch.nn.Module, x: torch.Tensor):
     return mlp.down_proj(ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+
+
+def _apply_rotary_pos_emb(stock: Callable, q, k, cos, sin, *args, **kwargs):
+    """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` for q, k [B, H, N, D] and cos, sin [B, N, R] in their
+    dtype: one ``ops.rope`` launch each (bit for bit HF's rounding); anything else goes to ``stock``."""
+    if (
+        args or set(kwargs) - {"unsqueeze_dim"} or kwargs.get("unsqueeze_dim", 1) != 1
+        or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape
+        or not q.dtype == k.dtype == cos.dtype == sin.dtype
+        or cos.shape[0] != q.shape[0] or cos.shape[1] != q.shape[2] or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:]
+    ):
+        return stock(q, k, cos, sin, *args, **kwargs)
+    return ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [B, H, N, D] with cos, sin [B, N, D]: ``ops.rope`` without grad mode, the
+    same formula in torch ops with it (the op has no backward; the draft trains through this)."""
+    if not torch.is_grad_enabled() and x.dtype == cos.dtype:
+        return ops.rope(x, cos, sin)
+    c, s = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
 
 
 def _recognised_classes() -> dict:
@@ -95,6 +127,24 @@ def _recognised_classes() -> dict:
     return table
 
 
+@functools.lru_cache(maxsize=None)
+def _rotary_patches() -> Tuple[Tuple[object, str, object], ...]:
+    """(modeling module, "apply_rotary_pos_emb", fused version) for the families the attention layers
+    look the function up in (a module global, so it is swapped there while a fusion is active)."""
+    import importlib
+
+    patches = []
+    for name in ("transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_5.modeling_qwen3_5"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        stock = getattr(module, "apply_rotary_pos_emb", None)
+        if stock is not None:
+            patches.append((module, "apply_rotary_pos_emb", functools.partial(_apply_rotary_pos_emb, stock)))
+    return tuple(patches)
+
+
 def _silu_mlp(module: torch.nn.Module) -> bool:
     act = getattr(getattr(module, "config", None), "hidden_act", None)
     return act in ("silu", "swish")
@@ -118,4 +168,6 @@ class LayerFusion:
         with grad mode on (training a draft) the stock forwards stay."""
         if torch.is_grad_enabled():
             return contextlib.nullcontext()
-        return swapped_forwards(self.swaps)
+        # The module-global patches are not kept on the instance: a model holding its LayerFusion must stay
+        # deep-copyable.
+        return swapped_attributes([(m, "forward", f) for m, f in self.swaps] + list(_rotary_patches()))

@@ -330,19 +330,34 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: Optional[torch.Tensor
     return out
 
 
-def gdn_gating(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gated DeltaNet's gates in one pass, as ``Qwen3_5GatedDeltaNet.forward`` computes them.
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rotate-half rotary embedding in one pass, as HF's ``apply_rotary_pos_emb`` computes it for q or k.
 
-    a, b [..., HV] (the in_proj_a / in_proj_b outputs, one float dtype, last dim contiguous),
-    A_log, dt_bias [HV] (any float dtype) -> (g, beta), both [..., HV] float32:
-    g = -exp(A_log) * softplus(a + dt_bias) in float32, beta = sigmoid(b) rounded to b's dtype.
+    x [B, H, N, D] float (last dim contiguous, any other strides), cos / sin [B, N, R] in x's dtype
+    (R even, R <= D: partial rotary when R < D) -> out [B, H, N, D] (contiguous unless given):
+    out[..., :R] = round(round(x * cos) + round(rotate_half(x) * sin)), out[..., R:] = x[..., R:].
     """
-    g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
-    beta = torch.empty(a.shape, dtype=torch.float32, device=a.device)
-    heads = a.shape[-1]
-    load_ops().gdn_gating(_rows(a), _rows(b), A_log, dt_bias, g.view(-1, heads), beta.view(-1, heads))
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    load_ops().rope(x, cos, sin, out)
+    return out
+
+
+def gdn_gates(
+    x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gated DeltaNet's gates from the layer input in one pass, as ``Qwen3_5GatedDeltaNet.forward``
+    computes them with its ``in_proj_a`` / ``in_proj_b`` projections.
+
+    x [..., F] (last dim contiguous), weight_a, weight_b [HV, F] in x's dtype (the projections' weights,
+    no bias), A_log, dt_bias [HV] (any float dtype) -> (g, beta), both [..., HV] float32. With
+    a = round(x W_a^T) and b = round(x W_b^T) (float32 dot products rounded to x's dtype):
+    g = -exp(A_log) * softplus(a + dt_bias) in float32, beta = sigmoid(b) rounded to x's dtype.
+    """
+    heads = weight_a.shape[0]
+    g = torch.empty(*x.shape[:-1], heads, dtype=torch.float32, device=x.device)
+    beta = torch.empty_like(g)
+    load_ops().gdn_gates(_rows(x), weight_a, weight_b, A_log, dt_bias, g.view(-1, heads), beta.view(-1, heads))
     return g, beta
 
 

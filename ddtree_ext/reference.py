@@ -253,7 +253,8 @@ def tree_gated_delta_rule(
 
 # ---- layer bodies ----------------------------------------------------------------------------
 # The HF modules' own arithmetic (Qwen3RMSNorm, Qwen3_5RMSNorm, Qwen3_5RMSNormGated, the MLPs' SwiGLU,
-# Qwen3_5GatedDeltaNet's gates), written out so the tests need no model to check the fused ops.
+# apply_rotary_pos_emb, Qwen3_5GatedDeltaNet's gates), written out so the tests need no model to check the
+# fused ops.
 
 
 def rms_norm(x, weight, eps, *, gate=None, zero_centered: bool = False) -> torch.Tensor:
@@ -271,7 +272,17 @@ def silu_mul(gate, up) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def gdn_gating(a, b, A_log, dt_bias):
+def rope(x, cos, sin) -> torch.Tensor:
+    rot = cos.shape[-1]
+    c, s = cos[:, None], sin[:, None]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    rotated = torch.cat([-x_rot[..., rot // 2 :], x_rot[..., : rot // 2]], dim=-1)
+    return torch.cat([x_rot * c + rotated * s, x_pass], dim=-1)
+
+
+def gdn_gates(x, weight_a, weight_b, A_log, dt_bias):
+    a = torch.nn.functional.linear(x, weight_a)
+    b = torch.nn.functional.linear(x, weight_b)
     g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
     return g, b.sigmoid().float()
 

@@ -522,15 +522,13 @@ def _gdn_tree_forward(
     recurrent_state [B, HV, K, V] float32 (the committed states, read only), parent [B, N] int32.
     Returns (layer output [B, N, hidden], pre-conv inputs x [B, N, C], the delta rule's
     :class:`GDNTreeOutput`). Casts and rounding points follow the HF forward: beta is the sigmoid in the
-    model dtype, g = -exp(A_log) * softplus(a + dt_bias) in float32 (one ``gdn_gating`` op).
+    model dtype, g = -exp(A_log) * softplus(a + dt_bias) in float32.
     """
     if recurrent_state.dtype != torch.float32:
         raise ValueError(f"TargetAdapter.verify: GDN recurrent state must be float32, got {recurrent_state.dtype}")
     batch, num_nodes, _ = hidden_states.shape
     mixed_qkv = gdn.in_proj_qkv(hidden_states)
     z = gdn.in_proj_z(hidden_states).reshape(batch, num_nodes, -1, gdn.head_v_dim)
-    b = gdn.in_proj_b(hidden_states)
-    a = gdn.in_proj_a(hidden_states)
 
     # HF's torch conv (causal_conv1d_fn / causal_conv1d_update fallbacks) rounds the conv to the model
     # dtype before the activation; doing the same keeps bf16 tree logits equal to the chain's.
@@ -541,8 +539,22 @@ def _gdn_tree_forward(
     key = key.reshape(batch, num_nodes, -1, gdn.head_k_dim)
     value = value.reshape(batch, num_nodes, -1, gdn.head_v_dim)
 
-    g, beta = _ops.gdn_gating(a, b, gdn.A_log, gdn.dt_bias)
+    g, beta = _gdn_gates(gdn, hidden_states)
     delta = _ops.tree_gated_delta_rule(query, key, value, g, beta, recurrent_state, parent, use_qk_l2norm=True)
 
     core = gdn.norm(delta.out.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
     return gdn.out_proj(core.reshape(batch, num_nodes, -1)), mixed_qkv, delta
+
+
+def _gdn_gates(gdn: torch.nn.Module, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) [B, N, HV] float32 of a GDN layer: one ``gdn_gates`` launch (both projections and the
+    gating) when in_proj_a / in_proj_b are plain bias-free Linear layers in the input's dtype, else HF's
+    own lines."""
+    proj_a, proj_b = gdn.in_proj_a, gdn.in_proj_b
+    if all(
+        type(p) is torch.nn.Linear and p.bias is None and p.weight.dtype == hidden_states.dtype for p in (proj_a, proj_b)
+    ):
+        return _ops.gdn_gates(hidden_states, proj_a.weight, proj_b.weight, gdn.A_log, gdn.dt_bias)
+    beta = proj_b(hidden_states).sigmoid().float()
+    g = -gdn.A_log.float().exp() * torch.nn.functional.softplus(proj_a(hidden_states).float() + gdn.dt_bias)
+    return g, beta

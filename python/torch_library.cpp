@@ -27,8 +27,10 @@ TORCH_LIBRARY(ddtree, m) {
   // layer bodies
   m.def("rms_norm(Tensor x, Tensor weight, Tensor? gate, float eps, bool zero_centered, Tensor(a!) out) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
   m.def(
-      "gdn_gating(Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, Tensor(a!) g, Tensor(b!) beta) -> ()");
+      "gdn_gates(Tensor x, Tensor weight_a, Tensor weight_b, Tensor A_log, Tensor dt_bias, Tensor(a!) g, "
+      "Tensor(b!) beta) -> ()");
   // walk
   m.def(
       "walk_greedy(Tensor node_token, Tensor first_child, Tensor next_sibling, Tensor target_token, "
@@ -54,7 +56,8 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("tree_gated_delta_rule", &ddtree::tree_gated_delta_rule_cpu);
   m.impl("rms_norm", &ddtree::rms_norm_cpu);
   m.impl("silu_mul", &ddtree::silu_mul_cpu);
-  m.impl("gdn_gating", &ddtree::gdn_gating_cpu);
+  m.impl("rope", &ddtree::rope_cpu);
+  m.impl("gdn_gates", &ddtree::gdn_gates_cpu);
   m.impl("walk_greedy", &ddtree::walk_greedy_cpu);
   m.impl("walk_sample", &ddtree::walk_sample_cpu);
   m.impl("commit_gdn_state", &ddtree::commit_gdn_state_cpu);

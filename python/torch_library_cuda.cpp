@@ -12,7 +12,8 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("tree_gated_delta_rule", &ddtree::tree_gated_delta_rule_cuda);
   m.impl("rms_norm", &ddtree::rms_norm_cuda);
   m.impl("silu_mul", &ddtree::silu_mul_cuda);
-  m.impl("gdn_gating", &ddtree::gdn_gating_cuda);
+  m.impl("rope", &ddtree::rope_cuda);
+  m.impl("gdn_gates", &ddtree::gdn_gates_cuda);
   m.impl("walk_greedy", &ddtree::walk_greedy_cuda);
   m.impl("walk_sample", &ddtree::walk_sample_cuda);
   m.impl("commit_gdn_state", &ddtree::commit_gdn_state_cuda);

@@ -703,18 +703,36 @@ def test_silu_mul(rows, dim, dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("rows,heads", [(1, 48), (65, 48), (257, 48), (3, 5)])
-def test_gdn_gating(rows, heads, dtype):
-    gen = make_gen(rows)
-    a = (torch.randn(rows, heads, generator=gen) * 12).to(dtype)
-    b = (torch.randn(rows, heads, generator=gen) * 3).to(dtype)
-    A_log, dt_bias = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen).to(dtype)
-    g_cpu, beta_cpu = ops.gdn_gating(a, b, A_log, dt_bias)
-    g, beta = ops.gdn_gating(*to([a, b, A_log, dt_bias], DEV))
-    assert_close(g, g_cpu, torch.float32, "g")
-    assert_close(beta, beta_cpu, torch.float32, "beta")
-    if dtype != torch.float32:  # beta is rounded to dtype: an ulp of exp cannot move it
-        assert torch.equal(beta.cpu(), beta_cpu)
+@pytest.mark.parametrize("rows,heads,features", [(1, 48, 5120), (65, 48, 5120), (257, 48, 5120), (3, 5, 7), (17, 3, 64)])
+def test_gdn_gates(rows, heads, features, dtype):
+    gen = make_gen(rows + features)
+    x = torch.randn(rows, features, generator=gen).to(dtype)
+    wa = (torch.randn(heads, features, generator=gen) * 4 / features**0.5).to(dtype)
+    wb = (torch.randn(heads, features, generator=gen) * 2 / features**0.5).to(dtype)
+    A_log, dt_bias = torch.randn(heads, generator=gen), (torch.randn(heads, generator=gen) * 8).to(dtype)
+    g_cpu, beta_cpu = ops.gdn_gates(x, wa, wb, A_log, dt_bias)
+    g, beta = ops.gdn_gates(*to([x, wa, wb, A_log, dt_bias], DEV))
+    # The dot products are rounded to dtype: CPU and GPU sum in other orders, so one ulp of dtype apart.
+    assert_close(g, g_cpu, dtype, "g")
+    assert_close(beta, beta_cpu, dtype, "beta")
+    ref_g, ref_beta = reference.gdn_gates(x, wa, wb, A_log, dt_bias)
+    assert_close(g, ref_g, dtype, "g vs reference")
+    assert_close(beta, ref_beta, dtype, "beta vs reference")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads,n,dim,rot", [(24, 1, 256, 64), (4, 65, 256, 64), (32, 16, 128, 128), (3, 7, 10, 6)])
+def test_rope(heads, n, dim, rot, dtype):
+    """Bit for bit the CPU op (both round where HF rounds), on q transposed from [B, N, H, D]."""
+    gen = make_gen(n * dim)
+    x = torch.randn(2, n, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    angles = torch.rand(2, n, rot // 2, generator=gen) * 1000
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    out = poison(torch.empty(2, heads, n, dim, dtype=dtype, device=DEV))
+    got = ops.rope(*to([x, cos, sin], DEV), out=out)
+    assert torch.equal(got.cpu(), ops.rope(x, cos, sin))
+    assert torch.equal(got.cpu(), reference.rope(x, cos, sin))
 
 
 # ---- CUDA graphs and determinism ---------------------------------------------------------------
@@ -818,8 +836,12 @@ def _case_layer():
             gate=torch.randn(65, 48, 128, generator=gen).to(torch.bfloat16),
             head_weight=torch.randn(128, generator=gen).to(torch.bfloat16),
             up=torch.randn(65, 5120, generator=gen).to(torch.bfloat16),
-            a=torch.randn(65, 48, generator=gen).to(torch.bfloat16), b=torch.randn(65, 48, generator=gen).to(torch.bfloat16),
+            wa=(torch.randn(48, 5120, generator=gen) * 0.05).to(torch.bfloat16),
+            wb=(torch.randn(48, 5120, generator=gen) * 0.05).to(torch.bfloat16),
             A_log=torch.randn(48, generator=gen), dt_bias=torch.randn(48, generator=gen).to(torch.bfloat16),
+            q=torch.randn(1, 65, 24, 256, generator=gen).to(torch.bfloat16).transpose(1, 2),
+            cos=torch.rand(1, 65, 64, generator=gen).to(torch.bfloat16),
+            sin=torch.rand(1, 65, 64, generator=gen).to(torch.bfloat16),
         ).items()}
 
     def run(x):
@@ -827,7 +849,8 @@ def _case_layer():
             ops.rms_norm(x["x"], x["weight"], 1e-6, zero_centered=True),
             ops.rms_norm(x["heads"], x["head_weight"], 1e-6, gate=x["gate"]),
             ops.silu_mul(x["x"], x["up"]),
-            *ops.gdn_gating(x["a"], x["b"], x["A_log"], x["dt_bias"]),
+            *ops.gdn_gates(x["x"], x["wa"], x["wb"], x["A_log"], x["dt_bias"]),
+            ops.rope(x["q"], x["cos"], x["sin"]),
         ]
 
     return OpCase(inputs, run)

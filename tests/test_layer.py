@@ -1,4 +1,4 @@
-"""The layer-body ops (rms_norm, silu_mul, gdn_gating) on the CPU and the fused forwards that use them.
+"""The layer-body ops (rms_norm, silu_mul, rope, gdn_gates) on the CPU and the fused forwards that use them.
 
 Each op against the Hugging Face module it replaces (the modules' own forwards, not a copy of their math)
 and against the reference, over dtypes, odd sizes and strided inputs; bad input; opcheck. Then
@@ -104,29 +104,69 @@ def test_silu_mul_strided():
     assert_close(ops.silu_mul(gate, up), reference.silu_mul(gate, up), torch.bfloat16, "strided")
 
 
+def _gdn_layer(dtype, gen):
+    """A Qwen3_5GatedDeltaNet of a tiny config with random weights (HF's init leaves some at zero)."""
+    model = make_tiny_target("qwen3_5", seed=0, dtype=dtype)
+    gdn = next(m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")
+    for p in (gdn.in_proj_a.weight, gdn.in_proj_b.weight, gdn.A_log, gdn.dt_bias):
+        p.data = (torch.randn(p.shape, generator=gen) * (3 if p.dim() == 1 else 1)).to(p.dtype)
+    return gdn
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("param_dtype", [None, torch.float32])
-def test_gdn_gating_equals_the_hf_formula(dtype, param_dtype, gen):
-    """a spans softplus's linear branch (a + dt_bias > 20) too."""
-    heads = 48
-    a = (torch.randn(3, 5, heads, generator=gen) * 12).to(dtype)
-    b = (torch.randn(3, 5, heads, generator=gen) * 3).to(dtype)
-    A_log = torch.randn(heads, generator=gen).to(param_dtype or dtype)
-    dt_bias = torch.randn(heads, generator=gen).to(param_dtype or dtype)
-    g, beta = ops.gdn_gating(a, b, A_log, dt_bias)
-    assert g.dtype == beta.dtype == torch.float32 and g.shape == beta.shape == a.shape
-    # Qwen3_5GatedDeltaNet.forward's own lines.
-    hf_beta = b.sigmoid()
-    hf_g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
-    # Rounded to a 16-bit dtype, beta is HF's bit for bit; in float32 torch's vectorised exp may differ
-    # from libm's by an ulp.
-    assert_close(beta, hf_beta.float(), torch.float32, "beta")
-    if dtype != torch.float32:
-        assert torch.equal(beta, hf_beta.float())
-    assert_close(g, hf_g, torch.float32, "g")
-    ref_g, ref_beta = reference.gdn_gating(a, b, A_log, dt_bias)
-    assert_close(beta, ref_beta, torch.float32, "beta vs reference")
-    assert_close(g, ref_g, torch.float32, "g vs reference")
+@pytest.mark.parametrize("rows", [1, 7, 65])
+def test_gdn_gates_equal_the_hf_layer(dtype, rows, gen):
+    """Against Qwen3_5GatedDeltaNet.forward's own lines on the layer's own projections; a spans
+    softplus's linear branch (a + dt_bias > 20) too."""
+    gdn = _gdn_layer(dtype, gen)
+    x = (torch.randn(1, rows, gdn.hidden_size, generator=gen) * 2).to(dtype)
+    with torch.no_grad():
+        b, a = gdn.in_proj_b(x), gdn.in_proj_a(x)
+        hf_beta = b.sigmoid().float()
+        hf_g = -gdn.A_log.float().exp() * torch.nn.functional.softplus(a.float() + gdn.dt_bias)
+    g, beta = ops.gdn_gates(x, gdn.in_proj_a.weight, gdn.in_proj_b.weight, gdn.A_log, gdn.dt_bias)
+    assert g.dtype == beta.dtype == torch.float32 and g.shape == beta.shape == (1, rows, gdn.num_v_heads)
+    # The projections sum in another order than the GEMM: in a 16-bit dtype a projection may round one ulp
+    # apart, so g and beta are compared at that dtype's tolerance.
+    tol_dtype = dtype if dtype != torch.float32 else torch.float32
+    assert_close(beta, hf_beta, tol_dtype, "beta")
+    assert_close(g, hf_g, tol_dtype, "g")
+    ref_g, ref_beta = reference.gdn_gates(x, gdn.in_proj_a.weight, gdn.in_proj_b.weight, gdn.A_log, gdn.dt_bias)
+    assert_close(beta, ref_beta, tol_dtype, "beta vs reference")
+    assert_close(g, ref_g, tol_dtype, "g vs reference")
+
+
+def test_gdn_gates_linear_branch_and_param_dtypes(gen):
+    """float32 A_log / dt_bias with bf16 activations, and a + dt_bias far past softplus's threshold."""
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    wa = (torch.randn(5, 64, generator=gen) * 4).to(torch.bfloat16)
+    wb = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    A_log, dt_bias = torch.randn(5, generator=gen), torch.full((5,), 25.0)
+    g, beta = ops.gdn_gates(x, wa, wb, A_log, dt_bias)
+    ref_g, ref_beta = reference.gdn_gates(x, wa, wb, A_log, dt_bias)
+    assert_close(g, ref_g, torch.bfloat16, "g")
+    assert_close(beta, ref_beta, torch.bfloat16, "beta")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "family,heads,n,dim,rot",
+    [("qwen3", 4, 1, 128, 128), ("qwen3", 2, 7, 10, 10), ("qwen3_5", 4, 1, 128, 128), ("qwen3_5", 3, 65, 256, 64),
+     ("qwen3_5", 2, 7, 10, 6)],
+)
+def test_rope_is_hf_apply_rotary_pos_emb_bit_for_bit(family, heads, n, dim, rot, dtype, gen):
+    """q, k transposed from [B, N, H, D] as the attention layers make them; Qwen3.5's partial rotary."""
+    q = torch.randn(2, n, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    k = torch.randn(2, n, 1, dim, generator=gen).to(dtype).transpose(1, 2)
+    angles = torch.rand(2, n, rot // 2, generator=gen) * 100
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    module = qwen3 if family == "qwen3" else qwen3_5  # Qwen3's function has no partial rotary
+    hf_q, hf_k = module.apply_rotary_pos_emb(q, k, cos, sin)
+    got_q, got_k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+    assert got_q.is_contiguous()
+    assert torch.equal(got_q, hf_q) and torch.equal(got_k, hf_k)
+    assert torch.equal(got_q, reference.rope(q, cos, sin))
 
 
 # ---- bad input ---------------------------------------------------------------------------------
@@ -161,13 +201,22 @@ def test_silu_mul_and_gdn_gating_bad_inputs():
         ops.silu_mul(g, torch.randn(4, 9))
     with pytest.raises(ValueError, match="silu_mul: up must have dtype"):
         ops.silu_mul(g, torch.randn(4, 8).half())
-    a = torch.randn(3, 6)
-    with pytest.raises(ValueError, match=r"gdn_gating: A_log must have shape \[6\]"):
-        ops.gdn_gating(a, a, torch.randn(5), torch.randn(6))
-    with pytest.raises(ValueError, match="gdn_gating: dt_bias must be float32, float16 or bfloat16"):
-        ops.gdn_gating(a, a, torch.randn(6), torch.ones(6, dtype=torch.int64))
-    with pytest.raises(ValueError, match="gdn_gating: b must have dtype"):
-        ops.gdn_gating(a, a.half(), torch.randn(6), torch.randn(6))
+    x, w = torch.randn(3, 16), torch.randn(6, 16)
+    with pytest.raises(ValueError, match=r"gdn_gates: A_log must have shape \[6\]"):
+        ops.gdn_gates(x, w, w, torch.randn(5), torch.randn(6))
+    with pytest.raises(ValueError, match="gdn_gates: dt_bias must be float32, float16 or bfloat16"):
+        ops.gdn_gates(x, w, w, torch.randn(6), torch.ones(6, dtype=torch.int64))
+    with pytest.raises(ValueError, match="gdn_gates: weight_b must have dtype"):
+        ops.gdn_gates(x, w, w.half(), torch.randn(6), torch.randn(6))
+    with pytest.raises(ValueError, match=r"gdn_gates: weight_b must have shape \[HV, F\] = \[6, 16\]"):
+        ops.gdn_gates(x, w, torch.randn(6, 15), torch.randn(6), torch.randn(6))
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"rope: cos must have shape \[B, N, R\] = \[1, 5, R\]"):
+        ops.rope(q, torch.randn(1, 4, 8), torch.randn(1, 4, 8))
+    with pytest.raises(ValueError, match="rope: the rotary width R"):
+        ops.rope(q, torch.randn(1, 5, 7), torch.randn(1, 5, 7))
+    with pytest.raises(ValueError, match="rope: sin must have dtype"):
+        ops.rope(q, torch.randn(1, 5, 8), torch.randn(1, 5, 8).half())
 
 
 def test_layer_ops_opcheck(gen):
@@ -175,8 +224,10 @@ def test_layer_ops_opcheck(gen):
     x = torch.randn(3, 16, generator=gen)
     torch.library.opcheck(lib.rms_norm.default, (x, torch.randn(16, generator=gen), x.clone(), 1e-6, False, torch.empty(3, 16)))
     torch.library.opcheck(lib.silu_mul.default, (x, x.clone(), torch.empty(3, 16)))
-    a = torch.randn(3, 6, generator=gen)
-    torch.library.opcheck(lib.gdn_gating.default, (a, a.clone(), torch.randn(6), torch.randn(6), torch.empty(3, 6), torch.empty(3, 6)))
+    w = torch.randn(6, 16, generator=gen)
+    torch.library.opcheck(lib.gdn_gates.default, (x, w, w.clone(), torch.randn(6), torch.randn(6), torch.empty(3, 6), torch.empty(3, 6)))
+    q = torch.randn(1, 2, 5, 8, generator=gen)
+    torch.library.opcheck(lib.rope.default, (q, torch.randn(1, 5, 8), torch.randn(1, 5, 8), torch.empty(1, 2, 5, 8)))
 
 
 # ---- LayerFusion ---------------------------------------------------------------------------------
@@ -198,12 +249,15 @@ def test_fusion_swaps_the_norms_and_mlps_and_restores_them(family):
     else:
         assert _swapped_types(fusion) == ["Qwen3_5MLP", "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"]
     marker = lambda *a, **k: None  # an instance forward of the user's own (an accelerate hook, say)
+    stock_rope = qwen3.apply_rotary_pos_emb
     first = fusion.swaps[0][0]
     first.forward = marker
     with torch.no_grad(), fusion.active():
         assert all("forward" in m.__dict__ and m.forward is f for m, f in fusion.swaps)
+        assert qwen3.apply_rotary_pos_emb is not stock_rope  # swapped while active
     assert first.forward is marker
     assert all("forward" not in m.__dict__ for m, _ in fusion.swaps[1:])
+    assert qwen3.apply_rotary_pos_emb is stock_rope
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
@@ -241,3 +295,26 @@ def test_fusion_of_a_deep_copy_swaps_the_copy():
     with torch.no_grad(), twin._fusion.active():
         assert all("forward" not in m.__dict__ for m, _ in draft._fusion.swaps)
         assert all(m.forward.args[0] is m for m, _ in twin._fusion.swaps)
+
+
+def test_gdn_gates_fall_back_to_hf_for_other_projections(gen):
+    """A projection that is not a plain Linear (a quantised layer, say) runs as HF runs it."""
+    from ddtree_ext.target import _gdn_gates
+
+    gdn = _gdn_layer(torch.float32, gen)
+    x = torch.randn(1, 3, gdn.hidden_size, generator=gen)
+    fused = _gdn_gates(gdn, x)
+
+    class ScaledLinear(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    doubled = ScaledLinear(gdn.hidden_size, gdn.num_v_heads, bias=False)
+    doubled.weight.data = gdn.in_proj_a.weight.data.clone()
+    gdn.in_proj_a = doubled
+    with torch.no_grad():
+        g, beta = _gdn_gates(gdn, x)
+    ref_g, _ = reference.gdn_gates(x, 2 * doubled.weight, gdn.in_proj_b.weight, gdn.A_log, gdn.dt_bias)
+    assert_close(g, ref_g, torch.float32, "g with the subclass")
+    assert not torch.allclose(g, fused[0])
+    assert_close(beta, fused[1], torch.float32, "beta (the fused op vs the Linear)")
