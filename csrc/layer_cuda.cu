@@ -131,15 +131,18 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float c = to_float(cos[b * cs0 + i * cs1 + e]), s = to_float(sin[b * ss0 + i * ss1 + e]);
     const float rotated = e < half ? -to_float(xr[e + half]) : to_float(xr[e - half]);
-    o[e] = from_float<T>(round_to<T>(to_float(xr[e]) * c) + round_to<T>(rotated * s));
+    // Explicit roundings: nvcc would otherwise contract the products and the sum into one FMA, which HF's
+    // separate multiply and add kernels do not do (visible in float32).
+    o[e] = from_float<T>(__fadd_rn(round_to<T>(__fmul_rn(to_float(xr[e]), c)), round_to<T>(__fmul_rn(rotated, s))));
   }
 }
 
-// Block: kGateHeads value heads x (a, b) = 8 weight rows, one per warp, over a chunk of kGateRows rows of x.
-// Each warp takes its dot products row by row (its weight row stays in L1 across the chunk), then the
-// block turns the rounded projections into the gates.
+// Block: kGateHeads value heads x (a, b) = 8 weight rows, one per warp, against a chunk of kGateRows rows
+// of x. A warp streams its weight row once and the chunk's x rows beside it (kGateRows independent sums:
+// loads in flight instead of one dot product's latency per row); then the block turns the rounded
+// projections into the gates.
 constexpr int kGateHeads = kThreads / cuda::kWarp / 2;
-constexpr int kGateRows = 16;
+constexpr int kGateRows = 8;
 
 template <typename T, typename A, typename D, int VEC>
 __global__ void __launch_bounds__(kThreads)
@@ -153,18 +156,26 @@ __global__ void __launch_bounds__(kThreads)
   const int head = head0 + warp / 2, which = warp % 2;  // which: 0 = a, 1 = b
   if (head < heads) {
     const T* w = (which == 0 ? weight_a : weight_b) + static_cast<int64_t>(head) * features;
-    for (int r = 0; r < chunk; ++r) {
-      const T* xr = x + (row0 + r) * x_stride;
-      float acc = 0.f;
-      for (int f = lane * VEC; f < features; f += cuda::kWarp * VEC) {
-        float xv[VEC], wv[VEC];
-        cuda::load_pack_float<T, VEC>(xr + f, xv);
-        cuda::load_pack_float<T, VEC>(w + f, wv);
+    const T* x0 = x + row0 * x_stride;
+    float acc[kGateRows] = {};
+#pragma unroll 2
+    for (int f = lane * VEC; f < features; f += cuda::kWarp * VEC) {
+      float wv[VEC];
+      cuda::load_pack_float<T, VEC>(w + f, wv);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc = fmaf(xv[e], wv[e], acc);
+      for (int r = 0; r < kGateRows; ++r) {
+        if (r < chunk) {
+          float xv[VEC];
+          cuda::load_pack_float<T, VEC>(x0 + r * x_stride + f, xv);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[r] = fmaf(xv[e], wv[e], acc[r]);
+        }
       }
-      acc = cuda::warp_sum(acc);
-      if (lane == 0) proj[r][warp / 2][which] = round_to<T>(acc);  // the projection's output dtype
+    }
+#pragma unroll
+    for (int r = 0; r < kGateRows; ++r) {
+      const float sum = cuda::warp_sum(acc[r]);
+      if (lane == 0 && r < chunk) proj[r][warp / 2][which] = round_to<T>(sum);  // the projection's output dtype
     }
   }
   __syncthreads();
