@@ -7,6 +7,10 @@
 // rms_norm gives each row a group of threads: a warp when the row is short (attention heads, GDN value
 // heads: 128-256 features), a 256-thread block when it is a hidden state (thousands). Rows are read
 // twice (sum of squares, then the output), the second time from L1/L2.
+//
+// Determinism: an op's bits never depend on the alignment of its inputs (a captured graph and an eager
+// call may see the same data at different addresses): the reducing kernels assign elements to threads by
+// 16-byte chunks and only the load instruction differs between aligned and unaligned inputs.
 #include "cuda_common.cuh"
 #include "ops.h"
 
@@ -27,6 +31,32 @@ __device__ __forceinline__ float round_to(float x) {
 // torch's CUDA silu and sigmoid: float math with expf (no fast-math intrinsics).
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
+// A chunk of N consecutive elements (16 bytes of T), as one aligned access (PACKED) or element by element
+// (the first `valid`, zeros after). Kernels that reduce assign work to threads by chunks, whichever way
+// they load them, so the sums run in the same order, and give the same bits, on aligned and unaligned
+// inputs alike.
+template <typename T, int N, bool PACKED>
+__device__ __forceinline__ void load_chunk(const T* p, int valid, float (&out)[N]) {
+  if constexpr (PACKED) {
+    cuda::load_pack_float<T, N>(p, out);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = e < valid ? to_float(p[e]) : 0.f;
+  }
+}
+
+template <typename T, int N, bool PACKED>
+__device__ __forceinline__ void store_chunk(T* p, int valid, const float (&in)[N]) {
+  if constexpr (PACKED) {
+    cuda::store_pack_float<T, N>(p, in);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if (e < valid) p[e] = from_float<T>(in[e]);
+    }
+  }
+}
+
 template <typename T>
 struct RmsNormArgs {
   const T* x;
@@ -39,12 +69,12 @@ struct RmsNormArgs {
   bool zero_centered;
 };
 
-// GROUP threads per row (a warp or the whole block), VEC elements per access (16-byte packs when every row
-// is aligned, else 1).
-template <typename T, int GROUP, int VEC>
+// GROUP threads per row (a warp or the whole block); thread t takes the row's chunks t, t + GROUP, ...
+template <typename T, int GROUP, bool PACKED>
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T> p) {
   constexpr int kRowsPerBlock = kThreads / GROUP;
   constexpr int kWarpsPerGroup = GROUP / cuda::kWarp;
+  constexpr int C = 16 / sizeof(T);
   __shared__ float partial[kRowsPerBlock][kWarpsPerGroup];
   const int slot = threadIdx.x / GROUP, t = threadIdx.x % GROUP;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + slot;
@@ -53,11 +83,11 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
 
   float sum = 0.f;
   if (active) {
-    for (int i = t * VEC; i < p.dim; i += GROUP * VEC) {
-      float v[VEC];
-      cuda::load_pack_float<T, VEC>(x + i, v);
+    for (int i = t * C; i < p.dim; i += GROUP * C) {
+      float v[C];
+      load_chunk<T, C, PACKED>(x + i, p.dim - i, v);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) sum = fmaf(v[e], v[e], sum);
+      for (int e = 0; e < C; ++e) sum = fmaf(v[e], v[e], sum);
     }
   }
   sum = cuda::warp_sum(sum);
@@ -73,24 +103,25 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
   const float inv_rms = rsqrtf(sum * p.inv_dim + p.eps);
   const T* gate = p.gate != nullptr ? p.gate + row * p.gate_stride : nullptr;
   T* out = p.out + row * p.out_stride;
-  for (int i = t * VEC; i < p.dim; i += GROUP * VEC) {
-    float v[VEC], w[VEC], y[VEC];
-    cuda::load_pack_float<T, VEC>(x + i, v);
-    cuda::load_pack_float<T, VEC>(p.weight + i, w);
+  for (int i = t * C; i < p.dim; i += GROUP * C) {
+    const int valid = p.dim - i;
+    float v[C], w[C], y[C];
+    load_chunk<T, C, PACKED>(x + i, valid, v);
+    load_chunk<T, C, PACKED>(p.weight + i, valid, w);
     if (p.zero_centered) {
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) y[e] = v[e] * inv_rms * (1.f + w[e]);
+      for (int e = 0; e < C; ++e) y[e] = v[e] * inv_rms * (1.f + w[e]);
     } else {
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) y[e] = w[e] * round_to<T>(v[e] * inv_rms);
+      for (int e = 0; e < C; ++e) y[e] = w[e] * round_to<T>(v[e] * inv_rms);
       if (gate != nullptr) {
-        float gv[VEC];
-        cuda::load_pack_float<T, VEC>(gate + i, gv);
+        float gv[C];
+        load_chunk<T, C, PACKED>(gate + i, valid, gv);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) y[e] = round_to<T>(y[e]) * silu(gv[e]);
+        for (int e = 0; e < C; ++e) y[e] = round_to<T>(y[e]) * silu(gv[e]);
       }
     }
-    cuda::store_pack_float<T, VEC>(out + i, y);
+    store_chunk<T, C, PACKED>(out + i, valid, y);
   }
 }
 
@@ -137,56 +168,65 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Block: kGateHeads value heads x (a, b) = 8 weight rows, one per warp, against a chunk of kGateRows rows
-// of x. A warp streams its weight row once and the chunk's x rows beside it (kGateRows independent sums:
-// loads in flight instead of one dot product's latency per row); then the block turns the rounded
-// projections into the gates.
-constexpr int kGateHeads = kThreads / cuda::kWarp / 2;
+// Block: one value head; its 8 warps are (a, b) x 4 quarters of the features, against a chunk of kGateRows
+// rows of x. A warp streams its quarter of a weight row once, with the chunk's rows of x beside it (independent
+// sums in flight), and the quarters are added in a fixed order; then the block turns the rounded projections
+// into the gates. Features are assigned by 16-byte chunks, so aligned and unaligned inputs give the same bits.
+constexpr int kGateQuarters = kThreads / cuda::kWarp / 2;
 constexpr int kGateRows = 8;
 
-template <typename T, typename A, typename D, int VEC>
+template <typename T, typename A, typename D, bool PACKED>
 __global__ void __launch_bounds__(kThreads)
     gdn_gates_kernel(const T* x, int64_t x_stride, const T* weight_a, const T* weight_b, const A* A_log,
                      const D* dt_bias, float* g, float* beta, int64_t rows, int features, int heads) {
-  __shared__ float proj[kGateRows][kGateHeads][2];
+  constexpr int C = 16 / sizeof(T);
+  __shared__ float partial[kGateRows][2][kGateQuarters];
+  __shared__ float proj[kGateRows][2];
   const int warp = threadIdx.x / cuda::kWarp, lane = threadIdx.x % cuda::kWarp;
-  const int head0 = blockIdx.x * kGateHeads;
+  const int head = blockIdx.x, which = warp / kGateQuarters, quarter = warp % kGateQuarters;  // which: 0 = a, 1 = b
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kGateRows;
   const int chunk = static_cast<int>(rows - row0 < kGateRows ? rows - row0 : kGateRows);
-  const int head = head0 + warp / 2, which = warp % 2;  // which: 0 = a, 1 = b
-  if (head < heads) {
-    const T* w = (which == 0 ? weight_a : weight_b) + static_cast<int64_t>(head) * features;
-    const T* x0 = x + row0 * x_stride;
-    float acc[kGateRows] = {};
+  const int chunks = (features + C - 1) / C;
+  const int first = quarter * chunks / kGateQuarters, last = (quarter + 1) * chunks / kGateQuarters;
+  const T* w = (which == 0 ? weight_a : weight_b) + static_cast<int64_t>(head) * features;
+  const T* x0 = x + row0 * x_stride;
+  float acc[kGateRows] = {};
 #pragma unroll 2
-    for (int f = lane * VEC; f < features; f += cuda::kWarp * VEC) {
-      float wv[VEC];
-      cuda::load_pack_float<T, VEC>(w + f, wv);
-#pragma unroll
-      for (int r = 0; r < kGateRows; ++r) {
-        if (r < chunk) {
-          float xv[VEC];
-          cuda::load_pack_float<T, VEC>(x0 + r * x_stride + f, xv);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[r] = fmaf(xv[e], wv[e], acc[r]);
-        }
-      }
-    }
+  for (int c = first + lane; c < last; c += cuda::kWarp) {
+    const int f = c * C, valid = features - f;
+    float wv[C];
+    load_chunk<T, C, PACKED>(w + f, valid, wv);
 #pragma unroll
     for (int r = 0; r < kGateRows; ++r) {
-      const float sum = cuda::warp_sum(acc[r]);
-      if (lane == 0 && r < chunk) proj[r][warp / 2][which] = round_to<T>(sum);  // the projection's output dtype
+      if (r < chunk) {
+        float xv[C];
+        load_chunk<T, C, PACKED>(x0 + r * x_stride + f, valid, xv);
+#pragma unroll
+        for (int e = 0; e < C; ++e) acc[r] = fmaf(xv[e], wv[e], acc[r]);
+      }
     }
   }
+#pragma unroll
+  for (int r = 0; r < kGateRows; ++r) {
+    const float sum = cuda::warp_sum(acc[r]);
+    if (lane == 0) partial[r][which][quarter] = sum;
+  }
   __syncthreads();
-  for (int t = threadIdx.x; t < chunk * kGateHeads; t += blockDim.x) {
-    const int r = t / kGateHeads, hl = t % kGateHeads, h = head0 + hl;
-    if (h >= heads) continue;
-    const float xa = proj[r][hl][0] + to_float(dt_bias[h]);
+  if (threadIdx.x < 2 * chunk) {
+    const int r = threadIdx.x / 2, k = threadIdx.x % 2;
+    float sum = 0.f;
+#pragma unroll
+    for (int q = 0; q < kGateQuarters; ++q) sum += partial[r][k][q];
+    proj[r][k] = round_to<T>(sum);  // the projection's output dtype
+  }
+  __syncthreads();
+  if (threadIdx.x < chunk) {
+    const int r = threadIdx.x;
+    const float xa = proj[r][0] + to_float(dt_bias[head]);
     const float softplus = xa > 20.f ? xa : log1pf(expf(xa));  // torch's threshold 20
-    const int64_t o = (row0 + r) * heads + h;
-    g[o] = -expf(to_float(A_log[h])) * softplus;
-    beta[o] = round_to<T>(1.f / (1.f + expf(-proj[r][hl][1])));
+    const int64_t o = (row0 + r) * heads + head;
+    g[o] = -expf(to_float(A_log[head])) * softplus;
+    beta[o] = round_to<T>(1.f / (1.f + expf(-proj[r][1])));
   }
 }
 
@@ -206,11 +246,11 @@ unsigned grid_for(int64_t work, int threads) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(cuda::ceil_div(work, threads), sms * 8)));
 }
 
-template <typename T, int GROUP, int VEC>
+template <typename T, int GROUP, bool PACKED>
 void launch_rms_norm(const RmsNormArgs<T>& args) {
   constexpr int kRowsPerBlock = kThreads / GROUP;
   const unsigned blocks = static_cast<unsigned>(cuda::ceil_div(args.rows, kRowsPerBlock));
-  rms_norm_kernel<T, GROUP, VEC><<<blocks, kThreads, 0, cuda::current_stream()>>>(args);
+  rms_norm_kernel<T, GROUP, PACKED><<<blocks, kThreads, 0, cuda::current_stream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -239,11 +279,10 @@ void rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::opt
                         zero_centered};
     const bool packed = gate.has_value() ? can_pack<T>({&x, &weight, &*gate, &out}, dim)
                                          : can_pack<T>({&x, &weight, &out}, dim);
-    constexpr int kVec = 16 / sizeof(T);
     if (dim > kLongRowFeatures) {
-      packed ? launch_rms_norm<T, kThreads, kVec>(args) : launch_rms_norm<T, kThreads, 1>(args);
+      packed ? launch_rms_norm<T, kThreads, true>(args) : launch_rms_norm<T, kThreads, false>(args);
     } else {
-      packed ? launch_rms_norm<T, cuda::kWarp, kVec>(args) : launch_rms_norm<T, cuda::kWarp, 1>(args);
+      packed ? launch_rms_norm<T, cuda::kWarp, true>(args) : launch_rms_norm<T, cuda::kWarp, false>(args);
     }
   });
 }
@@ -294,8 +333,7 @@ void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::T
   const int64_t rows = x.size(0), features = x.size(1), heads = weight_a.size(0);
   if (rows == 0 || heads == 0) return;
   TORCH_CHECK_VALUE(features <= INT32_MAX && heads <= INT32_MAX, "gdn_gates: x or the weights are too large");
-  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(heads, kGateHeads)),
-                  static_cast<unsigned>(cuda::ceil_div(rows, kGateRows)));
+  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(cuda::ceil_div(rows, kGateRows)));
   TORCH_CHECK_VALUE(grid.y <= 65535, "gdn_gates: x has too many rows (", rows, ")");
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "gdn_gates", [&] {
     using T = scalar_t;
@@ -312,9 +350,9 @@ void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::T
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         };
         if (packed) {
-          launch(gdn_gates_kernel<T, A, D, 16 / sizeof(T)>);
+          launch(gdn_gates_kernel<T, A, D, true>);
         } else {
-          launch(gdn_gates_kernel<T, A, D, 1>);
+          launch(gdn_gates_kernel<T, A, D, false>);
         }
       });
     });

@@ -27,10 +27,9 @@ import os
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ddtree_ext.fused import LayerFusion, rotary
+from ddtree_ext.fused import LayerFusion, gqa_attention, rotary
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -108,13 +107,9 @@ class DFlashAttention(nn.Module):
             index = rows[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
             cache_keys.scatter_(2, index, key[:, :, part])
             cache_values.scatter_(2, index, value[:, :, part])
-        attn = F.scaled_dot_product_attention(
-            query,
-            cache_keys[:, :, :kv_len],
-            cache_values[:, :, :kv_len],
-            attn_mask=self.mask(block_rows, kv_len),
-            scale=self.head_dim**-0.5,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+        attn = gqa_attention(
+            query, cache_keys[:, :, :kv_len], cache_values[:, :, :kv_len], self.mask(block_rows, kv_len),
+            self.head_dim**-0.5,
         )
         return self.o_proj(attn.transpose(1, 2).reshape(*block.shape[:-1], self.num_heads * self.head_dim))
 

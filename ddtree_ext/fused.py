@@ -15,9 +15,14 @@ module                     fused forward
 ``Qwen3MLP``/``Qwen3_5MLP``  ``down_proj(ops.silu_mul(gate_proj(x), up_proj(x)))`` (SiLU models)
 =========================  ===================================================
 
-and, for the attention layers, the modeling modules' ``apply_rotary_pos_emb`` (a module global the
-layers look up at call time) for two ``ops.rope`` launches that round where it rounds, so its
-results are HF's bit for bit; the swap is process-wide while a context is open.
+and, for the attention layers:
+
+* the modeling modules' ``apply_rotary_pos_emb`` (a module global the layers look up at call time) for
+  two ``ops.rope`` launches that round where it rounds, so its results are HF's bit for bit;
+* the "sdpa" entry of HF's attention registry for :func:`gqa_attention`, which folds a KV head's query
+  heads into its query rows instead of copying K and V per query head (HF's ``repeat_kv`` under a mask).
+
+Both are process-wide while a context is open.
 
 The HF code still runs for inputs the ops do not take (a weight dtype other than the input's, a
 missing gate, other rotary layouts), so a swap never changes what a module accepts. The one numerical difference from HF is
@@ -92,6 +97,66 @@ def _apply_rotary_pos_emb(stock: Callable, q, k, cos, sin, *args, **kwargs):
     ):
         return stock(q, k, cos, sin, *args, **kwargs)
     return ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+
+
+def gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """SDPA of query [B, H, N, D] over key / value [B, Hkv, S, D] (H a multiple of Hkv; head h reads KV head
+    h // (H / Hkv)) under a mask [B, 1, N or 1, S] shared by all heads (bool, True = attend, or additive) ->
+    [B, H, N, D].
+
+    The G = H / Hkv query heads of a KV head are folded into its query rows ([B, Hkv, G * N, D], the mask's
+    rows tiled G times), so the fused kernel reads each KV head once: no [B, H, S, D] copies of K and V
+    (what ``repeat_kv`` makes when a mask is given) and no math-kernel fallback (what ``enable_gqa`` with a
+    mask gets)."""
+    batch, heads, n, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    if groups == 1:
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    # A mask with one query row (a decode step, a non-causal block) broadcasts over the folded rows as it is.
+    folded_mask = mask if mask.shape[-2] == 1 else mask.repeat(1, 1, groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, kv_heads, groups * n, dim), key, value, attn_mask=folded_mask, scale=scale
+    )
+    return out.view(batch, heads, n, dim)
+
+
+def _sdpa_attention_forward(stock: Callable, module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                            is_causal=None, **kwargs):
+    """HF's ``sdpa_attention_forward`` through :func:`gqa_attention` when the layer has KV groups and a 4D mask
+    shared by its heads (every verify: the tree mask); anything else goes to ``stock``."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (
+        groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+        or dropout or is_causal or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+        or kwargs.get("output_attentions", False) or query.shape[1] != groups * key.shape[1]
+    ):
+        return stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                     **kwargs)
+    out = gqa_attention(query, key, value, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _folded_sdpa() -> Iterator[None]:
+    """HF's attention registry maps "sdpa" to :func:`_sdpa_attention_forward` while the context is open (a
+    local override of the registry instance the modeling files share, removed on exit)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
+
+    local = getattr(registry, "_local_mapping", None)
+    if local is None or "sdpa" not in registry:  # a registry of another shape: leave it alone
+        yield
+        return
+    previous = local.get("sdpa", _MISSING)
+    registry["sdpa"] = functools.partial(_sdpa_attention_forward, registry["sdpa"])
+    try:
+        yield
+    finally:
+        if previous is _MISSING:
+            del registry["sdpa"]
+        else:
+            registry["sdpa"] = previous
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -170,4 +235,7 @@ class LayerFusion:
             return contextlib.nullcontext()
         # The module-global patches are not kept on the instance: a model holding its LayerFusion must stay
         # deep-copyable.
-        return swapped_attributes([(m, "forward", f) for m, f in self.swaps] + list(_rotary_patches()))
+        stack = contextlib.ExitStack()
+        stack.enter_context(swapped_attributes([(m, "forward", f) for m, f in self.swaps] + list(_rotary_patches())))
+        stack.enter_context(_folded_sdpa())
+        return stack

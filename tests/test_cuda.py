@@ -735,6 +735,27 @@ def test_rope(heads, n, dim, rot, dtype):
     assert torch.equal(got.cpu(), reference.rope(x, cos, sin))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_layer_ops_bits_do_not_depend_on_alignment(dtype):
+    """The same values at a 16-byte aligned and at an unaligned address give the same bits (a graph replay
+    and an eager call may see one tensor at different addresses; a reduction order that followed the
+    load width made bf16 generations with graphs and without drift apart)."""
+    gen = make_gen(7)
+    rows, dim, heads = 65, 5120, 48
+    values = torch.randn(rows, dim, generator=gen).to(dtype).to(DEV)
+    shifted = torch.empty(rows * dim + 1, dtype=dtype, device=DEV)[1:].view(rows, dim)
+    shifted.copy_(values)
+    assert shifted.data_ptr() % 16 != 0
+    weight = torch.randn(dim, generator=gen).to(dtype).to(DEV)
+    for kw in (dict(zero_centered=True), dict(gate=values.flip(0))):
+        assert torch.equal(ops.rms_norm(values, weight, 1e-6, **kw), ops.rms_norm(shifted, weight, 1e-6, **kw))
+    wa = (torch.randn(heads, dim, generator=gen) * 0.05).to(dtype).to(DEV)
+    wb = (torch.randn(heads, dim, generator=gen) * 0.05).to(dtype).to(DEV)
+    A_log, dt_bias = torch.randn(heads, device=DEV), torch.randn(heads, device=DEV)
+    for a, b in zip(ops.gdn_gates(values, wa, wb, A_log, dt_bias), ops.gdn_gates(shifted, wa, wb, A_log, dt_bias)):
+        assert torch.equal(a, b)
+
+
 # ---- CUDA graphs and determinism ---------------------------------------------------------------
 
 
@@ -1014,3 +1035,18 @@ def test_all_ops_small():
     assert torch.equal(run_commit_kv(cache, kv_prefix, accepted, accept_len, DEV)[0].cpu(),
                        run_commit_kv(cache, kv_prefix, accepted, accept_len, "cpu")[0])
     assert torch.equal(ops.gather_rows(*to([x, accepted, accept_len], DEV)).cpu(), ops.gather_rows(x, accepted, accept_len))
+    # Layer bodies: both load paths (a 16-byte aligned row and an odd width), a long and a short row group.
+    for rows, dim in ((3, 1040), (5, 37)):
+        h = torch.randn(rows, dim, generator=gen)
+        w = torch.randn(dim, generator=gen)
+        for kw in (dict(zero_centered=True), dict(gate=h.flip(0))):
+            dev_kw = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+            assert_close(ops.rms_norm(*to([h, w], DEV), 1e-6, **dev_kw), ops.rms_norm(h, w, 1e-6, **kw), torch.float32)
+        assert_close(ops.silu_mul(*to([h, h.flip(0)], DEV)), ops.silu_mul(h, h.flip(0)), torch.float32)
+        wa, wb = torch.randn(3, dim, generator=gen), torch.randn(3, dim, generator=gen)
+        A_log, dt_bias = torch.randn(3, generator=gen), torch.randn(3, generator=gen)
+        for a, e in zip(ops.gdn_gates(*to([h, wa, wb, A_log, dt_bias], DEV)), ops.gdn_gates(h, wa, wb, A_log, dt_bias)):
+            assert_close(a, e, torch.float32)
+    q = torch.randn(1, 5, 3, 16, generator=gen).transpose(1, 2)
+    cos, sin = torch.randn(1, 5, 8, generator=gen), torch.randn(1, 5, 8, generator=gen)
+    assert torch.equal(ops.rope(*to([q, cos, sin], DEV)).cpu(), ops.rope(q, cos, sin))

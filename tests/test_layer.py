@@ -318,3 +318,42 @@ def test_gdn_gates_fall_back_to_hf_for_other_projections(gen):
     assert_close(g, ref_g, torch.float32, "g with the subclass")
     assert not torch.allclose(g, fused[0])
     assert_close(beta, fused[1], torch.float32, "beta (the fused op vs the Linear)")
+
+
+@pytest.mark.parametrize("n,mask_rows", [(1, 1), (5, 5), (5, 1)])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_gqa_attention_equals_sdpa_over_repeated_kv(n, mask_rows, mask_dtype, gen):
+    from ddtree_ext.fused import gqa_attention
+
+    q = torch.randn(2, 6, n, 8, generator=gen)
+    k, v = torch.randn(2, 2, 9, 8, generator=gen), torch.randn(2, 2, 9, 8, generator=gen)
+    visible = torch.rand(2, 1, mask_rows, 9, generator=gen) > 0.4
+    visible[..., 0] = True
+    mask = visible if mask_dtype == torch.bool else torch.where(visible, 0.0, float("-inf"))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), attn_mask=mask, scale=0.3
+    )
+    assert_close(gqa_attention(q, k, v, mask, 0.3), expected, torch.float32, "folded GQA")
+
+
+def test_fusion_routes_sdpa_through_the_folded_attention_and_restores_the_registry():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
+
+    model = make_tiny_target("qwen3_5", seed=2)
+    stock = registry["sdpa"]
+    calls = []
+    fusion = LayerFusion(model)
+    tokens = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    with torch.no_grad():
+        stock_logits = model(input_ids=tokens).logits
+        with fusion.active():
+            folded = registry["sdpa"]
+            assert folded.func.__name__ == "_sdpa_attention_forward"
+            registry["sdpa"] = lambda *a, **k: calls.append(1) or folded(*a, **k)
+            masks = {"full_attention": mask, "linear_attention": None}
+            fused_logits = model(input_ids=tokens, attention_mask=masks).logits
+            registry["sdpa"] = folded
+    assert registry["sdpa"] is stock
+    assert len(calls) == sum(t == "full_attention" for t in model.config.get_text_config().layer_types)
+    assert_close(fused_logits, stock_logits, torch.float32, "logits through the folded attention")
