@@ -119,7 +119,8 @@ def gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(batch, kv_heads, groups * n, dim), key, value, attn_mask=folded_mask, scale=scale
     )
-    return out.view(batch, heads, n, dim)
+    # reshape, not view: the fused kernels may return their output in [B, rows, heads, D] memory order.
+    return out.reshape(batch, heads, n, dim)
 
 
 def _sdpa_attention_forward(stock: Callable, module, query, key, value, attention_mask, dropout=0.0, scaling=None,

@@ -756,6 +756,29 @@ def test_layer_ops_bits_do_not_depend_on_alignment(dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,n,slots,mask_rows,dim",
+                         [(4, 2, 1, 8, 1, 32), (4, 2, 5, 12, 5, 32), (4, 2, 5, 12, 1, 32), (24, 4, 65, 768, 65, 256),
+                          (32, 8, 1, 700, 1, 128)])
+def test_gqa_attention(heads, kv_heads, n, slots, mask_rows, dim, dtype):
+    """The folded GQA attention against SDPA over K/V repeated per query head (HF's repeat_kv), on K/V
+    sliced from a larger cache as the verify reads them; whatever memory order the fused kernel returns."""
+    from ddtree_ext.fused import gqa_attention
+
+    gen = make_gen(slots)
+    q = torch.randn(1, heads, n, dim, generator=gen).to(dtype).to(DEV)
+    k_cache = torch.randn(1, kv_heads, slots + 7, dim, generator=gen).to(dtype).to(DEV)
+    v_cache = torch.randn(1, kv_heads, slots + 7, dim, generator=gen).to(dtype).to(DEV)
+    k, v = k_cache[:, :, :slots], v_cache[:, :, :slots]
+    mask = torch.rand(1, 1, mask_rows, slots, generator=gen) > 0.3
+    mask[..., 0] = True
+    mask = mask.to(DEV)
+    groups = heads // kv_heads
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                              attn_mask=mask, scale=dim**-0.5)
+    assert_close(gqa_attention(q, k, v, mask, dim**-0.5), expected, dtype, "folded GQA")
+
+
 # ---- CUDA graphs and determinism ---------------------------------------------------------------
 
 
