@@ -125,14 +125,11 @@ def gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
 
 def _sdpa_attention_forward(stock: Callable, module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                             is_causal=None, **kwargs):
-    """HF's ``sdpa_attention_forward`` through :func:`gqa_attention` when the layer has KV groups, more than
-    one query row and a 4D mask shared by its heads (a tree or chain verify); anything else goes to
-    ``stock``."""
+    """HF's ``sdpa_attention_forward`` through :func:`gqa_attention` when the layer has KV groups and a 4D mask
+    shared by its heads (every verify: the tree mask); anything else goes to ``stock``."""
     groups = getattr(module, "num_key_value_groups", 1)
-    # A single query row (a decode step) stays on HF's path: folded into G rows, cuDNN picks a 64-row tile
-    # for them and took 38 us per 27B layer on the H200 against 21 us for HF's copies plus its 16-row kernel.
     if (
-        groups == 1 or query.shape[2] == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+        groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
         or dropout or is_causal or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
         or kwargs.get("output_attentions", False) or query.shape[1] != groups * key.shape[1]
     ):

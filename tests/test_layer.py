@@ -357,22 +357,3 @@ def test_fusion_routes_sdpa_through_the_folded_attention_and_restores_the_regist
     assert registry["sdpa"] is stock
     assert len(calls) == sum(t == "full_attention" for t in model.config.get_text_config().layer_types)
     assert_close(fused_logits, stock_logits, torch.float32, "logits through the folded attention")
-
-
-def test_folded_sdpa_leaves_single_rows_and_maskless_calls_to_hf(gen):
-    from ddtree_ext.fused import _sdpa_attention_forward
-
-    module = torch.nn.Module()
-    module.num_key_value_groups = 3
-    k = v = torch.randn(1, 2, 9, 8, generator=gen)
-    seen = []
-
-    def stock(*args, **kwargs):
-        seen.append(args[1].shape[2])
-        return "stock", None
-
-    for n, mask in ((1, torch.ones(1, 1, 1, 9, dtype=torch.bool)), (4, None)):
-        assert _sdpa_attention_forward(stock, module, torch.randn(1, 6, n, 8, generator=gen), k, v, mask)[0] == "stock"
-    out, _ = _sdpa_attention_forward(stock, module, torch.randn(1, 6, 4, 8, generator=gen), k, v,
-                                     torch.ones(1, 1, 4, 9, dtype=torch.bool), scaling=0.3)
-    assert seen == [1, 4] and out.shape == (1, 4, 6, 8)
