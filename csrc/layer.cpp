@@ -15,6 +15,7 @@
 // differences from HF are the order of float32 sums (a norm's sum of squares, the gate projections' dot
 // products), which move a value by an ulp of float32 before its rounding. Semantics in Python: ddtree_ext/reference.py; where each op is used:
 // ddtree_ext/fused.py.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -237,6 +238,10 @@ void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   DDTREE_CHECK_DTYPE(op, out, x.scalar_type());
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, out);
   DDTREE_CHECK_SAME_DEVICE(op, x, out);
+  // Each output element reads two inputs of its row (itself and its rotate-half partner): in place would race.
+  const auto overlap = at::get_overlap_status(x, out);
+  DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+               "out must not overlap x");
 }
 
 void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b,

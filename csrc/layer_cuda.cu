@@ -99,8 +99,9 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
     for (int w = 0; w < kWarpsPerGroup; ++w) sum += partial[slot][w];  // same order in every thread
   }
   if (!active) return;
-  // torch.rsqrt on CUDA is rsqrtf; the mean is the sum times 1/n as in torch's reduction.
-  const float inv_rms = rsqrtf(sum * p.inv_dim + p.eps);
+  // torch.rsqrt on CUDA is rsqrtf; the mean is the sum times 1/n as in torch's reduction, rounded before the
+  // eps is added (no FMA contraction: torch runs the two as separate kernels).
+  const float inv_rms = rsqrtf(__fadd_rn(__fmul_rn(sum, p.inv_dim), p.eps));
   const T* gate = p.gate != nullptr ? p.gate + row * p.gate_stride : nullptr;
   T* out = p.out + row * p.out_stride;
   for (int i = t * C; i < p.dim; i += GROUP * C) {

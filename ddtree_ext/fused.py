@@ -22,7 +22,9 @@ and, for the attention layers:
 * the "sdpa" entry of HF's attention registry for :func:`gqa_attention`, which folds a KV head's query
   heads into its query rows instead of copying K and V per query head (HF's ``repeat_kv`` under a mask).
 
-Both are process-wide while a context is open.
+Both are process-wide while any fusion context is open (installed by the first, removed by the last): another
+model's calls meanwhile get the same results (RoPE bit for bit, attention up to float rounding), and calls the
+ops do not take (grad mode, other dtypes or layouts) go to HF's own function.
 
 The HF code still runs for inputs the ops do not take (a weight dtype other than the input's, a
 missing gate, other rotary layouts), so a swap never changes what a module accepts. The one numerical difference from HF is
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Callable, Iterator, List, Sequence, Tuple
 
 import torch
@@ -67,23 +70,42 @@ def swapped_forwards(swaps: Sequence[Tuple[torch.nn.Module, Callable]]) -> conte
 
 
 # The fused forwards are partials over the module, not closures: a deep copy of a model (and of the
-# LayerFusion it holds) then swaps the copy's modules, never the original's.
+# LayerFusion it holds) then swaps the copy's modules, never the original's. Each checks, per call, that its
+# op applies (the ops have no backward, take three float dtypes on CPU and CUDA, and want rows contiguous in
+# their last dim) and runs HF's code otherwise.
+
+_OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def ops_apply(*tensors: torch.Tensor) -> bool:
+    """True when the compiled ops can stand in for HF's code on these tensors: no autograd wanted, one
+    dtype the ops take, a CPU or CUDA device, each contiguous in its last dim."""
+    if torch.is_grad_enabled():
+        return False
+    first = tensors[0]
+    return (
+        first.dtype in _OP_DTYPES and first.device.type in ("cpu", "cuda")
+        and all(t.dtype == first.dtype and t.device == first.device and t.stride(-1) == 1 for t in tensors)
+    )
 
 
 def _norm_forward(norm: torch.nn.Module, eps: float, zero_centered: bool, hidden_states: torch.Tensor):
-    if hidden_states.dtype != norm.weight.dtype:
+    if not ops_apply(hidden_states, norm.weight):
         return type(norm).forward(norm, hidden_states)
     return ops.rms_norm(hidden_states, norm.weight, eps, zero_centered=zero_centered)
 
 
 def _gated_norm_forward(norm: torch.nn.Module, hidden_states: torch.Tensor, gate=None):
-    if gate is None or hidden_states.dtype != norm.weight.dtype or gate.dtype != hidden_states.dtype:
+    if gate is None or gate.shape != hidden_states.shape or not ops_apply(hidden_states, norm.weight, gate):
         return type(norm).forward(norm, hidden_states, gate)
     return ops.rms_norm(hidden_states, norm.weight, norm.variance_epsilon, gate=gate)
 
 
 def _mlp_forward(mlp: torch.nn.Module, x: torch.Tensor):
-    return mlp.down_proj(ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    if gate.shape != up.shape or not ops_apply(gate, up):
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+    return mlp.down_proj(ops.silu_mul(gate, up))
 
 
 def _apply_rotary_pos_emb(stock: Callable, q, k, cos, sin, *args, **kwargs):
@@ -92,8 +114,8 @@ def _apply_rotary_pos_emb(stock: Callable, q, k, cos, sin, *args, **kwargs):
     if (
         args or set(kwargs) - {"unsqueeze_dim"} or kwargs.get("unsqueeze_dim", 1) != 1
         or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape
-        or not q.dtype == k.dtype == cos.dtype == sin.dtype
         or cos.shape[0] != q.shape[0] or cos.shape[1] != q.shape[2] or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:]
+        or cos.shape[2] > q.shape[3] or cos.shape[2] % 2 or not ops_apply(q, k, cos, sin)
     ):
         return stock(q, k, cos, sin, *args, **kwargs)
     return ops.rope(q, cos, sin), ops.rope(k, cos, sin)
@@ -129,9 +151,10 @@ def _sdpa_attention_forward(stock: Callable, module, query, key, value, attentio
     shared by its heads (every verify: the tree mask); anything else goes to ``stock``."""
     groups = getattr(module, "num_key_value_groups", 1)
     if (
-        groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+        groups == 1 or torch.is_grad_enabled() or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
         or dropout or is_causal or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
         or kwargs.get("output_attentions", False) or query.shape[1] != groups * key.shape[1]
+        or value.shape[-1] != query.shape[-1]
     ):
         return stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                      **kwargs)
@@ -139,25 +162,70 @@ def _sdpa_attention_forward(stock: Callable, module, query, key, value, attentio
     return out.transpose(1, 2).contiguous(), None
 
 
-@contextlib.contextmanager
-def _folded_sdpa() -> Iterator[None]:
-    """HF's attention registry maps "sdpa" to :func:`_sdpa_attention_forward` while the context is open (a
-    local override of the registry instance the modeling files share, removed on exit)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
+class _ProcessPatches:
+    """The process-wide half of every active fusion: ``apply_rotary_pos_emb`` in the modeling modules and the
+    "sdpa" entry of HF's attention registry. Installed when the first fusion context opens and removed when
+    the last one closes (reference counted under a lock), so contexts may close in any order, from any
+    thread, without leaving a patch behind."""
 
-    local = getattr(registry, "_local_mapping", None)
-    if local is None or "sdpa" not in registry:  # a registry of another shape: leave it alone
-        yield
-        return
-    previous = local.get("sdpa", _MISSING)
-    registry["sdpa"] = functools.partial(_sdpa_attention_forward, registry["sdpa"])
-    try:
-        yield
-    finally:
-        if previous is _MISSING:
-            del registry["sdpa"]
-        else:
-            registry["sdpa"] = previous
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = 0
+        self._restore: List[Callable[[], None]] = []
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._count == 0:
+                try:
+                    self._install()
+                except BaseException:  # a half-installed set is put back before the error propagates
+                    self._put_back_all()
+                    raise
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count -= 1
+                if self._count == 0:
+                    self._put_back_all()
+
+    def _put_back_all(self) -> None:
+        for restore in reversed(self._restore):
+            restore()
+        self._restore = []
+
+    def _install(self) -> None:
+        for owner, name, value in _rotary_patches():
+            previous = owner.__dict__.get(name, _MISSING)
+            setattr(owner, name, value)
+            self._restore.append(functools.partial(_put_back, owner, name, previous))
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
+
+        local = getattr(registry, "_local_mapping", None)
+        if local is None or "sdpa" not in registry:  # a registry of another shape: leave it alone
+            return
+        previous = local.get("sdpa", _MISSING)
+        registry["sdpa"] = functools.partial(_sdpa_attention_forward, registry["sdpa"])
+        self._restore.append(functools.partial(_put_back_item, registry, "sdpa", previous))
+
+
+def _put_back(owner, name, previous) -> None:
+    if previous is _MISSING:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, previous)
+
+
+def _put_back_item(mapping, key, previous) -> None:
+    if previous is _MISSING:
+        del mapping[key]
+    else:
+        mapping[key] = previous
+
+
+_PROCESS_PATCHES = _ProcessPatches()
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -234,9 +302,12 @@ class LayerFusion:
         with grad mode on (training a draft) the stock forwards stay."""
         if torch.is_grad_enabled():
             return contextlib.nullcontext()
-        # The module-global patches are not kept on the instance: a model holding its LayerFusion must stay
-        # deep-copyable.
-        stack = contextlib.ExitStack()
-        stack.enter_context(swapped_attributes([(m, "forward", f) for m, f in self.swaps] + list(_rotary_patches())))
-        stack.enter_context(_folded_sdpa())
-        return stack
+        return self._active()
+
+    @contextlib.contextmanager
+    def _active(self) -> Iterator[None]:
+        # A module with an accelerate hook keeps its forward: the hook (which moves inputs, loads offloaded
+        # weights) lives in that instance forward, and a swap would skip it.
+        swaps = [(m, "forward", f) for m, f in self.swaps if "_hf_hook" not in m.__dict__]
+        with _PROCESS_PATCHES.held(), swapped_attributes(swaps):
+            yield

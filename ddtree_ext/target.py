@@ -52,7 +52,7 @@ from transformers import DynamicCache
 from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
-from ddtree_ext.fused import LayerFusion, swapped_forwards
+from ddtree_ext.fused import LayerFusion, ops_apply, swapped_forwards
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
 
@@ -548,11 +548,13 @@ def _gdn_tree_forward(
 
 def _gdn_gates(gdn: torch.nn.Module, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(g, beta) [B, N, HV] float32 of a GDN layer: one ``gdn_gates`` launch (both projections and the
-    gating) when in_proj_a / in_proj_b are plain bias-free Linear layers in the input's dtype, else HF's
-    own lines."""
+    gating) when in_proj_a / in_proj_b are plain bias-free Linear layers the op can take (``ops_apply``),
+    else HF's own lines."""
     proj_a, proj_b = gdn.in_proj_a, gdn.in_proj_b
-    if all(
-        type(p) is torch.nn.Linear and p.bias is None and p.weight.dtype == hidden_states.dtype for p in (proj_a, proj_b)
+    if (
+        all(type(p) is torch.nn.Linear and p.bias is None for p in (proj_a, proj_b))
+        and ops_apply(hidden_states, proj_a.weight, proj_b.weight)
+        and all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) for t in (gdn.A_log, gdn.dt_bias))
     ):
         return _ops.gdn_gates(hidden_states, proj_a.weight, proj_b.weight, gdn.A_log, gdn.dt_bias)
     beta = proj_b(hidden_states).sigmoid().float()

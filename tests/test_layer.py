@@ -217,6 +217,8 @@ def test_silu_mul_and_gdn_gating_bad_inputs():
         ops.rope(q, torch.randn(1, 5, 7), torch.randn(1, 5, 7))
     with pytest.raises(ValueError, match="rope: sin must have dtype"):
         ops.rope(q, torch.randn(1, 5, 8), torch.randn(1, 5, 8).half())
+    with pytest.raises(ValueError, match="rope: out must not overlap x"):
+        ops.rope(q, torch.randn(1, 5, 8), torch.randn(1, 5, 8), out=q)
 
 
 def test_layer_ops_opcheck(gen):
@@ -262,28 +264,90 @@ def test_fusion_swaps_the_norms_and_mlps_and_restores_them(family):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_model_gives_the_stock_logits(family, dtype):
+def test_fused_model_gives_the_stock_logits(family, dtype, monkeypatch):
+    """As a verify calls the model: batch 1 and a 4D mask per layer type, so every fused piece runs (the
+    spies count the RoPE launches and the folded attention calls)."""
+    from ddtree_ext import fused
+
     model = make_tiny_target(family, seed=1, dtype=dtype)
-    tokens = torch.randint(0, model.config.get_text_config().vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    n = 9
+    tokens = torch.randint(0, model.config.get_text_config().vocab_size, (1, n), generator=torch.Generator().manual_seed(2))
+    masks = {"full_attention": torch.ones(1, 1, n, n, dtype=torch.bool).tril(), "linear_attention": None}
+    counts = {"rope": 0, "gqa": 0}
+    rope, gqa = ops.rope, fused.gqa_attention
+    monkeypatch.setattr(ops, "rope", lambda *a, **k: counts.__setitem__("rope", counts["rope"] + 1) or rope(*a, **k))
+    monkeypatch.setattr(fused, "gqa_attention", lambda *a: counts.__setitem__("gqa", counts["gqa"] + 1) or gqa(*a))
+    fusion = LayerFusion(model)
+    attention_layers = sum(t == "full_attention" for t in model.config.get_text_config().layer_types)
+    with torch.no_grad():
+        stock = model(input_ids=tokens, attention_mask=masks).logits.float()
+        assert counts == {"rope": 0, "gqa": 0}
+        with fusion.active():
+            fused_logits = model(input_ids=tokens, attention_mask=masks).logits.float()
+    assert counts == {"rope": 2 * attention_layers, "gqa": attention_layers}
+    assert_close(fused_logits, stock, dtype, f"{family} fused logits")
+    assert torch.equal(fused_logits.argmax(-1), stock.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_fusion_keeps_the_stock_forward_where_the_ops_do_not_apply(family):
+    """float64 (no op takes it), a norm input not contiguous in its last dim, and grad mode: HF's code runs,
+    with HF's results."""
+    model = make_tiny_target(family, seed=0, dtype=torch.float64)
+    tokens = torch.randint(0, 50, (1, 7), generator=torch.Generator().manual_seed(1))
     fusion = LayerFusion(model)
     with torch.no_grad():
-        stock = model(input_ids=tokens).logits.float()
+        stock = model(input_ids=tokens).logits
         with fusion.active():
-            fused = model(input_ids=tokens).logits.float()
-    assert_close(fused, stock, dtype, f"{family} fused logits")
-    assert torch.equal(fused.argmax(-1), stock.argmax(-1))
-
-
-def test_fusion_keeps_the_stock_forward_where_the_ops_do_not_apply():
-    model = make_tiny_target("qwen3_5", seed=0)
-    fusion = LayerFusion(model.model)
-    norm = next(m for m, _ in fusion.swaps if type(m).__name__ == "Qwen3_5RMSNorm")
-    x = torch.randn(2, norm.weight.shape[0], dtype=torch.float64)  # a dtype the op does not take
+            assert torch.equal(model(input_ids=tokens).logits, stock)
+    norm = next(m for m, _ in fusion.swaps if type(m).__name__ in ("Qwen3RMSNorm", "Qwen3_5RMSNorm")).float()
+    x = torch.randn(norm.weight.shape[0], 3).t()  # rows strided in their last dim
     with torch.no_grad(), fusion.active():
         assert torch.equal(norm(x), type(norm).forward(norm, x))
     # Grad mode (training a draft): no swaps, the ops have no backward.
     with fusion.active():
         assert all("forward" not in m.__dict__ for m, _ in fusion.swaps)
+
+
+def test_an_open_fusion_leaves_other_models_gradients_alone():
+    """While one model's fusion is open (no grad), another model trained in grad mode gets every gradient:
+    the process-wide patches hand grad-mode calls to HF."""
+    served, trained = make_tiny_target("qwen3", seed=0), make_tiny_target("qwen3", seed=1)
+    tokens = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), LayerFusion(served).active(), torch.enable_grad():
+        trained(input_ids=tokens).logits.sum().backward()
+    missing = [name for name, p in trained.named_parameters() if p.requires_grad and p.grad is None]
+    assert missing == []
+
+
+def test_process_patches_survive_contexts_closing_out_of_order():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
+
+    stock_rope, stock_sdpa = qwen3.apply_rotary_pos_emb, registry["sdpa"]
+    a = LayerFusion(make_tiny_target("qwen3", seed=0))
+    b = LayerFusion(make_tiny_target("qwen3_5", seed=0))
+    with torch.no_grad():
+        ca, cb = a.active(), b.active()
+        ca.__enter__()
+        cb.__enter__()
+        ca.__exit__(None, None, None)
+        assert qwen3.apply_rotary_pos_emb is not stock_rope  # b is still open
+        cb.__exit__(None, None, None)
+    assert qwen3.apply_rotary_pos_emb is stock_rope and registry["sdpa"] is stock_sdpa
+    assert "sdpa" not in registry._local_mapping
+
+
+def test_modules_with_accelerate_hooks_keep_their_forward():
+    """accelerate keeps its hook in the instance forward (moving inputs, loading offloaded weights): such a
+    module is not swapped."""
+    model = make_tiny_target("qwen3", seed=0)
+    fusion = LayerFusion(model)
+    hooked = fusion.swaps[0][0]
+    hook_forward = lambda *a, **k: "hooked"  # noqa: E731
+    hooked._hf_hook, hooked.forward = object(), hook_forward
+    with torch.no_grad(), fusion.active():
+        assert hooked.forward is hook_forward
+        assert all(m.forward is f for m, f in fusion.swaps[1:])
 
 
 def test_fusion_of_a_deep_copy_swaps_the_copy():
