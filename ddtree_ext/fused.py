@@ -261,10 +261,10 @@ def _recognised_classes() -> dict:
     return table
 
 
-@functools.lru_cache(maxsize=None)
 def _rotary_patches() -> Tuple[Tuple[object, str, object], ...]:
     """(modeling module, "apply_rotary_pos_emb", fused version) for the families the attention layers
-    look the function up in (a module global, so it is swapped there while a fusion is active)."""
+    look the function up in (a module global, so it is swapped there while a fusion is active). Read at
+    each install, so the fallback is whatever the module holds then (another library's patch included)."""
     import importlib
 
     patches = []
