@@ -236,22 +236,25 @@ def generate(
             first = ops.chain_tree(input_ids[:, -1:], state.prefix_len - 1)
             root = acceptor.walk(first, logits[:, None], state.prefix_len - 1, ops.empty_walk(1, 1, device)).next_token
         decode.start(root, context)
-        done = emit(root.tolist())
-        prefix = prompt_len
-        while not done:
-            round_start = time.perf_counter()
-            clock.next_round()
-            replays = decode.replays
-            row = decode.run(min(kv_bucket(prefix + reach), capacity), clock)
-            stats.round_replayed.append(decode.replays > replays)
-            accept_len = row[0]
-            tokens = row[2:accept_len + 1] + [row[1 + max_accept]]
-            stats.accept_lengths.append(accept_len)
-            if spine_len:
-                stats.spine_accept_lengths.append(row[2 + max_accept])
-            done = emit(tokens)
-            prefix += accept_len
-            stats.round_time_s.append(time.perf_counter() - round_start)
+        try:
+            done = emit(root.tolist())
+            prefix = prompt_len
+            while not done:
+                round_start = time.perf_counter()
+                clock.next_round()
+                replays = decode.replays
+                row = decode.run(min(kv_bucket(prefix + reach), capacity), clock)
+                stats.round_replayed.append(decode.replays > replays)
+                accept_len = row[0]
+                tokens = row[2:accept_len + 1] + [row[1 + max_accept]]
+                stats.accept_lengths.append(accept_len)
+                if spine_len:
+                    stats.spine_accept_lengths.append(row[2 + max_accept])
+                done = emit(tokens)
+                prefix += accept_len
+                stats.round_time_s.append(time.perf_counter() - round_start)
+        finally:
+            decode.release()  # the graphs go now, also when a round or the streamer raised
         stats.graph_captures = decode.captures
     if streamer is not None:
         streamer.end()

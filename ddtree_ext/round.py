@@ -215,6 +215,16 @@ class DecodeRound:
         self.captures += 1
         return self._graphs[kv_len]
 
+    def release(self) -> None:
+        """Drops the captured graphs now, once the device is done with them, rather than whenever the
+        garbage collector reaches this object. PyTorch frees a capture stream's cuBLAS workspaces when a
+        graph captured on it is destroyed, and streams come from a small per-device pool, so a round
+        collected late could free the workspace of a later generation's live graphs on the same pooled
+        stream (pytorch/pytorch#193402; a suspect for this project's graphs-vs-eager flake)."""
+        if self._graphs:
+            torch.cuda.synchronize(self.device)
+            self._graphs.clear()
+
     def _read_result(self) -> List[int]:
         """The round's one device-to-host copy (pinned, then wait for it)."""
         if self.result_host.is_pinned():

@@ -586,3 +586,28 @@ def test_cli_with_checkpoints(tmp_path, capsys):
     assert "ddtree, budget 8: 12 new tokens after a 5-token prompt" in out and "tokens/s" in out
     assert main([*common, "--method", "autoregressive"]) == 0
     assert "autoregressive: 12 new tokens" in capsys.readouterr().out
+
+
+def test_rounds_release_their_graphs_when_generate_ends_or_raises(monkeypatch):
+    """generate() drops the round's graphs itself, also when the streamer raises mid-generation: a round
+    left to the garbage collector could free a pooled capture stream's cuBLAS workspace under a later
+    generation's graphs."""
+    from ddtree_ext import round as round_module
+
+    released = []
+    release = round_module.DecodeRound.release
+    monkeypatch.setattr(round_module.DecodeRound, "release", lambda self: released.append(self) or release(self))
+    target, draft = pair(AGREEING, HYBRID)
+    ids = pair_prompt(AGREEING, HYBRID, 17)
+    generate(target, draft, ids, 8)
+    assert len(released) == 1
+
+    class FailingStreamer(RecordingStreamer):
+        def put(self, value):
+            super().put(value)
+            if len(self.puts) == 3:
+                raise RuntimeError("the consumer went away")
+
+    with pytest.raises(RuntimeError, match="the consumer went away"):
+        generate(target, draft, ids, 20, streamer=FailingStreamer())
+    assert len(released) == 2
