@@ -221,7 +221,8 @@ class TargetAdapter:
             )
         params = inspect.signature(self.text_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        # Norms and SwiGLUs run as single ops in verify (prefill stays the stock forward).
+        # Norms, SwiGLUs, RoPE and GQA attention run as fused ops in verify (ddtree_ext.fused); the prefill
+        # stays the stock forward.
         self._fusion = LayerFusion(self.text_model)
 
     @property
