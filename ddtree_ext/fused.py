@@ -2,8 +2,10 @@
 
 Hugging Face's Qwen3 / Qwen3.5 layers run every norm and activation as a chain of small kernels: an
 RMSNorm is about ten (casts, pow, mean, add, rsqrt, multiplies), a SwiGLU two. In a round replayed from
-a CUDA graph each still costs 2-3 us of GPU time; over the 64 layers of a 27B model, replacing them (with
-the GDN gates, ``ddtree_ext.target``) took a captured decode step on the H200 from 22.7 to 17.5 ms.
+a CUDA graph each still costs GPU time (a 27B-shaped RMSNorm: 16 us as HF's chain, 2.8 us fused, on the
+H200: ``benchmarks/results/2026-11-29-h200-layer-ops.md``); over the 64 layers of a 27B model, replacing
+them (with the GDN gates, ``ddtree_ext.target``) took a captured decode step on the H200 from 22.7 to
+17.5 ms.
 :class:`LayerFusion` swaps the forward of each recognised submodule (per instance, for the duration of a
 context) for one compiled op with the same rounding points:
 
@@ -60,10 +62,7 @@ def swapped_attributes(swaps: Sequence[Tuple[object, str, object]]) -> Iterator[
         yield
     finally:
         for owner, name, previous in reversed(saved):
-            if previous is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, previous)
+            _put_back(owner, name, previous)
 
 
 def swapped_forwards(swaps: Sequence[Tuple[torch.nn.Module, Callable]]) -> contextlib.AbstractContextManager:
@@ -76,7 +75,7 @@ def swapped_forwards(swaps: Sequence[Tuple[torch.nn.Module, Callable]]) -> conte
 # op applies (the ops have no backward, take three float dtypes on CPU and CUDA, and want rows contiguous in
 # their last dim) and runs HF's code otherwise.
 
-_OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the activation dtypes the compiled ops take
 
 
 def ops_apply(*tensors: torch.Tensor) -> bool:
@@ -86,7 +85,7 @@ def ops_apply(*tensors: torch.Tensor) -> bool:
         return False
     first = tensors[0]
     return (
-        first.dtype in _OP_DTYPES and first.device.type in ("cpu", "cuda")
+        first.dtype in OP_DTYPES and first.device.type in ("cpu", "cuda")
         and all(t.dtype == first.dtype and t.device == first.device and t.stride(-1) == 1 for t in tensors)
     )
 

@@ -52,7 +52,7 @@ from transformers import DynamicCache
 from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
-from ddtree_ext.fused import LayerFusion, ops_apply, swapped_forwards
+from ddtree_ext.fused import OP_DTYPES, LayerFusion, ops_apply, swapped_forwards
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
 
@@ -555,7 +555,7 @@ def _gdn_gates(gdn: torch.nn.Module, hidden_states: torch.Tensor) -> Tuple[torch
     if (
         all(type(p) is torch.nn.Linear and p.bias is None for p in (proj_a, proj_b))
         and ops_apply(hidden_states, proj_a.weight, proj_b.weight)
-        and all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) for t in (gdn.A_log, gdn.dt_bias))
+        and all(t.dtype in OP_DTYPES for t in (gdn.A_log, gdn.dt_bias))
     ):
         return _ops.gdn_gates(hidden_states, proj_a.weight, proj_b.weight, gdn.A_log, gdn.dt_bias)
     beta = proj_b(hidden_states).sigmoid().float()
