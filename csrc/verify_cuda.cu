@@ -107,31 +107,33 @@ void launch_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10
 
 // ==== tree_gated_delta_rule ====================================================================
 //
-// Two launches; the committed state H0 is read once (by the second) and no per-node state is formed.
-//  1. gdn_tree_prep   per (b, key head, chunk of 16 nodes): l2-normalised keys (= stash_k); for every node i
-//                     of the chunk and every node j on its path root..i at distance a, k_i.k_j and
-//                     (scale q_i).k_j into a workspace gram[b, h, i, a, 0..1]; G_i (cumulative log decay,
-//                     summed root first, = stash_cumg) for the value heads of that key head.
-//  2. gdn_tree_main   per (b, value head, tile of 32 value columns):
-//                       KH = K H0 and QH = Q H0 for all nodes (fp32 FMA from shared memory, on its own
-//                         normalised copies of k and q, the same bits as kernel 1's);
-//                       then, once kernel 1 is complete, level by level (a node depends on its ancestors only)
-//                         u_i = beta_i (v_i - e^{G_i} KH_i - sum_{j strict anc} e^{G_i-G_j} (k_i.k_j) u_j),
-//                         o_i = e^{G_i} QH_i + sum_{j in root..i} e^{G_i-G_j} (q_i.k_j) u_j,
-//                       writing node i's output and stash_u as soon as its u is known.
+// The parallel form (DESIGN.md §4). Per value head, with G_i the log decay summed along root..i and
+// A_ij = beta_i e^{G_i - G_j} (k_i.k_j) for j a strict ancestor of i, the recurrence unrolls to
+//   u = T r,  T = (I + A)^{-1},  r_i = beta_i (v_i - e^{G_i} H0^T k_i),
+//   o_i = e^{G_i} H0^T q_i + sum_{a = 0..depth(i)} M_i[a] u_{a-th ancestor of i},  M_i[a] = e^{G_i - G_j} (q_i.k_j).
+// Row i of T is nonzero on the path root..i only: T_i[a] by ancestor distance a, T_i[0] = 1, and
+// T_i[b] = -sum_{a < b} T_i[a] A(P[a], P[b]) for the path P (P[0] = i): a forward substitution along one path,
+// independent of every other node's. Two launches; H0 is read once (by the second), no per-node state is formed.
+//  1. gdn_tree_prep  per (b, key head, chunk of 8 nodes): the l2-normalised keys of every node on the chunk's
+//                    paths (stash_k for the chunk's own), their dot products with their ancestors, G for the
+//                    group's value heads (stash_cumg), and per chunk node (a warp) and value head the rows T_i and
+//                    M_i into the workspace `coef`; 1/||k_i|| and scale/||q_i|| into `norms`.
+//  2. gdn_tree_main  per (b, value head, tile of 32 value columns): K H0 and Q H0 on the raw rows (the norms
+//                    scale the sums afterwards), then, once kernel 1 is complete, r, u = T r and o: three passes in
+//                    which nodes are independent, a warp per node and a lane per value column.
 // Kernel 2 is launched as a programmatic dependent of kernel 1 (Hopper and newer): its loads and products, which
-// need nothing kernel 1 writes, overlap kernel 1, and `griddepcontrol.wait` orders its reads of the workspace
-// and stash_cumg after kernel 1's writes. Without that launch attribute the wait is a no-op.
+// need nothing kernel 1 writes, overlap kernel 1, and `griddepcontrol.wait` orders its reads of kernel 1's
+// outputs after kernel 1's writes. Without that launch attribute the wait is a no-op.
 // Exponents are only ever formed as G_i - G_j with j an ancestor of i (<= 0 for log decays <= 0).
 
-constexpr int kPrepThreads = 256;
-constexpr int kPrepNodes = 16;      // chunk nodes per prep block
-constexpr int kMainThreads = 288;   // GEMM: 36 node rows x 8 column groups; solve: 9 warps
+constexpr int kPrepNodes = 8;                      // chunk nodes per prep block, a warp each
+constexpr int kPrepThreads = kPrepNodes * kWarp;
+constexpr int kMainThreads = 288;   // GEMM: 36 node rows x 8 column groups; passes: 9 warps
 constexpr int kMainWarps = kMainThreads / kWarp;
-constexpr int kTileV = 32;          // value columns per main block: one per lane in the solve
+constexpr int kTileV = 32;          // value columns per main block: one per lane in the passes
 constexpr int kHalfChunk = 36;      // GEMM thread (rg, cg) owns the chunk's nodes rg and rg + 36
 constexpr int kChunkNodes = 2 * kHalfChunk;
-constexpr int kCachedDist = 17;     // ancestor distances 0..16 cached in shared memory; deeper ones are read back
+constexpr int kCachedDist = 17;     // ancestor distances 0..16 kept in shared memory; deeper ones are recomputed
 
 // Lets the dependent launch (kernel 2) start / waits until the grid this one depends on is complete and its
 // writes are visible. Both are no-ops without a programmatic dependent launch.
@@ -204,93 +206,122 @@ __device__ __forceinline__ void store_group(float* row, int p, const RowGroup<T,
   }
 }
 
-// 1 / ||row|| as every kernel here computes it (same lanes, same butterfly), or 1 without l2norm;
-// a normalised query is ((x * inv) * scale), a normalised key x * inv.
-__device__ __forceinline__ void normalise_staged_row(float* row, int kdim, int lane, bool l2norm, bool query,
-                                                     float scale) {
+// Normalises a staged row in place (x * inv, times `scale` for a query) and returns the factor that takes the
+// raw row's products to the normalised row's: inv (keys) or inv * scale (queries), inv = 1 without l2norm.
+__device__ __forceinline__ float normalise_staged_row(float* row, int kdim, int lane, bool l2norm, float scale) {
   const float inv = l2norm ? cuda::inv_l2_norm(cuda::warp_sum_squares(row, kdim, lane), kL2NormEps) : 1.f;
-  if (query) {
-    for (int e = lane; e < kdim; e += kWarp) row[e] = (row[e] * inv) * scale;
-  } else {
-    for (int e = lane; e < kdim; e += kWarp) row[e] = row[e] * inv;
-  }
+  for (int e = lane; e < kdim; e += kWarp) row[e] = (row[e] * inv) * scale;
+  return inv * scale;
 }
 
+// x.y over staged rows (kpad-aligned, zero beyond K when VEC4), four partial sums for a short dependency chain.
 template <bool VEC4>
 __device__ __forceinline__ float dot_rows(const float* x, const float* y, int kdim) {
-  float acc = 0.f;
   if constexpr (VEC4) {
-#pragma unroll 8
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
     for (int e = 0; e < kdim; e += 4) {
       const float4 a = *reinterpret_cast<const float4*>(x + e);
       const float4 c = *reinterpret_cast<const float4*>(y + e);
-      acc = fmaf(a.x, c.x, acc);
-      acc = fmaf(a.y, c.y, acc);
-      acc = fmaf(a.z, c.z, acc);
-      acc = fmaf(a.w, c.w, acc);
+      acc.x = fmaf(a.x, c.x, acc.x);
+      acc.y = fmaf(a.y, c.y, acc.y);
+      acc.z = fmaf(a.z, c.z, acc.z);
+      acc.w = fmaf(a.w, c.w, acc.w);
     }
+    return (acc.x + acc.y) + (acc.z + acc.w);
   } else {
+    float acc = 0.f;
 #pragma unroll 8
     for (int e = 0; e < kdim; ++e) acc = fmaf(x[e], y[e], acc);
+    return acc;
   }
-  return acc;
 }
 
-__host__ __device__ inline size_t prep_smem_bytes(int n, int kdim, int group) {
-  const int kpad = staged_row_len(kdim);
-  return sizeof(float) * (static_cast<size_t>(n + kPrepNodes) * kpad + static_cast<size_t>(n) * group) +
-         sizeof(int) * static_cast<size_t>(2 + kPrepNodes) * n;
-}
+// Shared-memory plan of gdn_tree_prep (byte offsets), sized from N, K and the value heads per key head.
+struct GdnPrepLayout {
+  int kpad;
+  size_t krows, qrows, par, dep, on_path, anc, kk, graw, gcum, beta, qk, trow, path, total;
+
+  GdnPrepLayout(int n, int kdim, int group) {
+    kpad = staged_row_len(kdim);
+    size_t off = 0;
+    auto take = [&](size_t bytes) {
+      const size_t at = off;
+      off += (bytes + 15) / 16 * 16;
+      return at;
+    };
+    krows = take(sizeof(float) * n * kpad);            // keys of nodes 0..rows-1, normalised where on a path
+    qrows = take(sizeof(float) * kPrepNodes * kpad);   // the chunk's scaled, normalised queries
+    par = take(sizeof(int) * n);
+    dep = take(sizeof(int) * n);
+    on_path = take(sizeof(int) * n);                   // 1 when some chunk path holds the node
+    anc = take(sizeof(int) * n * kCachedDist);         // anc[m][a]: a-th ancestor of an on-path node m
+    kk = take(sizeof(float) * n * kCachedDist);        // kk[m][a] = k_m . k_{anc[m][a]}, a >= 1
+    graw = take(sizeof(float) * n * group);            // log decays of h's value heads
+    gcum = take(sizeof(float) * n * group);            // G of on-path nodes
+    beta = take(sizeof(float) * n * group);
+    qk = take(sizeof(float) * kPrepNodes * n);         // qk[t][a] = q_i . k_{a-th ancestor of i}, i = chunk node t
+    trow = take(sizeof(float) * kPrepNodes * n);       // a row of T being solved (paths longer than a warp)
+    path = take(sizeof(int) * kPrepNodes * n);         // path[t][a] = a-th ancestor of chunk node t
+    total = off;
+  }
+};
 
 template <typename T, bool VEC4>
 __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(
-    GdnShapes sh, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh, const T* __restrict__ k,
-    int64_t k_sb, int64_t k_sn, int64_t k_sh, const float* __restrict__ g, int64_t g_sb, int64_t g_sn, int64_t g_sh,
+    GdnShapes sh, GdnPrepLayout lay, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh,
+    const T* __restrict__ k, int64_t k_sb, int64_t k_sn, int64_t k_sh, const float* __restrict__ g, int64_t g_sb,
+    int64_t g_sn, int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn, int64_t be_sh,
     const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, float* __restrict__ stash_k, int64_t sk_sb,
     int64_t sk_sn, int64_t sk_sh, float* __restrict__ stash_cumg, int64_t cg_sb, int64_t cg_sn, int64_t cg_sh,
-    float* __restrict__ gram) {
+    float2* __restrict__ coef, float2* __restrict__ norms) {
   allow_dependent_launch();  // kernel 2 reads nothing of ours before its wait
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int n = sh.num_nodes, kdim = sh.kdim, kpad = staged_row_len(kdim);
+  const int n = sh.num_nodes, kdim = sh.kdim, kpad = lay.kpad;
   const int group = sh.value_heads / sh.heads;
   const int c0 = blockIdx.x * kPrepNodes, h = blockIdx.y, b = blockIdx.z;
   const int count = min(kPrepNodes, n - c0);
   const int rows = c0 + count;  // nodes 0..rows-1 can lie on the chunk's paths
-  float* krows = reinterpret_cast<float*>(smem_raw);     // [n][kpad] keys, normalised where on a chunk path
-  float* qrows = krows + static_cast<size_t>(n) * kpad;  // [kPrepNodes][kpad] scale * normalised queries
-  float* gs = qrows + kPrepNodes * kpad;                  // [n][group] log decays of h's value heads
-  int* par = reinterpret_cast<int*>(gs + n * group);      // [n]
-  int* on_path = par + n;                                 // [n] 1 when some chunk path holds the node
-  int* path = on_path + n;                                // [kPrepNodes][n]: path[t][a] = a-th ancestor
+  float* krows = reinterpret_cast<float*>(smem_raw + lay.krows);
+  float* qrows = reinterpret_cast<float*>(smem_raw + lay.qrows);
+  int* par = reinterpret_cast<int*>(smem_raw + lay.par);
+  int* dep = reinterpret_cast<int*>(smem_raw + lay.dep);
+  int* on_path = reinterpret_cast<int*>(smem_raw + lay.on_path);
+  int* anc = reinterpret_cast<int*>(smem_raw + lay.anc);
+  float* kk = reinterpret_cast<float*>(smem_raw + lay.kk);
+  float* graw = reinterpret_cast<float*>(smem_raw + lay.graw);
+  float* gcum = reinterpret_cast<float*>(smem_raw + lay.gcum);
+  float* beta_s = reinterpret_cast<float*>(smem_raw + lay.beta);
+  float* qk = reinterpret_cast<float*>(smem_raw + lay.qk);
+  float* trow = reinterpret_cast<float*>(smem_raw + lay.trow);
+  int* path = reinterpret_cast<int*>(smem_raw + lay.path);
   __shared__ int path_len[kPrepNodes];
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
-  constexpr int kWarps = kPrepThreads / kWarp;
 
-  // Every load at once: the tree, the keys of all nodes up to the chunk (those off the chunk's paths are
-  // not used, but loading them does not wait for the paths), the chunk's queries, the log decays.
+  // ---- every load at once: the tree, the log decays and betas, the keys of all nodes up to the chunk's end
+  // (those off the chunk's paths are not used, but loading them does not wait for the paths) ----
   for (int j = tid; j < rows; j += kPrepThreads) {
     par[j] = cuda::checked_parent(parent[b * pa_sb + j * pa_sn], j);
     on_path[j] = 0;
   }
   batched_copy<kPrepThreads, 4>(
-      rows * group, [&](int e) { return g[b * g_sb + (e / group) * g_sn + (h * group + e % group) * g_sh]; },
-      [&](int e, float x) { gs[e] = x; });
-  // Rows 0..rows-1: keys of nodes 0..rows-1; rows rows..rows+count-1: the chunk's queries.
+      rows * group,
+      [&](int e) {
+        const int j = e / group, hv = h * group + e % group;
+        return make_float2(g[b * g_sb + j * g_sn + hv * g_sh], beta[b * be_sb + j * be_sn + hv * be_sh]);
+      },
+      [&](int e, float2 x) {
+        graw[e] = x.x;
+        beta_s[e] = x.y;
+      });
   const int groups = VEC4 ? kdim / 4 : kdim;
   const T* k_base = k + b * k_sb + h * k_sh;
-  const T* q_base = q + b * q_sb + h * q_sh;
   batched_copy<kPrepThreads, 8>(
-      (rows + count) * groups,
-      [&](int e) {
-        const int r = e / groups;
-        const T* row = r < rows ? k_base + r * k_sn : q_base + (c0 + r - rows) * q_sn;
-        return load_group<T, VEC4>(row, e % groups);
-      },
-      [&](int e, const RowGroup<T, VEC4>& x) {
-        const int r = e / groups;
-        store_group<T, VEC4>(r < rows ? krows + r * kpad : qrows + (r - rows) * kpad, e % groups, x);
-      });
+      rows * groups, [&](int e) { return load_group<T, VEC4>(k_base + (e / groups) * k_sn, e % groups); },
+      [&](int e, const RowGroup<T, VEC4>& x) { store_group<T, VEC4>(krows + (e / groups) * kpad, e % groups, x); });
   __syncthreads();
+
+  // ---- the chunk's paths ----
   if (tid < count) {
     int len = 0;
     for (int j = c0 + tid; j >= 0; j = par[j]) {
@@ -300,38 +331,112 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(
     path_len[tid] = len;
   }
   __syncthreads();
-  for (int r = warp; r < rows + count; r += kWarps) {
-    if (r < rows) {
-      if (on_path[r]) normalise_staged_row(krows + r * kpad, kdim, lane, sh.l2norm, false, 1.f);
-    } else {
-      normalise_staged_row(qrows + (r - rows) * kpad, kdim, lane, sh.l2norm, true, sh.scale);
+
+  // ---- normalised keys (a warp per on-path row); depth and the first ancestors of on-path nodes ----
+  for (int m = warp; m < rows; m += kPrepNodes) {
+    if (!on_path[m]) continue;
+    float* row = krows + m * kpad;
+    const float inv = normalise_staged_row(row, kdim, lane, sh.l2norm, 1.f);
+    __syncwarp();
+    if (m >= c0) {
+      for (int e = lane; e < kdim; e += kWarp) stash_k[b * sk_sb + m * sk_sn + h * sk_sh + e] = row[e];
+      if (lane == 0) norms[(static_cast<int64_t>(b) * sh.heads + h) * n + m].x = inv;
     }
+  }
+  for (int m = tid; m < rows; m += kPrepThreads) {
+    if (!on_path[m]) continue;
+    int j = m, d = 0;
+    for (int a = 0; a < kCachedDist; ++a) {
+      anc[m * kCachedDist + a] = j;
+      if (j >= 0) j = par[j];
+    }
+    for (j = par[m]; j >= 0; j = par[j]) ++d;
+    dep[m] = d;
   }
   __syncthreads();
 
-  for (int e = tid; e < count * kdim; e += kPrepThreads) {
-    const int t = e / kdim, c = e % kdim;
-    stash_k[b * sk_sb + (c0 + t) * sk_sn + h * sk_sh + c] = krows[(c0 + t) * kpad + c];
+  // ---- dot products: the chunk's queries with their paths (a warp per chunk node), the on-path keys with
+  // their first ancestors (a thread per pair), and G (a thread per on-path node and value head) ----
+  if (warp < count) {
+    const int i = c0 + warp;
+    float* qrow = qrows + warp * kpad;
+    const T* q_row = q + b * q_sb + i * q_sn + h * q_sh;
+    for (int e = lane; e < kpad; e += kWarp) qrow[e] = e < kdim ? cuda::to_float(q_row[e]) : 0.f;
+    __syncwarp();
+    const float factor = normalise_staged_row(qrow, kdim, lane, sh.l2norm, sh.scale);
+    __syncwarp();
+    if (lane == 0) norms[(static_cast<int64_t>(b) * sh.heads + h) * n + i].y = factor;
+    for (int a = lane; a < path_len[warp]; a += kWarp) {
+      qk[warp * n + a] = dot_rows<VEC4>(qrow, krows + path[warp * n + a] * kpad, kdim);
+    }
   }
-  // One thread per (chunk node t, distance a): k_i.k_j and q_i.k_j.
-  int pairs = 0;
-  for (int t = 0; t < count; ++t) pairs += path_len[t];
-  for (int p = tid; p < pairs; p += kPrepThreads) {
-    int t = 0, a = p;
-    while (a >= path_len[t]) a -= path_len[t++];
-    const int i = c0 + t;
-    const float* kj = krows + path[t * n + a] * kpad;
-    const float kk = dot_rows<VEC4>(krows + i * kpad, kj, kdim);
-    const float qk = dot_rows<VEC4>(qrows + t * kpad, kj, kdim);
-    *reinterpret_cast<float2*>(gram + ((((static_cast<int64_t>(b) * sh.heads + h) * n + i) * n + a) * 2)) =
-        make_float2(kk, qk);
+  for (int e = tid; e < rows * (kCachedDist - 1); e += kPrepThreads) {
+    const int m = e / (kCachedDist - 1), a = 1 + e % (kCachedDist - 1);
+    if (!on_path[m] || a > dep[m]) continue;
+    kk[m * kCachedDist + a] = dot_rows<VEC4>(krows + m * kpad, krows + anc[m * kCachedDist + a] * kpad, kdim);
   }
-  // Cumulative log decay summed root first, as the recurrence accumulates it.
-  for (int p = tid; p < count * group; p += kPrepThreads) {
-    const int t = p / group, gi = p % group;
+  for (int e = tid; e < rows * group; e += kPrepThreads) {
+    const int m = e / group, gi = e % group;
+    if (!on_path[m]) continue;
+    // Summed root first, as the recurrence accumulates it: the a-th ancestor for a = depth .. 0.
     float acc = 0.f;
-    for (int a = path_len[t] - 1; a >= 0; --a) acc += gs[path[t * n + a] * group + gi];
-    stash_cumg[b * cg_sb + (c0 + t) * cg_sn + (h * group + gi) * cg_sh] = acc;
+    for (int a = dep[m]; a >= 0; --a) {
+      int j = anc[m * kCachedDist + min(a, kCachedDist - 1)];
+      for (int s = kCachedDist - 1; s < a; ++s) j = par[j];
+      acc += graw[j * group + gi];
+    }
+    gcum[e] = acc;
+  }
+  __syncthreads();
+
+  // ---- rows of T and M, a warp per chunk node, value head by value head ----
+  if (warp >= count) return;
+  const int t = warp, i = c0 + t, len = path_len[t];
+  const int* p = path + t * n;
+  // kk of path nodes P[a] and P[b] (b > a): cached for distances < kCachedDist, else recomputed.
+  auto path_kk = [&](int pa, int pb, int dist) {
+    return dist < kCachedDist ? kk[pa * kCachedDist + dist] : dot_rows<VEC4>(krows + pa * kpad, krows + pb * kpad, kdim);
+  };
+  for (int gi = 0; gi < group; ++gi) {
+    const int hv = h * group + gi;
+    const float gi_cum = gcum[i * group + gi];
+    float2* coef_row = coef + ((static_cast<int64_t>(b) * sh.value_heads + hv) * n + i) * n;
+    if (len <= kWarp) {
+      // Lane b holds T_i[b]; step a broadcasts the final T_i[a] and its node.
+      const int pb = p[lane < len ? lane : 0];  // lanes past the path hold node i, unused
+      const float gb = gcum[pb * group + gi];
+      float tb = lane == 0 ? 1.f : 0.f;
+      for (int a = 0; a + 1 < len; ++a) {
+        const float ta = __shfl_sync(cuda::kFullMask, tb, a);
+        const int pa = __shfl_sync(cuda::kFullMask, pb, a);
+        const float ga = __shfl_sync(cuda::kFullMask, gb, a);
+        if (lane > a && lane < len) {
+          const float w = beta_s[pa * group + gi] * expf(ga - gb) * path_kk(pa, pb, lane - a);
+          tb = fmaf(-ta, w, tb);
+        }
+      }
+      if (lane < len) coef_row[lane] = make_float2(tb, expf(gi_cum - gb) * qk[t * n + lane]);
+    } else {
+      float* tr = trow + t * n;
+      for (int c = lane; c < len; c += kWarp) tr[c] = c == 0 ? 1.f : 0.f;
+      __syncwarp();
+      for (int a = 0; a + 1 < len; ++a) {
+        const float ta = tr[a];
+        const int pa = p[a];
+        const float ga = gcum[pa * group + gi], ba = beta_s[pa * group + gi];
+        for (int c = a + 1 + lane; c < len; c += kWarp) {
+          const int pc = p[c];
+          const float w = ba * expf(ga - gcum[pc * group + gi]) * path_kk(pa, pc, c - a);
+          tr[c] = fmaf(-ta, w, tr[c]);
+        }
+        __syncwarp();
+      }
+      for (int c = lane; c < len; c += kWarp) {
+        coef_row[c] = make_float2(tr[c], expf(gi_cum - gcum[p[c] * group + gi]) * qk[t * n + c]);
+      }
+      __syncwarp();  // tr is rewritten for the next value head
+    }
+    if (lane == 0) stash_cumg[b * cg_sb + i * cg_sn + hv * cg_sh] = gi_cum;
   }
 }
 
@@ -340,7 +445,7 @@ struct GdnMainLayout {
   int kpad;   // staged row length (staged_row_len)
   int krows;  // the GEMM's depth: K rounded up to 4 (rows of the H0 tile; staged rows are zero beyond K)
   int chunk;  // nodes per GEMM chunk: min(N, 72)
-  size_t h0, stage, kh, qh, vt, cumg, beta, parent, depth, order, level_start, level_fill, total;
+  size_t h0, stage, kh, qh, vt, cumg, beta, parent, depth, norms, total;
 
   GdnMainLayout(int n, int kdim) {
     kpad = staged_row_len(kdim);
@@ -353,7 +458,7 @@ struct GdnMainLayout {
       return at;
     };
     h0 = take(sizeof(float) * krows * kTileV);
-    // The staged k/q rows of a chunk and, after the GEMM, the cached ancestor coefficients share one region.
+    // The staged k/q rows of a chunk and, after the GEMM, the cached ancestors and coefficients share one region.
     const size_t staging = sizeof(float) * 2 * chunk * kpad;
     const size_t coeffs = (2 * sizeof(float) + sizeof(int)) * static_cast<size_t>(n) * kCachedDist;
     stage = take(staging > coeffs ? staging : coeffs);
@@ -364,9 +469,7 @@ struct GdnMainLayout {
     beta = take(sizeof(float) * n);
     parent = take(sizeof(int) * n);
     depth = take(sizeof(int) * n);
-    order = take(sizeof(int) * n);
-    level_start = take(sizeof(int) * (n + 2));
-    level_fill = take(sizeof(int) * (n + 1));
+    norms = take(sizeof(float2) * n);
     total = off;
   }
 };
@@ -415,26 +518,24 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
     int64_t v_sn, int64_t v_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn, int64_t be_sh,
     const float* __restrict__ state, int64_t st_sb, int64_t st_sh, int64_t st_sk, int64_t st_sv, bool state_vec4,
     const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, const float* __restrict__ stash_cumg,
-    int64_t cg_sb, int64_t cg_sn, int64_t cg_sh, const float* __restrict__ gram, T* __restrict__ out, int64_t o_sb,
-    int64_t o_sn, int64_t o_sh, float* __restrict__ stash_u, int64_t su_sb, int64_t su_sn, int64_t su_sh) {
+    int64_t cg_sb, int64_t cg_sn, int64_t cg_sh, const float2* __restrict__ coef, const float2* __restrict__ norms,
+    T* __restrict__ out, int64_t o_sb, int64_t o_sn, int64_t o_sh, float* __restrict__ stash_u, int64_t su_sb,
+    int64_t su_sn, int64_t su_sh) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* h0 = reinterpret_cast<float*>(smem_raw + lay.h0);        // [krows][32]
   float* stage = reinterpret_cast<float*>(smem_raw + lay.stage);  // [2 chunk][kpad] during the GEMM
-  float* kh = reinterpret_cast<float*>(smem_raw + lay.kh);        // [N][32]: K H0, then u
-  float* qh = reinterpret_cast<float*>(smem_raw + lay.qh);        // [N][32]: Q H0
-  float* vt = reinterpret_cast<float*>(smem_raw + lay.vt);        // [N][32]: v
+  float* kh = reinterpret_cast<float*>(smem_raw + lay.kh);        // [N][32]: K H0, then r
+  float* qh = reinterpret_cast<float*>(smem_raw + lay.qh);        // [N][32]: Q H0, then e^G H0^T q
+  float* vt = reinterpret_cast<float*>(smem_raw + lay.vt);        // [N][32]: v, then u
   float* cumg = reinterpret_cast<float*>(smem_raw + lay.cumg);    // [N]
   float* beta_s = reinterpret_cast<float*>(smem_raw + lay.beta);  // [N]
   int* par = reinterpret_cast<int*>(smem_raw + lay.parent);       // [N]
   int* dep = reinterpret_cast<int*>(smem_raw + lay.depth);        // [N]
-  int* order = reinterpret_cast<int*>(smem_raw + lay.order);      // [N] nodes by depth
-  int* level_start = reinterpret_cast<int*>(smem_raw + lay.level_start);  // [N + 2] level d: order[start d ..]
-  int* level_fill = reinterpret_cast<int*>(smem_raw + lay.level_fill);    // [N + 1] scatter cursors
+  float2* norm_s = reinterpret_cast<float2*>(smem_raw + lay.norms);  // [N]: 1/||k||, scale/||q||
   const int n = sh.num_nodes, kdim = sh.kdim, kpad = lay.kpad;
-  float* coef_u = stage;                                   // [N][kCachedDist] after the GEMM
-  float* coef_o = coef_u + n * kCachedDist;                // [N][kCachedDist]
-  int* anc = reinterpret_cast<int*>(coef_o + n * kCachedDist);  // [N][kCachedDist]
-  __shared__ int max_depth;
+  float* coef_u = stage;                                        // [N][kCachedDist]: T_i[a], after the GEMM
+  float* coef_o = coef_u + n * kCachedDist;                     // [N][kCachedDist]: M_i[a]
+  int* anc = reinterpret_cast<int*>(coef_o + n * kCachedDist);  // [N][kCachedDist]: a-th ancestor, -1 above the root
 
   const int v0 = blockIdx.x * kTileV, hv = blockIdx.y, b = blockIdx.z;
   const int h = hv / (sh.value_heads / sh.heads);
@@ -442,7 +543,7 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
   const int col = v0 + lane;
   const bool col_ok = col < sh.vdim;
 
-  // Stages the key and query rows of chunk nodes c0 .. c0 + nodes - 1 as float (rows 2 l and 2 l + 1).
+  // Stages the raw key and query rows of chunk nodes c0 .. c0 + nodes - 1 as float (rows 2 l and 2 l + 1).
   const int groups = VEC4 ? kdim / 4 : kdim;
   const T* k_base = k + b * k_sb + h * k_sh;
   const T* q_base = q + b * q_sb + h * q_sh;
@@ -460,15 +561,8 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
       for (int e = tid; e < 2 * nodes * w; e += kMainThreads) stage[(e / w) * kpad + kdim + e % w] = 0.f;
     }
   };
-  auto normalise_chunk = [&](int nodes) {
-    for (int r = warp; r < 2 * nodes; r += kMainWarps) {
-      normalise_staged_row(stage + r * kpad, kdim, lane, sh.l2norm, r % 2 == 1, sh.scale);
-    }
-  };
 
   // ---- tree, beta, H0 tile, v tile and the first chunk's k and q: independent loads, issued together ----
-  if (tid == 0) max_depth = 0;
-  for (int i = tid; i < n + 2; i += kMainThreads) level_start[i] = 0;
   for (int i = tid; i < n; i += kMainThreads) {
     par[i] = cuda::checked_parent(parent[b * pa_sb + i * pa_sn], i);
     beta_s[i] = beta[b * be_sb + i * be_sn + hv * be_sh];
@@ -501,17 +595,8 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
       [&](int e, T x) { vt[e] = v0 + e % kTileV < sh.vdim ? cuda::to_float(x) : 0.f; });
   stage_chunk(0, lay.chunk);
   __syncthreads();
-  for (int i = tid; i < n; i += kMainThreads) {
-    int d = 0;
-    for (int j = par[i]; j >= 0; j = par[j]) ++d;
-    dep[i] = d;
-    atomicMax(&max_depth, d);
-    atomicAdd(&level_start[d + 1], 1);
-  }
-  normalise_chunk(lay.chunk);
-  __syncthreads();
 
-  // ---- KH and QH by chunks of up to 72 nodes ----
+  // ---- K H0 and Q H0 of the raw rows, by chunks of up to 72 nodes ----
   const int rg = tid / 8, cg = tid % 8;
   for (int c0 = 0;;) {
     const int nodes = min(lay.chunk, n - c0);
@@ -533,95 +618,77 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
     c0 += lay.chunk;
     __syncthreads();  // this chunk's reads of the staged rows are done
     if (c0 >= n) break;
-    const int next = min(lay.chunk, n - c0);
-    stage_chunk(c0, next);
-    __syncthreads();
-    normalise_chunk(next);
+    stage_chunk(c0, min(lay.chunk, n - c0));
     __syncthreads();
   }
-  // The staged rows are dead from here on: the region now holds the coefficients.
-
-  // ---- kernel 1's results: G, and the coefficients of ancestor distances a <= 16 ----
-  wait_for_prerequisite_grid();
-  const float* gram_h = gram + (static_cast<int64_t>(b) * sh.heads + h) * n * n * 2;
-  auto load_dots = [&](int i, float2(&dots)[kCachedDist]) {
-    const int d = dep[i];
-    const float2* gr = reinterpret_cast<const float2*>(gram_h + static_cast<int64_t>(i) * n * 2);
-#pragma unroll
-    for (int a = 0; a < kCachedDist; ++a) dots[a] = a <= d ? gr[a] : make_float2(0.f, 0.f);
-  };
-  auto store_coefs = [&](int i, const float2(&dots)[kCachedDist]) {
-    const int d = dep[i];
-    const float gi = cumg[i];
-    int j = i;
-#pragma unroll
+  // The staged rows are dead from here on: the region now holds the ancestors and coefficients.
+  for (int i = tid; i < n; i += kMainThreads) {
+    int j = i, d = 0;
     for (int a = 0; a < kCachedDist; ++a) {
-      if (a > d) break;
-      const float w = expf(gi - cumg[j]);
       anc[i * kCachedDist + a] = j;
-      coef_u[i * kCachedDist + a] = w * dots[a].x;
-      coef_o[i * kCachedDist + a] = w * dots[a].y;
-      j = par[j];
+      if (j >= 0) j = par[j];
     }
-  };
-  // A thread's own node (tid < n: every node for N <= 288) has its dots loaded with G, before the barrier.
-  float2 own_dots[kCachedDist];
-  if (tid < n) load_dots(tid, own_dots);
-  for (int i = tid; i < n; i += kMainThreads) cumg[i] = stash_cumg[b * cg_sb + i * cg_sn + hv * cg_sh];
-  if (tid == 0) {  // level sizes to level starts (the counts were added long before, behind several barriers)
-    for (int d = 1; d <= max_depth + 1; ++d) level_start[d] += level_start[d - 1];
-    for (int d = 0; d <= max_depth; ++d) level_fill[d] = level_start[d];
+    for (j = par[i]; j >= 0; j = par[j]) ++d;
+    dep[i] = d;
   }
-  __syncthreads();
-  if (tid < n) store_coefs(tid, own_dots);
-  for (int i = tid + kMainThreads; i < n; i += kMainThreads) {
-    float2 dots[kCachedDist];
-    load_dots(i, dots);
-    store_coefs(i, dots);
+
+  // ---- kernel 1's results: G, the norms and the coefficients of ancestor distances a <= 16 ----
+  wait_for_prerequisite_grid();
+  const float2* coef_h = coef + (static_cast<int64_t>(b) * sh.value_heads + hv) * n * n;
+  const float2* norms_h = norms + (static_cast<int64_t>(b) * sh.heads + h) * n;
+  for (int i = tid; i < n; i += kMainThreads) {
+    cumg[i] = stash_cumg[b * cg_sb + i * cg_sn + hv * cg_sh];
+    norm_s[i] = norms_h[i];
   }
-  // Within a level nodes are independent, so the order atomics hand out there changes no value.
-  for (int i = tid; i < n; i += kMainThreads) order[atomicAdd(&level_fill[dep[i]], 1)] = i;
+  __syncthreads();  // dep
+  batched_copy<kMainThreads, 4>(
+      n * kCachedDist,
+      [&](int e) {
+        const int i = e / kCachedDist, a = e % kCachedDist;
+        return coef_h[static_cast<int64_t>(i) * n + min(a, dep[i])];
+      },
+      [&](int e, float2 c) {
+        const bool real = e % kCachedDist <= dep[e / kCachedDist];
+        coef_u[e] = real ? c.x : 0.f;
+        coef_o[e] = real ? c.y : 0.f;
+      });
+  // r_i = beta_i (v_i - e^{G_i} H0^T k_i) over kh, e^{G_i} H0^T q_i over qh.
+  for (int i = warp; i < n; i += kMainWarps) {
+    const float decay = expf(cumg[i]);
+    const float2 nm = norm_s[i];
+    kh[i * kTileV + lane] = beta_s[i] * (vt[i * kTileV + lane] - decay * (nm.x * kh[i * kTileV + lane]));
+    qh[i * kTileV + lane] = decay * (nm.y * qh[i * kTileV + lane]);
+  }
   __syncthreads();
 
-  // ---- u and o, level by level, a warp per node ----
-  const int levels = max_depth + 1;
-  for (int d = 0; d < levels; ++d) {
-    for (int s = level_start[d] + warp; s < level_start[d + 1]; s += kMainWarps) {
-      const int i = order[s];
-      const int* anc_i = anc + i * kCachedDist;
-      const float* cu_i = coef_u + i * kCachedDist;
-      const float* co_i = coef_o + i * kCachedDist;
-      float acc_u = 0.f, acc_o = 0.f;
-      const int cached = min(d, kCachedDist - 1);
+  // sum_{a = 0..depth(i)} c_i[a] x_{a-th ancestor}: cached distances from shared memory, deeper ones walked.
+  auto path_sum = [&](int i, const float* c_i, const float* x, bool deep_o) {
+    const int d = dep[i];
+    const int* anc_i = anc + i * kCachedDist;
+    const int cached = min(d, kCachedDist - 1);
+    float acc = 0.f;
 #pragma unroll 4
-      for (int a = 1; a <= cached; ++a) {
-        const float uj = kh[anc_i[a] * kTileV + lane];
-        acc_u = fmaf(cu_i[a], uj, acc_u);
-        acc_o = fmaf(co_i[a], uj, acc_o);
-      }
-      // Deeper than the cache: each node from the one at distance a - 1, the dots from the workspace.
-      const float gi = cumg[i];
-      if (d >= kCachedDist) {
-        int j = anc_i[kCachedDist - 1];
-        for (int a = kCachedDist; a <= d; ++a) {
-          j = par[j];
-          const float w = expf(gi - cumg[j]);
-          const float2 x = *reinterpret_cast<const float2*>(gram_h + (static_cast<int64_t>(i) * n + a) * 2);
-          const float uj = kh[j * kTileV + lane];
-          acc_u = fmaf(w * x.x, uj, acc_u);
-          acc_o = fmaf(w * x.y, uj, acc_o);
-        }
-      }
-      const float decay = expf(gi);
-      const float u = beta_s[i] * ((vt[i * kTileV + lane] - decay * kh[i * kTileV + lane]) - acc_u);
-      const float o = decay * qh[i * kTileV + lane] + (co_i[0] * u + acc_o);
-      kh[i * kTileV + lane] = u;
-      if (col_ok) {
-        out[b * o_sb + i * o_sn + hv * o_sh + col] = cuda::from_float<T>(o);
-        stash_u[b * su_sb + i * su_sn + hv * su_sh + col] = u;
+    for (int a = 0; a <= cached; ++a) acc = fmaf(c_i[a], x[anc_i[a] * kTileV + lane], acc);
+    if (d >= kCachedDist) {
+      int j = anc_i[kCachedDist - 1];
+      for (int a = kCachedDist; a <= d; ++a) {
+        j = par[j];
+        const float2 c = coef_h[static_cast<int64_t>(i) * n + a];
+        acc = fmaf(deep_o ? c.y : c.x, x[j * kTileV + lane], acc);
       }
     }
-    __syncthreads();
+    return acc;
+  };
+  // u = T r, into vt (v is dead).
+  for (int i = warp; i < n; i += kMainWarps) {
+    const float u = path_sum(i, coef_u + i * kCachedDist, kh, false);
+    vt[i * kTileV + lane] = u;
+    if (col_ok) stash_u[b * su_sb + i * su_sn + hv * su_sh + col] = u;
+  }
+  __syncthreads();
+  for (int i = warp; i < n; i += kMainWarps) {
+    const float o = qh[i * kTileV + lane] + path_sum(i, coef_o + i * kCachedDist, vt, true);
+    if (col_ok) out[b * o_sb + i * o_sn + hv * o_sh + col] = cuda::from_float<T>(o);
   }
 }
 
@@ -642,26 +709,31 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const GdnShapes sh{static_cast<int>(n), static_cast<int>(heads), static_cast<int>(value_heads),
                      static_cast<int>(kdim), static_cast<int>(vdim), static_cast<float>(scale), use_qk_l2norm};
   const GdnMainLayout lay(static_cast<int>(n), static_cast<int>(kdim));
-  const size_t prep_smem =
-      prep_smem_bytes(static_cast<int>(n), static_cast<int>(kdim), static_cast<int>(value_heads / heads));
-  TORCH_CHECK_VALUE(lay.total <= cuda::max_dynamic_smem() && prep_smem <= cuda::max_dynamic_smem(),
+  const GdnPrepLayout prep_lay(static_cast<int>(n), static_cast<int>(kdim), static_cast<int>(value_heads / heads));
+  TORCH_CHECK_VALUE(lay.total <= cuda::max_dynamic_smem() && prep_lay.total <= cuda::max_dynamic_smem(),
                     "tree_gated_delta_rule: N = ", n, " and K = ", kdim,
-                    " need more shared memory than this GPU offers (", std::max(lay.total, prep_smem), " bytes)");
+                    " need more shared memory than this GPU offers (", std::max(lay.total, prep_lay.total), " bytes)");
   const cudaStream_t stream = cuda::current_stream();
-  // Shape-dependent workspace (never data-dependent): fine under CUDA graph capture.
-  const at::Tensor gram = at::empty({bsz, heads, n, n, 2}, k.options().dtype(at::kFloat));
+  // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture. coef holds T_i[a] and
+  // M_i[a] by ancestor distance a <= depth(i); norms 1/||k_i|| and scale/||q_i||.
+  const auto f32 = k.options().dtype(at::kFloat);
+  const at::Tensor coef = at::empty({bsz, value_heads, n, n, 2}, f32);
+  const at::Tensor norms = at::empty({bsz, heads, n, 2}, f32);
+  auto* coef_ptr = reinterpret_cast<float2*>(coef.data_ptr<float>());
+  auto* norms_ptr = reinterpret_cast<float2*>(norms.data_ptr<float>());
   const bool vec4 = rows_in_packs_of_4<T>(q) && rows_in_packs_of_4<T>(k);
 
   auto launch_prep = [&](auto kernel) {
-    cuda::allow_dynamic_smem(kernel, prep_smem);
+    cuda::allow_dynamic_smem(kernel, prep_lay.total);
     const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, kPrepNodes)), static_cast<unsigned>(heads),
                     static_cast<unsigned>(bsz));
-    kernel<<<grid, kPrepThreads, prep_smem, stream>>>(
-        sh, q.data_ptr<T>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<T>(), k.stride(0), k.stride(1),
-        k.stride(2), g.data_ptr<float>(), g.stride(0), g.stride(1), g.stride(2), parent.data_ptr<int32_t>(),
-        parent.stride(0), parent.stride(1), stash_k.data_ptr<float>(), stash_k.stride(0), stash_k.stride(1),
-        stash_k.stride(2), stash_cumg.data_ptr<float>(), stash_cumg.stride(0), stash_cumg.stride(1),
-        stash_cumg.stride(2), gram.data_ptr<float>());
+    kernel<<<grid, kPrepThreads, prep_lay.total, stream>>>(
+        sh, prep_lay, q.data_ptr<T>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<T>(), k.stride(0),
+        k.stride(1), k.stride(2), g.data_ptr<float>(), g.stride(0), g.stride(1), g.stride(2), beta.data_ptr<float>(),
+        beta.stride(0), beta.stride(1), beta.stride(2), parent.data_ptr<int32_t>(), parent.stride(0),
+        parent.stride(1), stash_k.data_ptr<float>(), stash_k.stride(0), stash_k.stride(1), stash_k.stride(2),
+        stash_cumg.data_ptr<float>(), stash_cumg.stride(0), stash_cumg.stride(1), stash_cumg.stride(2), coef_ptr,
+        norms_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
 
@@ -690,9 +762,9 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         static_cast<const float*>(state.data_ptr<float>()), state.stride(0), state.stride(1), state.stride(2),
         state.stride(3), state_vec4, static_cast<const int32_t*>(parent.data_ptr<int32_t>()), parent.stride(0),
         parent.stride(1), static_cast<const float*>(stash_cumg.data_ptr<float>()), stash_cumg.stride(0),
-        stash_cumg.stride(1), stash_cumg.stride(2), static_cast<const float*>(gram.data_ptr<float>()),
-        out.data_ptr<T>(), out.stride(0), out.stride(1), out.stride(2), stash_u.data_ptr<float>(), stash_u.stride(0),
-        stash_u.stride(1), stash_u.stride(2)));
+        stash_cumg.stride(1), stash_cumg.stride(2), static_cast<const float2*>(coef_ptr),
+        static_cast<const float2*>(norms_ptr), out.data_ptr<T>(), out.stride(0), out.stride(1), out.stride(2),
+        stash_u.data_ptr<float>(), stash_u.stride(0), stash_u.stride(1), stash_u.stride(2)));
   };
 
   if (vec4) {
