@@ -183,28 +183,47 @@ __device__ __forceinline__ void batched_copy(int total, Load load, Store store) 
   }
 }
 
-// Element group p of a row of T (4 elements when VEC4, else 1), raw, and its store into a float row.
-template <typename T, bool VEC4>
-using RowGroup = std::conditional_t<VEC4, cuda::Pack<T, 4>, T>;
+// Rows of q and k move as 16-byte packs when PACKED (every row starts 16-byte aligned and K is a multiple of
+// the pack), else element by element. kPack<T, PACKED>: elements per load.
+template <typename T, bool PACKED>
+constexpr int kPack = PACKED ? 16 / static_cast<int>(sizeof(T)) : 1;
 
-template <typename T, bool VEC4>
-__device__ __forceinline__ RowGroup<T, VEC4> load_group(const T* row, int p) {
-  if constexpr (VEC4) {
-    return *reinterpret_cast<const cuda::Pack<T, 4>*>(row + 4 * p);
+template <typename T, bool PACKED>
+using RowGroup = std::conditional_t<PACKED, cuda::Pack<T, kPack<T, PACKED>>, T>;
+
+template <typename T, bool PACKED>
+__device__ __forceinline__ RowGroup<T, PACKED> load_group(const T* row, int p) {
+  if constexpr (PACKED) {
+    return *reinterpret_cast<const RowGroup<T, PACKED>*>(row + kPack<T, PACKED> * p);
   } else {
     return row[p];
   }
 }
 
-template <typename T, bool VEC4>
-__device__ __forceinline__ void store_group(float* row, int p, const RowGroup<T, VEC4>& x) {
-  if constexpr (VEC4) {
-    *reinterpret_cast<float4*>(row + 4 * p) =
-        make_float4(cuda::to_float(x.v[0]), cuda::to_float(x.v[1]), cuda::to_float(x.v[2]), cuda::to_float(x.v[3]));
+template <typename T, bool PACKED>
+__device__ __forceinline__ void store_group(float* row, int p, const RowGroup<T, PACKED>& x) {
+  if constexpr (PACKED) {
+    constexpr int kP = kPack<T, PACKED>;
+#pragma unroll
+    for (int e = 0; e < kP; e += 4) {
+      *reinterpret_cast<float4*>(row + kP * p + e) = make_float4(cuda::to_float(x.v[e]), cuda::to_float(x.v[e + 1]),
+                                                                 cuda::to_float(x.v[e + 2]), cuda::to_float(x.v[e + 3]));
+    }
   } else {
     row[p] = cuda::to_float(x);
   }
 }
+
+// e -> (e / groups, e % groups) for the copy loops, by shifts when groups is a power of two (K = 128: 16 packs).
+struct RowSplit {
+  int groups, shift;
+  bool pow2;
+  __device__ explicit RowSplit(int g) : groups(g), shift(0), pow2((g & (g - 1)) == 0) {
+    while ((1 << shift) < g) ++shift;
+  }
+  __device__ int row(int e) const { return pow2 ? e >> shift : e / groups; }
+  __device__ int col(int e) const { return pow2 ? e & (groups - 1) : e % groups; }
+};
 
 // Normalises a staged row in place (x * inv, times `scale` for a query) and returns the factor that takes the
 // raw row's products to the normalised row's: inv (keys) or inv * scale (queries), inv = 1 without l2norm.
@@ -214,10 +233,10 @@ __device__ __forceinline__ float normalise_staged_row(float* row, int kdim, int 
   return inv * scale;
 }
 
-// x.y over staged rows (kpad-aligned, zero beyond K when VEC4), four partial sums for a short dependency chain.
-template <bool VEC4>
+// x.y over staged rows, four partial sums for a short dependency chain.
+template <bool PACKED>
 __device__ __forceinline__ float dot_rows(const float* x, const float* y, int kdim) {
-  if constexpr (VEC4) {
+  if constexpr (PACKED) {  // K is a multiple of 4 and staged rows are 16-byte aligned
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
     for (int e = 0; e < kdim; e += 4) {
@@ -267,7 +286,7 @@ struct GdnPrepLayout {
   }
 };
 
-template <typename T, bool VEC4>
+template <typename T, bool PACKED>
 __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(
     GdnShapes sh, GdnPrepLayout lay, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh,
     const T* __restrict__ k, int64_t k_sb, int64_t k_sn, int64_t k_sh, const float* __restrict__ g, int64_t g_sb,
@@ -314,11 +333,21 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(
         graw[e] = x.x;
         beta_s[e] = x.y;
       });
-  const int groups = VEC4 ? kdim / 4 : kdim;
+  // Rows 0..rows-1: keys of nodes 0..rows-1; rows rows..rows+count-1: the chunk's queries.
+  const RowSplit split(kdim / kPack<T, PACKED>);
   const T* k_base = k + b * k_sb + h * k_sh;
+  const T* q_base = q + b * q_sb + h * q_sh;
   batched_copy<kPrepThreads, 8>(
-      rows * groups, [&](int e) { return load_group<T, VEC4>(k_base + (e / groups) * k_sn, e % groups); },
-      [&](int e, const RowGroup<T, VEC4>& x) { store_group<T, VEC4>(krows + (e / groups) * kpad, e % groups, x); });
+      (rows + count) * split.groups,
+      [&](int e) {
+        const int r = split.row(e);
+        const T* row = r < rows ? k_base + r * k_sn : q_base + (c0 + r - rows) * q_sn;
+        return load_group<T, PACKED>(row, split.col(e));
+      },
+      [&](int e, const RowGroup<T, PACKED>& x) {
+        const int r = split.row(e);
+        store_group<T, PACKED>(r < rows ? krows + r * kpad : qrows + (r - rows) * kpad, split.col(e), x);
+      });
   __syncthreads();
 
   // ---- the chunk's paths ----
@@ -360,20 +389,17 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(
   if (warp < count) {
     const int i = c0 + warp;
     float* qrow = qrows + warp * kpad;
-    const T* q_row = q + b * q_sb + i * q_sn + h * q_sh;
-    for (int e = lane; e < kpad; e += kWarp) qrow[e] = e < kdim ? cuda::to_float(q_row[e]) : 0.f;
-    __syncwarp();
     const float factor = normalise_staged_row(qrow, kdim, lane, sh.l2norm, sh.scale);
     __syncwarp();
     if (lane == 0) norms[(static_cast<int64_t>(b) * sh.heads + h) * n + i].y = factor;
     for (int a = lane; a < path_len[warp]; a += kWarp) {
-      qk[warp * n + a] = dot_rows<VEC4>(qrow, krows + path[warp * n + a] * kpad, kdim);
+      qk[warp * n + a] = dot_rows<PACKED>(qrow, krows + path[warp * n + a] * kpad, kdim);
     }
   }
   for (int e = tid; e < rows * (kCachedDist - 1); e += kPrepThreads) {
     const int m = e / (kCachedDist - 1), a = 1 + e % (kCachedDist - 1);
     if (!on_path[m] || a > dep[m]) continue;
-    kk[m * kCachedDist + a] = dot_rows<VEC4>(krows + m * kpad, krows + anc[m * kCachedDist + a] * kpad, kdim);
+    kk[m * kCachedDist + a] = dot_rows<PACKED>(krows + m * kpad, krows + anc[m * kCachedDist + a] * kpad, kdim);
   }
   for (int e = tid; e < rows * group; e += kPrepThreads) {
     const int m = e / group, gi = e % group;
@@ -393,28 +419,32 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(
   if (warp >= count) return;
   const int t = warp, i = c0 + t, len = path_len[t];
   const int* p = path + t * n;
-  // kk of path nodes P[a] and P[b] (b > a): cached for distances < kCachedDist, else recomputed.
+  // kk of path nodes P[a] and P[b] (b > a): cached for distances < kCachedDist, else recomputed (deep paths).
   auto path_kk = [&](int pa, int pb, int dist) {
-    return dist < kCachedDist ? kk[pa * kCachedDist + dist] : dot_rows<VEC4>(krows + pa * kpad, krows + pb * kpad, kdim);
+    return dist < kCachedDist ? kk[pa * kCachedDist + dist] : dot_rows<PACKED>(krows + pa * kpad, krows + pb * kpad, kdim);
   };
   for (int gi = 0; gi < group; ++gi) {
     const int hv = h * group + gi;
     const float gi_cum = gcum[i * group + gi];
     float2* coef_row = coef + ((static_cast<int64_t>(b) * sh.value_heads + hv) * n + i) * n;
-    if (len <= kWarp) {
-      // Lane b holds T_i[b]; step a broadcasts the final T_i[a] and its node.
-      const int pb = p[lane < len ? lane : 0];  // lanes past the path hold node i, unused
+    if (len <= kCachedDist) {
+      // Lane b holds T_i[b]. The weights A(P[a], P[b]) do not depend on T: all 16 first, then the substitution
+      // is a chain of shuffles and FMAs only. Lanes past the path (and a >= b) get weight 0.
+      const int pb = p[lane < len ? lane : 0];
       const float gb = gcum[pb * group + gi];
-      float tb = lane == 0 ? 1.f : 0.f;
-      for (int a = 0; a + 1 < len; ++a) {
-        const float ta = __shfl_sync(cuda::kFullMask, tb, a);
+      float w[kCachedDist - 1];
+#pragma unroll
+      for (int a = 0; a < kCachedDist - 1; ++a) {
         const int pa = __shfl_sync(cuda::kFullMask, pb, a);
         const float ga = __shfl_sync(cuda::kFullMask, gb, a);
-        if (lane > a && lane < len) {
-          const float w = beta_s[pa * group + gi] * expf(ga - gb) * path_kk(pa, pb, lane - a);
-          tb = fmaf(-ta, w, tb);
-        }
+        const bool live = lane > a && lane < len;
+        const int dist = live ? lane - a : 1;
+        const float wa = beta_s[pa * group + gi] * expf(ga - gb) * kk[pa * kCachedDist + dist];
+        w[a] = live ? wa : 0.f;
       }
+      float tb = lane == 0 ? 1.f : 0.f;
+#pragma unroll
+      for (int a = 0; a < kCachedDist - 1; ++a) tb = fmaf(-__shfl_sync(cuda::kFullMask, tb, a), w[a], tb);
       if (lane < len) coef_row[lane] = make_float2(tb, expf(gi_cum - gb) * qk[t * n + lane]);
     } else {
       float* tr = trow + t * n;
@@ -440,6 +470,15 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(
   }
 }
 
+// One term of a node's path sums in gdn_tree_main, read with one 16-byte load: the row (times kTileV) of its
+// a-th ancestor and T_i[a], M_i[a]. Distances past the root point at the node's own row with zero coefficients,
+// so every node sums kCachedDist terms without a branch.
+struct alignas(16) PathTerm {
+  int row;
+  float t, m;
+  int unused;
+};
+
 // Shared-memory plan of gdn_tree_main (byte offsets), sized from N and K at launch.
 struct GdnMainLayout {
   int kpad;   // staged row length (staged_row_len)
@@ -458,9 +497,9 @@ struct GdnMainLayout {
       return at;
     };
     h0 = take(sizeof(float) * krows * kTileV);
-    // The staged k/q rows of a chunk and, after the GEMM, the cached ancestors and coefficients share one region.
+    // The staged k/q rows of a chunk and, after the GEMM, the table of ancestors and coefficients share one region.
     const size_t staging = sizeof(float) * 2 * chunk * kpad;
-    const size_t coeffs = (2 * sizeof(float) + sizeof(int)) * static_cast<size_t>(n) * kCachedDist;
+    const size_t coeffs = sizeof(PathTerm) * static_cast<size_t>(n) * kCachedDist;
     stage = take(staging > coeffs ? staging : coeffs);
     kh = take(sizeof(float) * n * kTileV);
     qh = take(sizeof(float) * n * kTileV);
@@ -511,7 +550,7 @@ __device__ __forceinline__ void node_pair_gemm(const float* stage, int kpad, int
   }
 }
 
-template <typename T, bool VEC4>
+template <typename T, bool PACKED>
 __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
     GdnShapes sh, GdnMainLayout lay, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh,
     const T* __restrict__ k, int64_t k_sb, int64_t k_sn, int64_t k_sh, const T* __restrict__ v, int64_t v_sb,
@@ -533,9 +572,7 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
   int* dep = reinterpret_cast<int*>(smem_raw + lay.depth);        // [N]
   float2* norm_s = reinterpret_cast<float2*>(smem_raw + lay.norms);  // [N]: 1/||k||, scale/||q||
   const int n = sh.num_nodes, kdim = sh.kdim, kpad = lay.kpad;
-  float* coef_u = stage;                                        // [N][kCachedDist]: T_i[a], after the GEMM
-  float* coef_o = coef_u + n * kCachedDist;                     // [N][kCachedDist]: M_i[a]
-  int* anc = reinterpret_cast<int*>(coef_o + n * kCachedDist);  // [N][kCachedDist]: a-th ancestor, -1 above the root
+  PathTerm* terms = reinterpret_cast<PathTerm*>(stage);  // [N][kCachedDist], after the GEMM
 
   const int v0 = blockIdx.x * kTileV, hv = blockIdx.y, b = blockIdx.z;
   const int h = hv / (sh.value_heads / sh.heads);
@@ -544,18 +581,20 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
   const bool col_ok = col < sh.vdim;
 
   // Stages the raw key and query rows of chunk nodes c0 .. c0 + nodes - 1 as float (rows 2 l and 2 l + 1).
-  const int groups = VEC4 ? kdim / 4 : kdim;
+  const RowSplit split(kdim / kPack<T, PACKED>);
   const T* k_base = k + b * k_sb + h * k_sh;
   const T* q_base = q + b * q_sb + h * q_sh;
   auto stage_chunk = [&](int c0, int nodes) {
     batched_copy<kMainThreads, 8>(
-        2 * nodes * groups,
+        2 * nodes * split.groups,
         [&](int e) {
-          const int r = e / groups, i = c0 + r / 2;
+          const int r = split.row(e), i = c0 + r / 2;
           const T* row = r % 2 == 0 ? k_base + i * k_sn : q_base + i * q_sn;
-          return load_group<T, VEC4>(row, e % groups);
+          return load_group<T, PACKED>(row, split.col(e));
         },
-        [&](int e, const RowGroup<T, VEC4>& x) { store_group<T, VEC4>(stage + (e / groups) * kpad, e % groups, x); });
+        [&](int e, const RowGroup<T, PACKED>& x) {
+          store_group<T, PACKED>(stage + split.row(e) * kpad, split.col(e), x);
+        });
     if (lay.krows > kdim) {  // zero the columns K..krows the GEMM reads
       const int w = lay.krows - kdim;
       for (int e = tid; e < 2 * nodes * w; e += kMainThreads) stage[(e / w) * kpad + kdim + e % w] = 0.f;
@@ -621,15 +660,16 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
     stage_chunk(c0, min(lay.chunk, n - c0));
     __syncthreads();
   }
-  // The staged rows are dead from here on: the region now holds the ancestors and coefficients.
+  // The staged rows are dead from here on: the region now holds the path terms (rows now, coefficients later).
   for (int i = tid; i < n; i += kMainThreads) {
-    int j = i, d = 0;
+    int d = 0;
+    for (int j = par[i]; j >= 0; j = par[j]) ++d;
+    dep[i] = d;
+    int j = i;
     for (int a = 0; a < kCachedDist; ++a) {
-      anc[i * kCachedDist + a] = j;
+      terms[i * kCachedDist + a].row = (a <= d ? j : i) * kTileV;
       if (j >= 0) j = par[j];
     }
-    for (j = par[i]; j >= 0; j = par[j]) ++d;
-    dep[i] = d;
   }
 
   // ---- kernel 1's results: G, the norms and the coefficients of ancestor distances a <= 16 ----
@@ -649,8 +689,8 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
       },
       [&](int e, float2 c) {
         const bool real = e % kCachedDist <= dep[e / kCachedDist];
-        coef_u[e] = real ? c.x : 0.f;
-        coef_o[e] = real ? c.y : 0.f;
+        terms[e].t = real ? c.x : 0.f;
+        terms[e].m = real ? c.y : 0.f;
       });
   // r_i = beta_i (v_i - e^{G_i} H0^T k_i) over kh, e^{G_i} H0^T q_i over qh.
   for (int i = warp; i < n; i += kMainWarps) {
@@ -661,42 +701,46 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
   }
   __syncthreads();
 
-  // sum_{a = 0..depth(i)} c_i[a] x_{a-th ancestor}: cached distances from shared memory, deeper ones walked.
-  auto path_sum = [&](int i, const float* c_i, const float* x, bool deep_o) {
-    const int d = dep[i];
-    const int* anc_i = anc + i * kCachedDist;
-    const int cached = min(d, kCachedDist - 1);
+  // sum_{a = 0..depth(i)} c_i[a] x_{a-th ancestor}: the first kCachedDist terms from the table, deeper ones walked.
+  auto path_sum = [&](int i, const float* x, bool m_pass) {
+    const PathTerm* term = terms + i * kCachedDist;
+    const float* x_lane = x + lane;
     float acc = 0.f;
-#pragma unroll 4
-    for (int a = 0; a <= cached; ++a) acc = fmaf(c_i[a], x[anc_i[a] * kTileV + lane], acc);
+#pragma unroll
+    for (int a = 0; a < kCachedDist; ++a) {
+      const PathTerm pt = term[a];
+      acc = fmaf(m_pass ? pt.m : pt.t, x_lane[pt.row], acc);
+    }
+    const int d = dep[i];
     if (d >= kCachedDist) {
-      int j = anc_i[kCachedDist - 1];
+      int j = term[kCachedDist - 1].row / kTileV;
       for (int a = kCachedDist; a <= d; ++a) {
         j = par[j];
         const float2 c = coef_h[static_cast<int64_t>(i) * n + a];
-        acc = fmaf(deep_o ? c.y : c.x, x[j * kTileV + lane], acc);
+        acc = fmaf(m_pass ? c.y : c.x, x_lane[j * kTileV], acc);
       }
     }
     return acc;
   };
   // u = T r, into vt (v is dead).
   for (int i = warp; i < n; i += kMainWarps) {
-    const float u = path_sum(i, coef_u + i * kCachedDist, kh, false);
+    const float u = path_sum(i, kh, false);
     vt[i * kTileV + lane] = u;
     if (col_ok) stash_u[b * su_sb + i * su_sn + hv * su_sh + col] = u;
   }
   __syncthreads();
   for (int i = warp; i < n; i += kMainWarps) {
-    const float o = qh[i * kTileV + lane] + path_sum(i, coef_o + i * kCachedDist, vt, true);
+    const float o = qh[i * kTileV + lane] + path_sum(i, vt, true);
     if (col_ok) out[b * o_sb + i * o_sn + hv * o_sh + col] = cuda::from_float<T>(o);
   }
 }
 
-// Rows of q and k move as 4-element packs when every row starts aligned to one.
+// Rows of q and k move as 16-byte packs when every row starts aligned to one.
 template <typename T>
-bool rows_in_packs_of_4(const at::Tensor& x) {
-  return x.size(3) % 4 == 0 && x.stride(0) % 4 == 0 && x.stride(1) % 4 == 0 && x.stride(2) % 4 == 0 &&
-         cuda::is_aligned(x.data_ptr(), 4 * sizeof(T));
+bool rows_in_packs(const at::Tensor& x) {
+  constexpr int64_t kP = kPack<T, true>;
+  return x.size(3) % kP == 0 && x.stride(0) % kP == 0 && x.stride(1) % kP == 0 && x.stride(2) % kP == 0 &&
+         cuda::is_aligned(x.data_ptr(), 16);
 }
 
 template <typename T>
@@ -721,7 +765,7 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const at::Tensor norms = at::empty({bsz, heads, n, 2}, f32);
   auto* coef_ptr = reinterpret_cast<float2*>(coef.data_ptr<float>());
   auto* norms_ptr = reinterpret_cast<float2*>(norms.data_ptr<float>());
-  const bool vec4 = rows_in_packs_of_4<T>(q) && rows_in_packs_of_4<T>(k);
+  const bool packed = rows_in_packs<T>(q) && rows_in_packs<T>(k);
 
   auto launch_prep = [&](auto kernel) {
     cuda::allow_dynamic_smem(kernel, prep_lay.total);
@@ -767,7 +811,7 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         stash_u.data_ptr<float>(), stash_u.stride(0), stash_u.stride(1), stash_u.stride(2)));
   };
 
-  if (vec4) {
+  if (packed) {
     launch_prep(gdn_tree_prep_kernel<T, true>);
     launch_main(gdn_tree_main_kernel<T, true>);
   } else {
