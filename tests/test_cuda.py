@@ -379,7 +379,8 @@ def test_tree_gated_delta_rule_options():
 
 
 def test_tree_gated_delta_rule_deep_chain():
-    """Paths longer than the 17 ancestor distances the kernel caches: the read-back path."""
+    """Paths longer than the 17 ancestor distances the kernels keep in shared memory (and than a warp): the
+    general path-row solve, dot products recomputed, path sums walked past the cached terms."""
     gen = make_gen(4)
     x = gdn_inputs(1, 48, 2, 2, 32, 32, torch.float32, gen, shape="chain", max_depth=100)
     got = run_gdn(x, DEV)
