@@ -680,7 +680,7 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
     cumg[i] = stash_cumg[b * cg_sb + i * cg_sn + hv * cg_sh];
     norm_s[i] = norms_h[i];
   }
-  __syncthreads();  // dep
+  __syncthreads();  // dep (written before the wait), cumg and norms
   batched_copy<kMainThreads, 4>(
       n * kCachedDist,
       [&](int e) {
