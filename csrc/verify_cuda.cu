@@ -124,6 +124,7 @@ void launch_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10
 // Kernel 2 is launched as a programmatic dependent of kernel 1 (Hopper and newer): its loads and products, which
 // need nothing kernel 1 writes, overlap kernel 1, and `griddepcontrol.wait` orders its reads of kernel 1's
 // outputs after kernel 1's writes. Without that launch attribute the wait is a no-op.
+// A tree of one node (autoregressive steps) takes gdn_single_node_kernel instead: one launch, no workspace.
 // Exponents are only ever formed as G_i - G_j with j an ancestor of i (<= 0 for log decays <= 0).
 
 constexpr int kPrepNodes = 8;                      // chunk nodes per prep block, a warp each
@@ -735,6 +736,98 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
   }
 }
 
+// ---- one node: the plain recurrence step ----
+// A tree of one node (autoregressive steps) has T = [1] and M = [q.k]: no prep kernel, no workspace, one launch per
+// (b, value head, 32 value columns). The block's warps split the rows of the H0 tile and reduce through shared
+// memory; the norms scale the sums of the raw rows, as in the tree kernels.
+
+constexpr int kNodeThreads = 256;
+constexpr int kNodeWarps = kNodeThreads / kWarp;
+constexpr int kNodeBatch = 16;  // H0 rows a thread loads before its first product
+
+template <typename T>
+__global__ void __launch_bounds__(kNodeThreads) gdn_single_node_kernel(
+    GdnShapes sh, const T* __restrict__ q, int64_t q_sb, int64_t q_sh, const T* __restrict__ k, int64_t k_sb,
+    int64_t k_sh, const T* __restrict__ v, int64_t v_sb, int64_t v_sh, const float* __restrict__ g, int64_t g_sb,
+    int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sh, const float* __restrict__ state,
+    int64_t st_sb, int64_t st_sh, int64_t st_sk, int64_t st_sv, T* __restrict__ out, int64_t o_sb, int64_t o_sh,
+    float* __restrict__ stash_u, int64_t su_sb, int64_t su_sh, float* __restrict__ stash_k, int64_t sk_sb,
+    int64_t sk_sh, float* __restrict__ stash_cumg, int64_t cg_sb, int64_t cg_sh) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int kdim = sh.kdim;
+  float* krow = reinterpret_cast<float*>(smem_raw);  // [K] raw key
+  float* qrow = krow + kdim;                         // [K] raw query
+  float* part = qrow + kdim;                         // [2][kNodeWarps][32] partial sums of k.H0, q.H0
+  __shared__ float inv_k, factor_q, qk;
+  const int v0 = blockIdx.x * kTileV, hv = blockIdx.y, b = blockIdx.z;
+  const int group = sh.value_heads / sh.heads, h = hv / group;
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const int col = min(v0 + lane, sh.vdim - 1);
+  const bool col_ok = v0 + lane < sh.vdim;
+
+  // The rows, and this lane's v, g and beta (warp 0); the H0 column entries follow.
+  for (int e = tid; e < kdim; e += kNodeThreads) {
+    krow[e] = cuda::to_float(k[b * k_sb + h * k_sh + e]);
+    qrow[e] = cuda::to_float(q[b * q_sb + h * q_sh + e]);
+  }
+  float vv = 0.f, gg = 0.f, bt = 0.f;
+  if (warp == 0) {
+    vv = cuda::to_float(v[b * v_sb + hv * v_sh + col]);
+    gg = g[b * g_sb + hv * g_sh];
+    bt = beta[b * be_sb + hv * be_sh];
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const float inv = sh.l2norm ? cuda::inv_l2_norm(cuda::warp_sum_squares(krow, kdim, lane), kL2NormEps) : 1.f;
+    if (lane == 0) inv_k = inv;
+    if (blockIdx.x == 0 && hv % group == 0) {  // one writer per key head
+      for (int e = lane; e < kdim; e += kWarp) stash_k[b * sk_sb + h * sk_sh + e] = krow[e] * inv;
+    }
+  } else if (warp == 1) {
+    const float inv = sh.l2norm ? cuda::inv_l2_norm(cuda::warp_sum_squares(qrow, kdim, lane), kL2NormEps) : 1.f;
+    if (lane == 0) factor_q = inv * sh.scale;
+  } else if (warp == 2) {
+    float acc = 0.f;
+    for (int e = lane; e < kdim; e += kWarp) acc = fmaf(qrow[e], krow[e], acc);
+    acc = cuda::warp_sum(acc);
+    if (lane == 0) qk = acc;
+  }
+  const float* h0 = state + b * st_sb + hv * st_sh + col * st_sv;
+  float pk = 0.f, pq = 0.f;
+  for (int r0 = warp; r0 < kdim; r0 += kNodeBatch * kNodeWarps) {
+    float hx[kNodeBatch];
+#pragma unroll
+    for (int u = 0; u < kNodeBatch; ++u) hx[u] = h0[min(r0 + u * kNodeWarps, kdim - 1) * st_sk];
+#pragma unroll
+    for (int u = 0; u < kNodeBatch; ++u) {
+      const int r = r0 + u * kNodeWarps;
+      if (r < kdim) {
+        pk = fmaf(krow[r], hx[u], pk);
+        pq = fmaf(qrow[r], hx[u], pq);
+      }
+    }
+  }
+  part[warp * kWarp + lane] = pk;
+  part[(kNodeWarps + warp) * kWarp + lane] = pq;
+  __syncthreads();
+  if (warp != 0) return;
+  float kh = 0.f, qh = 0.f;
+#pragma unroll
+  for (int w = 0; w < kNodeWarps; ++w) {
+    kh += part[w * kWarp + lane];
+    qh += part[(kNodeWarps + w) * kWarp + lane];
+  }
+  // u = beta (v - e^g H0^T k), o = e^g H0^T q + (q.k) u, with q and k normalised (and q scaled).
+  const float decay = expf(gg);
+  const float u = bt * (vv - decay * (inv_k * kh));
+  const float o = decay * (factor_q * qh) + ((qk * inv_k) * factor_q) * u;
+  if (col_ok) {
+    out[b * o_sb + hv * o_sh + v0 + lane] = cuda::from_float<T>(o);
+    stash_u[b * su_sb + hv * su_sh + v0 + lane] = u;
+  }
+  if (blockIdx.x == 0 && lane == 0) stash_cumg[b * cg_sb + hv * cg_sh] = 0.f + gg;  // G of the root, as summed
+}
+
 // Rows of q and k move as 16-byte packs when every row starts aligned to one.
 template <typename T>
 bool rows_in_packs(const at::Tensor& x) {
@@ -758,6 +851,21 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                     "tree_gated_delta_rule: N = ", n, " and K = ", kdim,
                     " need more shared memory than this GPU offers (", std::max(lay.total, prep_lay.total), " bytes)");
   const cudaStream_t stream = cuda::current_stream();
+  if (n == 1) {
+    const size_t smem = sizeof(float) * (2 * kdim + 2 * kNodeWarps * kWarp);
+    cuda::allow_dynamic_smem(gdn_single_node_kernel<T>, smem);
+    const dim3 grid(static_cast<unsigned>(cuda::ceil_div(vdim, kTileV)), static_cast<unsigned>(value_heads),
+                    static_cast<unsigned>(bsz));
+    gdn_single_node_kernel<T><<<grid, kNodeThreads, smem, stream>>>(
+        sh, q.data_ptr<T>(), q.stride(0), q.stride(2), k.data_ptr<T>(), k.stride(0), k.stride(2), v.data_ptr<T>(),
+        v.stride(0), v.stride(2), g.data_ptr<float>(), g.stride(0), g.stride(2), beta.data_ptr<float>(),
+        beta.stride(0), beta.stride(2), state.data_ptr<float>(), state.stride(0), state.stride(1), state.stride(2),
+        state.stride(3), out.data_ptr<T>(), out.stride(0), out.stride(2), stash_u.data_ptr<float>(),
+        stash_u.stride(0), stash_u.stride(2), stash_k.data_ptr<float>(), stash_k.stride(0), stash_k.stride(2),
+        stash_cumg.data_ptr<float>(), stash_cumg.stride(0), stash_cumg.stride(2));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture. coef holds T_i[a] and
   // M_i[a] by ancestor distance a <= depth(i); norms 1/||k_i|| and scale/||q_i||.
   const auto f32 = k.options().dtype(at::kFloat);

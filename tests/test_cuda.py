@@ -378,6 +378,22 @@ def test_tree_gated_delta_rule_options():
     assert_gdn_close(got, gdn_recurrence_fp64(x, 0.37, l2norm=False), torch.float32, "vs float64 recurrence")
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("l2norm", [True, False])
+@pytest.mark.parametrize("bsz,heads,value_heads,kdim,vdim", [(2, 2, 4, 16, 8), (1, 1, 3, 32, 40), (1, 16, 48, 128, 128)])
+def test_tree_gated_delta_rule_single_node(dtype, l2norm, bsz, heads, value_heads, kdim, vdim):
+    """A one-node tree (an autoregressive step) has its own kernel: against the CPU op and the float64
+    recurrence, with and without l2norm, V not a multiple of the 32-column tile, batches."""
+    gen = make_gen(kdim + vdim + l2norm)
+    x = gdn_inputs(bsz, 1, heads, value_heads, kdim, vdim, dtype, gen)
+    if not l2norm:
+        x = x._replace(q=x.q * 0.2, k=x.k * 0.2)
+    scale = None if l2norm else 0.37
+    got = run_gdn(x, DEV, scale=scale, l2norm=l2norm)
+    assert_gdn_close(got, run_gdn(x, "cpu", scale=scale, l2norm=l2norm), dtype, "vs CPU op")
+    assert_gdn_close(got, gdn_recurrence_fp64(x, scale or kdim**-0.5, l2norm=l2norm), dtype, "vs float64 recurrence")
+
+
 def test_tree_gated_delta_rule_deep_chain():
     """Paths longer than the 17 ancestor distances the kernels keep in shared memory (and than a warp): the
     general path-row solve, dot products recomputed, path sums walked past the cached terms."""
