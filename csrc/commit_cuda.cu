@@ -17,7 +17,9 @@
 namespace ddtree {
 namespace {
 
-constexpr int kMaxLayersPerLaunch = 32;
+// 64 layers per launch (a 48-layer model's GDN states in one): four tables of 64 pointers still fit the 4 KB of
+// kernel parameters.
+constexpr int kMaxLayersPerLaunch = 64;
 
 template <typename T>
 struct LayerTable {
@@ -76,11 +78,14 @@ Path path_of(const at::Tensor& accepted, const at::Tensor& accept_len) {
 // ==== commit_gdn_state =========================================================================
 //
 // S <- e^{G_l} S + sum_d e^{G_l - G_{p_d}} k_{p_d} u_{p_d}^T, l the last path node. One block per
-// (layer, b, value head, tile of kGdnRows state rows): the path's scaled keys (tile rows only) and
-// update vectors are staged in shared memory, then every thread updates VEC consecutive entries.
+// (layer, b, value head, tile of kCommitGdnRows state rows). The op is memory-bound, and a block's fixed cost is
+// a chain of dependent reads (accept_len -> the path's nodes -> their G -> the staged keys), so: each thread
+// issues the loads of its kCommitGdnBatch packs of the tile first, and the path's nodes are read by one thread each
+// (not walked by every thread). A path found unusable drops the loaded values: nothing is stored.
 
 constexpr int kCommitGdnThreads = 256;
-constexpr int kCommitGdnRows = 32;
+constexpr int kCommitGdnRows = 64;
+constexpr int kCommitGdnBatch = 8;  // packs per thread in flight at once: 64 rows x 128 columns in one batch
 
 struct GdnStrides {
   int64_t st_sb, st_sh, st_sk, st_sv;  // state [B, HV, K, V]
@@ -90,50 +95,114 @@ struct GdnStrides {
   int num_nodes, heads, value_heads, kdim, vdim;
 };
 
+// Dynamic shared memory of commit_gdn_state_kernel for paths of up to max_len nodes and V value columns.
+size_t commit_gdn_smem_bytes(int64_t max_len, int64_t vdim) {
+  return sizeof(float) * max_len * (kCommitGdnRows + vdim + 2);
+}
+
 template <int VEC>
 __global__ void __launch_bounds__(kCommitGdnThreads) commit_gdn_state_kernel(
     LayerTable<float> state, LayerTable<const float> stash_u, LayerTable<const float> stash_k,
     LayerTable<const float> stash_cumg, GdnStrides s, Path path, int row_tiles) {
   extern __shared__ __align__(16) float smem[];
-  const int layer = blockIdx.z, b = blockIdx.y;
+  const int layer = blockIdx.z, b = blockIdx.y, tid = threadIdx.x;
   const int hv = blockIdx.x / row_tiles, k0 = (blockIdx.x % row_tiles) * kCommitGdnRows;
   const int h = hv / (s.value_heads / s.heads);
-  const int len = path.length(b, s.num_nodes);
-  if (len == 0) return;
   const int rows = min(kCommitGdnRows, s.kdim - k0);
-  float* ks = smem;                              // [len][kCommitGdnRows] e^{G_l - G_p} k_p
-  float* us = smem + path.max_len * kCommitGdnRows;  // [len][V] u_p
+  const int packs_per_row = s.vdim / VEC;
+  const int total = rows * packs_per_row;
+  float* tile = state.ptr[layer] + b * s.st_sb + hv * s.st_sh + static_cast<int64_t>(k0) * s.st_sk;
+  // Pack e of the tile: row e / packs_per_row, columns VEC (e % packs_per_row) .. + VEC - 1 (st_sv == 1 when VEC > 1).
+  auto pack_ptr = [&](int e) { return tile + (e / packs_per_row) * s.st_sk + (e % packs_per_row) * VEC * s.st_sv; };
 
-  const float* cumg = stash_cumg.ptr[layer] + b * s.cg_sb + hv * s.cg_sh;
-  const float g_last = cumg[path.node(b, len - 1) * s.cg_sn];
-  for (int e = threadIdx.x; e < len * kCommitGdnRows; e += kCommitGdnThreads) {
-    const int d = e / kCommitGdnRows, r = e % kCommitGdnRows;
-    const int p = path.node(b, d);
-    const float w = expf(g_last - cumg[p * s.cg_sn]);
-    ks[e] = r < rows ? w * stash_k.ptr[layer][b * s.sk_sb + p * s.sk_sn + h * s.sk_sh + (k0 + r) * s.sk_sk] : 0.f;
+  float acc[kCommitGdnBatch][VEC];
+#pragma unroll
+  for (int u = 0; u < kCommitGdnBatch; ++u) {
+    const int e = tid + u * kCommitGdnThreads;
+    if (e < total) cuda::load_pack_float<float, VEC>(pack_ptr(e), acc[u]);
   }
-  for (int e = threadIdx.x; e < len * s.vdim; e += kCommitGdnThreads) {
+
+  float* ks = smem;                                        // [max_len][kCommitGdnRows] e^{G_l - G_p} k_p
+  float* us = ks + path.max_len * kCommitGdnRows;          // [max_len][V] u_p
+  float* gs = us + path.max_len * s.vdim;                  // [max_len] G_p
+  int* ps = reinterpret_cast<int*>(gs + path.max_len);     // [max_len] p
+  const float* cumg = stash_cumg.ptr[layer] + b * s.cg_sb + hv * s.cg_sh;
+  const int len = path.accept_len[b * path.len_s];
+  bool usable = len >= 1 && len <= path.max_len;
+  if (usable) {
+    for (int d = tid; d < len; d += kCommitGdnThreads) {
+      const int p = path.node(b, d);
+      const bool in_tree = p >= 0 && p < s.num_nodes;
+      usable = usable && in_tree;
+      ps[d] = p;
+      gs[d] = in_tree ? cumg[p * s.cg_sn] : 0.f;
+    }
+  }
+  if (!__syncthreads_and(usable)) return;
+  const float g_last = gs[len - 1];
+  for (int e = tid; e < len * kCommitGdnRows; e += kCommitGdnThreads) {
+    const int d = e / kCommitGdnRows, r = e % kCommitGdnRows;
+    ks[e] = r < rows ? expf(g_last - gs[d]) *
+                           stash_k.ptr[layer][b * s.sk_sb + ps[d] * s.sk_sn + h * s.sk_sh + (k0 + r) * s.sk_sk]
+                     : 0.f;
+  }
+  for (int e = tid; e < len * s.vdim; e += kCommitGdnThreads) {
     const int d = e / s.vdim, c = e % s.vdim;
-    us[e] = stash_u.ptr[layer][b * s.su_sb + path.node(b, d) * s.su_sn + hv * s.su_sh + c * s.su_sv];
+    us[e] = stash_u.ptr[layer][b * s.su_sb + ps[d] * s.su_sn + hv * s.su_sh + c * s.su_sv];
   }
   __syncthreads();
 
   const float decay = expf(g_last);
-  float* tile = state.ptr[layer] + b * s.st_sb + hv * s.st_sh + static_cast<int64_t>(k0) * s.st_sk;
-  const int packs_per_row = s.vdim / VEC;
-  for (int e = threadIdx.x; e < rows * packs_per_row; e += kCommitGdnThreads) {
-    const int r = e / packs_per_row, c = (e % packs_per_row) * VEC;
-    float* dst = tile + r * s.st_sk + c * s.st_sv;  // st_sv == 1 whenever VEC > 1
-    float acc[VEC];
-    cuda::load_pack_float<float, VEC>(dst, acc);
+  // When packs_per_row divides the block (V = 128: 32 packs a row), a thread's packs share their columns and
+  // sit rows_per_pass rows apart: one read of u_p serves all of them.
+  const bool same_columns = kCommitGdnThreads % packs_per_row == 0;
+  const int rows_per_pass = kCommitGdnThreads / packs_per_row;
+  for (int base = tid; base < total; base += kCommitGdnBatch * kCommitGdnThreads) {
+    if (base != tid) {  // tiles of more than one batch (V > 128): the next batch's loads
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) acc[v] *= decay;
-    for (int d = 0; d < len; ++d) {
-      const float kr = ks[d * kCommitGdnRows + r];
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[v] = fmaf(kr, us[d * s.vdim + c + v], acc[v]);
+      for (int u = 0; u < kCommitGdnBatch; ++u) {
+        const int e = base + u * kCommitGdnThreads;
+        if (e < total) cuda::load_pack_float<float, VEC>(pack_ptr(e), acc[u]);
+      }
     }
-    cuda::store_pack_float<float, VEC>(dst, acc);
+#pragma unroll
+    for (int u = 0; u < kCommitGdnBatch; ++u) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[u][v] *= decay;
+    }
+    if (same_columns) {
+      const int r0 = base / packs_per_row, c = (base % packs_per_row) * VEC;
+      for (int d = 0; d < len; ++d) {
+        const float* kd = ks + d * kCommitGdnRows + r0;
+        float ud[VEC];
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) ud[v] = us[d * s.vdim + c + v];
+#pragma unroll
+        for (int u = 0; u < kCommitGdnBatch; ++u) {
+          const float kr = kd[min(u * rows_per_pass, kCommitGdnRows - 1 - r0)];  // past the tile: never stored
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[u][v] = fmaf(kr, ud[v], acc[u][v]);
+        }
+      }
+    } else {
+      for (int d = 0; d < len; ++d) {
+        const float* kd = ks + d * kCommitGdnRows;
+        const float* ud = us + d * s.vdim;
+#pragma unroll
+        for (int u = 0; u < kCommitGdnBatch; ++u) {
+          const int e = base + u * kCommitGdnThreads;
+          const float kr = kd[min(e / packs_per_row, kCommitGdnRows - 1)];  // past the tile: never stored
+          const int c = (e % packs_per_row) * VEC;
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[u][v] = fmaf(kr, ud[c + v], acc[u][v]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCommitGdnBatch; ++u) {
+      const int e = base + u * kCommitGdnThreads;
+      if (e < total) cuda::store_pack_float<float, VEC>(pack_ptr(e), acc[u]);
+    }
   }
 }
 
@@ -288,7 +357,7 @@ void commit_gdn_state_cuda(at::TensorList state, at::TensorList stash_u, at::Ten
   if (layers == 0 || accepted.size(0) == 0 || accepted.size(1) == 0) return;
   const int64_t max_len = accepted.size(1);
   // Validated for every layer before the first launch, so a failure writes nothing.
-  auto staging_bytes = [&](int64_t l) { return sizeof(float) * max_len * (kCommitGdnRows + state[l].size(3)); };
+  auto staging_bytes = [&](int64_t l) { return commit_gdn_smem_bytes(max_len, state[l].size(3)); };
   for (int64_t l = 0; l < layers; ++l) {
     TORCH_CHECK_VALUE(staging_bytes(l) <= cuda::max_dynamic_smem(), op, ": paths of ", max_len, " nodes with V = ",
                       state[l].size(3), " need more shared memory than this GPU offers");

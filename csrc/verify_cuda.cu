@@ -135,6 +135,11 @@ constexpr int kTileV = 32;          // value columns per main block: one per lan
 constexpr int kHalfChunk = 36;      // GEMM thread (rg, cg) owns the chunk's nodes rg and rg + 36
 constexpr int kChunkNodes = 2 * kHalfChunk;
 constexpr int kCachedDist = 17;     // ancestor distances 0..16 kept in shared memory; deeper ones are recomputed
+constexpr int kKkRun = 4;           // key products per prep thread that share one read of the node's row
+// Register budgets: two main blocks (2 x 288 x 80) and one prep block (256 x 64) fit one multiprocessor's 64 K
+// registers together (and, at 27B shapes and N <= 65, its shared memory), so every main block is resident from
+// the start and runs its loads and K/Q x H0 products beside the prep kernel instead of after it.
+constexpr int kMainMaxRegisters = 80;
 
 // Lets the dependent launch (kernel 2) start / waits until the grid this one depends on is complete and its
 // writes are visible. Both are no-ops without a programmatic dependent launch.
@@ -165,17 +170,15 @@ __host__ __device__ inline int staged_row_len(int kdim) {
 
 // For e = threadIdx.x, + THREADS, ... < total: store(e, load(e)), BATCH loads at a time all issued before the
 // first store, so that one round trip to memory serves BATCH elements (a loop that stores each element
-// before loading the next waits a full round trip per element). `load` must not branch.
+// before loading the next waits a full round trip per element). Past the end, the loads repeat element
+// total - 1 rather than branch, so the compiler keeps them together; `load` must not branch either.
 template <int THREADS, int BATCH, typename Load, typename Store>
 __device__ __forceinline__ void batched_copy(int total, Load load, Store store) {
   using Value = decltype(load(0));
   for (int base = threadIdx.x; base < total; base += BATCH * THREADS) {
     Value vals[BATCH];
 #pragma unroll
-    for (int u = 0; u < BATCH; ++u) {
-      const int e = base + u * THREADS;
-      if (e < total) vals[u] = load(e);
-    }
+    for (int u = 0; u < BATCH; ++u) vals[u] = load(min(base + u * THREADS, total - 1));
 #pragma unroll
     for (int u = 0; u < BATCH; ++u) {
       const int e = base + u * THREADS;
@@ -185,45 +188,65 @@ __device__ __forceinline__ void batched_copy(int total, Load load, Store store) 
 }
 
 // Rows of q and k move as 16-byte packs when PACKED (every row starts 16-byte aligned and K is a multiple of
-// the pack), else element by element. kPack<T, PACKED>: elements per load.
+// the pack), else element by element. A pack travels as raw bits (uint4) and is converted when stored: the
+// compiler kept a struct of eight 16-bit elements in local memory, one round trip per pack.
+// kPack<T, PACKED>: elements per load.
 template <typename T, bool PACKED>
 constexpr int kPack = PACKED ? 16 / static_cast<int>(sizeof(T)) : 1;
 
 template <typename T, bool PACKED>
-using RowGroup = std::conditional_t<PACKED, cuda::Pack<T, kPack<T, PACKED>>, T>;
+using RowGroup = std::conditional_t<PACKED, uint4, T>;
 
 template <typename T, bool PACKED>
 __device__ __forceinline__ RowGroup<T, PACKED> load_group(const T* row, int p) {
   if constexpr (PACKED) {
-    return *reinterpret_cast<const RowGroup<T, PACKED>*>(row + kPack<T, PACKED> * p);
+    return *reinterpret_cast<const uint4*>(row + kPack<T, PACKED> * p);
   } else {
     return row[p];
   }
 }
 
+// The two 16-bit elements of a 32-bit word as floats (element 0 in the low half: little-endian).
+template <typename T>
+__device__ __forceinline__ float2 unpack_pair(uint32_t w) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    static_assert(std::is_same_v<T, at::Half>, "16-bit packs hold Half or BFloat16");
+    return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu))),
+                       __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16))));
+  }
+}
+
 template <typename T, bool PACKED>
 __device__ __forceinline__ void store_group(float* row, int p, const RowGroup<T, PACKED>& x) {
-  if constexpr (PACKED) {
-    constexpr int kP = kPack<T, PACKED>;
-#pragma unroll
-    for (int e = 0; e < kP; e += 4) {
-      *reinterpret_cast<float4*>(row + kP * p + e) = make_float4(cuda::to_float(x.v[e]), cuda::to_float(x.v[e + 1]),
-                                                                 cuda::to_float(x.v[e + 2]), cuda::to_float(x.v[e + 3]));
-    }
+  if constexpr (PACKED && sizeof(T) == 4) {
+    *reinterpret_cast<float4*>(row + 4 * p) =
+        make_float4(__uint_as_float(x.x), __uint_as_float(x.y), __uint_as_float(x.z), __uint_as_float(x.w));
+  } else if constexpr (PACKED) {
+    const float2 a = unpack_pair<T>(x.x), b = unpack_pair<T>(x.y), c = unpack_pair<T>(x.z), d = unpack_pair<T>(x.w);
+    *reinterpret_cast<float4*>(row + 8 * p) = make_float4(a.x, a.y, b.x, b.y);
+    *reinterpret_cast<float4*>(row + 8 * p + 4) = make_float4(c.x, c.y, d.x, d.y);
   } else {
     row[p] = cuda::to_float(x);
   }
 }
 
-// e -> (e / groups, e % groups) for the copy loops, by shifts when groups is a power of two (K = 128: 16 packs).
+// e -> (e / groups, e % groups) for the copy loops without a division or a branch: e / groups =
+// umulhi(e, mul) >> shift with mul = ceil(2^(31 + l) / groups), l = ceil(log2 groups), exact for e < 2^31.
 struct RowSplit {
   int groups, shift;
-  bool pow2;
-  __device__ explicit RowSplit(int g) : groups(g), shift(0), pow2((g & (g - 1)) == 0) {
-    while ((1 << shift) < g) ++shift;
+  unsigned mul;
+  __device__ explicit RowSplit(int g) : groups(g) {
+    int l = 0;
+    while ((1 << l) < g) ++l;
+    shift = l > 0 ? l - 1 : 0;
+    mul = g > 1 ? static_cast<unsigned>(((1ull << (31 + l)) + g - 1) / g) : 0u;
   }
-  __device__ int row(int e) const { return pow2 ? e >> shift : e / groups; }
-  __device__ int col(int e) const { return pow2 ? e & (groups - 1) : e % groups; }
+  __device__ int row(int e) const {
+    return groups > 1 ? static_cast<int>(__umulhi(static_cast<unsigned>(e), mul) >> shift) : e;
+  }
+  __device__ int col(int e) const { return e - row(e) * groups; }
 };
 
 // Normalises a staged row in place (x * inv, times `scale` for a query) and returns the factor that takes the
@@ -254,6 +277,41 @@ __device__ __forceinline__ float dot_rows(const float* x, const float* y, int kd
 #pragma unroll 8
     for (int e = 0; e < kdim; ++e) acc = fmaf(x[e], y[e], acc);
     return acc;
+  }
+}
+
+// x.y_r for RUN rows y_r, each summed exactly as dot_rows sums it (the same bits), x read once for all of them.
+template <bool PACKED, int RUN>
+__device__ __forceinline__ void dot_rows_run(const float* x, const float* const (&ys)[RUN], int kdim,
+                                             float (&out)[RUN]) {
+  if constexpr (PACKED) {
+    float4 acc[RUN];
+#pragma unroll
+    for (int r = 0; r < RUN; ++r) acc[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 2
+    for (int e = 0; e < kdim; e += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(x + e);
+#pragma unroll
+      for (int r = 0; r < RUN; ++r) {
+        const float4 c = *reinterpret_cast<const float4*>(ys[r] + e);
+        acc[r].x = fmaf(a.x, c.x, acc[r].x);
+        acc[r].y = fmaf(a.y, c.y, acc[r].y);
+        acc[r].z = fmaf(a.z, c.z, acc[r].z);
+        acc[r].w = fmaf(a.w, c.w, acc[r].w);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RUN; ++r) out[r] = (acc[r].x + acc[r].y) + (acc[r].z + acc[r].w);
+  } else {
+    float acc[RUN] = {};
+#pragma unroll 4
+    for (int e = 0; e < kdim; ++e) {
+      const float a = x[e];
+#pragma unroll
+      for (int r = 0; r < RUN; ++r) acc[r] = fmaf(a, ys[r][e], acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < RUN; ++r) out[r] = acc[r];
   }
 }
 
@@ -288,7 +346,7 @@ struct GdnPrepLayout {
 };
 
 template <typename T, bool PACKED>
-__global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(
+__global__ void __launch_bounds__(kPrepThreads, 4) gdn_tree_prep_kernel(  // <= 64 registers: see kMainMaxRegisters
     GdnShapes sh, GdnPrepLayout lay, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh,
     const T* __restrict__ k, int64_t k_sb, int64_t k_sn, int64_t k_sh, const float* __restrict__ g, int64_t g_sb,
     int64_t g_sn, int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn, int64_t be_sh,
@@ -397,10 +455,24 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(
       qk[warp * n + a] = dot_rows<PACKED>(qrow, krows + path[warp * n + a] * kpad, kdim);
     }
   }
-  for (int e = tid; e < rows * (kCachedDist - 1); e += kPrepThreads) {
-    const int m = e / (kCachedDist - 1), a = 1 + e % (kCachedDist - 1);
-    if (!on_path[m] || a > dep[m]) continue;
-    kk[m * kCachedDist + a] = dot_rows<PACKED>(krows + m * kpad, krows + anc[m * kCachedDist + a] * kpad, kdim);
+  // kk: a thread per on-path node and run of kKkRun ancestor distances, so that each read of the node's row
+  // serves kKkRun products (one product per thread read both rows for each: shared-memory bandwidth bound).
+  constexpr int kKkRuns = (kCachedDist - 1) / kKkRun;
+  for (int e = tid; e < rows * kKkRuns; e += kPrepThreads) {
+    const int m = e / kKkRuns, a0 = 1 + kKkRun * (e % kKkRuns);
+    if (!on_path[m] || a0 > dep[m]) continue;
+    const float* ys[kKkRun];
+#pragma unroll
+    for (int r = 0; r < kKkRun; ++r) {
+      const int a = a0 + r;
+      ys[r] = krows + (a <= dep[m] ? anc[m * kCachedDist + a] : m) * kpad;  // past the root: a dummy row
+    }
+    float dots[kKkRun];
+    dot_rows_run<PACKED, kKkRun>(krows + m * kpad, ys, kdim, dots);
+#pragma unroll
+    for (int r = 0; r < kKkRun; ++r) {
+      if (a0 + r <= dep[m]) kk[m * kCachedDist + a0 + r] = dots[r];
+    }
   }
   for (int e = tid; e < rows * group; e += kPrepThreads) {
     const int m = e / group, gi = e % group;
@@ -482,14 +554,20 @@ struct alignas(16) PathTerm {
 
 // Shared-memory plan of gdn_tree_main (byte offsets), sized from N and K at launch.
 struct GdnMainLayout {
-  int kpad;   // staged row length (staged_row_len)
+  int kpad;   // staged row length in elements of the input type: see the constructor
   int krows;  // the GEMM's depth: K rounded up to 4 (rows of the H0 tile; staged rows are zero beyond K)
   int chunk;  // nodes per GEMM chunk: min(N, 72)
-  size_t h0, stage, kh, qh, vt, cumg, beta, parent, depth, norms, total;
+  size_t h0, stage, kh, qh, vt, graw, cumg, beta, parent, depth, norms, total;
 
-  GdnMainLayout(int n, int kdim) {
-    kpad = staged_row_len(kdim);
+  // Staged k/q rows keep the input's type (16-bit inputs: half the shared memory, so that two main blocks fit
+  // on a multiprocessor beside a prep block). A row takes K rounded up to 4 elements, then to 16 bytes, plus 16
+  // bytes when that is a multiple of 32: rows two apart then start 32 or 96 bytes apart modulo 128, and the
+  // GEMM's four row groups read distinct banks.
+  GdnMainLayout(int n, int kdim, int elem_bytes) {
     krows = (kdim + 3) / 4 * 4;
+    int row_bytes = (krows * elem_bytes + 15) / 16 * 16;
+    if (row_bytes % 32 == 0) row_bytes += 16;
+    kpad = row_bytes / elem_bytes;
     chunk = n < kChunkNodes ? n : kChunkNodes;
     size_t off = 0;
     auto take = [&](size_t bytes) {
@@ -499,12 +577,13 @@ struct GdnMainLayout {
     };
     h0 = take(sizeof(float) * krows * kTileV);
     // The staged k/q rows of a chunk and, after the GEMM, the table of ancestors and coefficients share one region.
-    const size_t staging = sizeof(float) * 2 * chunk * kpad;
+    const size_t staging = static_cast<size_t>(elem_bytes) * 2 * chunk * kpad;
     const size_t coeffs = sizeof(PathTerm) * static_cast<size_t>(n) * kCachedDist;
     stage = take(staging > coeffs ? staging : coeffs);
     kh = take(sizeof(float) * n * kTileV);
     qh = take(sizeof(float) * n * kTileV);
     vt = take(sizeof(float) * n * kTileV);
+    graw = take(sizeof(float) * n);
     cumg = take(sizeof(float) * n);
     beta = take(sizeof(float) * n);
     parent = take(sizeof(int) * n);
@@ -514,14 +593,26 @@ struct GdnMainLayout {
   }
 };
 
+// Four consecutive staged elements as floats (p: 16-byte aligned for float, 8-byte for 16-bit types).
+template <typename T>
+__device__ __forceinline__ float4 load4_as_float(const T* p) {
+  if constexpr (sizeof(T) == 4) {
+    return *reinterpret_cast<const float4*>(p);
+  } else {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    const float2 a = unpack_pair<T>(w.x), b = unpack_pair<T>(w.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+}
+
 // KH and QH of one chunk: thread (rg, cg) accumulates staged rows 2 rg, 2 rg + 1 (key and query of chunk node rg)
 // and 2 rg + 72, 2 rg + 73 (node rg + 36) against H0 columns 4 cg .. 4 cg + 3. The 4 row groups of a warp read
-// rows 2 apart, (kpad / 4) odd: distinct banks; its 8 column groups read one 128-byte H0 row. HALF skips node
+// rows 2 apart (distinct banks, see GdnMainLayout); its 8 column groups read one 128-byte H0 row. HALF skips node
 // rg + 36 (chunks of <= 36 nodes); a missing node's rows are read from row 0 and its sums dropped.
-template <bool HALF>
-__device__ __forceinline__ void node_pair_gemm(const float* stage, int kpad, int nodes, const float* h0, int krows,
+template <typename T, bool HALF>
+__device__ __forceinline__ void node_pair_gemm(const T* stage, int kpad, int nodes, const float* h0, int krows,
                                                int rg, int cg, float (&acc)[4][4]) {
-  const float* row[4];
+  const T* row[4];
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     const int node = rg + kHalfChunk * (m / 2);
@@ -533,7 +624,7 @@ __device__ __forceinline__ void node_pair_gemm(const float* stage, int kpad, int
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       if (HALF && m >= 2) continue;
-      a[m] = *reinterpret_cast<const float4*>(row[m] + k0);
+      a[m] = load4_as_float<T>(row[m] + k0);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -552,22 +643,23 @@ __device__ __forceinline__ void node_pair_gemm(const float* stage, int kpad, int
 }
 
 template <typename T, bool PACKED>
-__global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
+__global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
     GdnShapes sh, GdnMainLayout lay, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh,
     const T* __restrict__ k, int64_t k_sb, int64_t k_sn, int64_t k_sh, const T* __restrict__ v, int64_t v_sb,
     int64_t v_sn, int64_t v_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn, int64_t be_sh,
     const float* __restrict__ state, int64_t st_sb, int64_t st_sh, int64_t st_sk, int64_t st_sv, bool state_vec4,
-    const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, const float* __restrict__ stash_cumg,
-    int64_t cg_sb, int64_t cg_sn, int64_t cg_sh, const float2* __restrict__ coef, const float2* __restrict__ norms,
+    const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, const float* __restrict__ g, int64_t g_sb,
+    int64_t g_sn, int64_t g_sh, const float2* __restrict__ coef, const float2* __restrict__ norms,
     T* __restrict__ out, int64_t o_sb, int64_t o_sn, int64_t o_sh, float* __restrict__ stash_u, int64_t su_sb,
     int64_t su_sn, int64_t su_sh) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* h0 = reinterpret_cast<float*>(smem_raw + lay.h0);        // [krows][32]
-  float* stage = reinterpret_cast<float*>(smem_raw + lay.stage);  // [2 chunk][kpad] during the GEMM
+  T* stage = reinterpret_cast<T*>(smem_raw + lay.stage);          // [2 chunk][kpad] during the GEMM
   float* kh = reinterpret_cast<float*>(smem_raw + lay.kh);        // [N][32]: K H0, then r
   float* qh = reinterpret_cast<float*>(smem_raw + lay.qh);        // [N][32]: Q H0, then e^G H0^T q
   float* vt = reinterpret_cast<float*>(smem_raw + lay.vt);        // [N][32]: v, then u
-  float* cumg = reinterpret_cast<float*>(smem_raw + lay.cumg);    // [N]
+  float* graw = reinterpret_cast<float*>(smem_raw + lay.graw);    // [N] log decays
+  float* cumg = reinterpret_cast<float*>(smem_raw + lay.cumg);    // [N] G
   float* beta_s = reinterpret_cast<float*>(smem_raw + lay.beta);  // [N]
   int* par = reinterpret_cast<int*>(smem_raw + lay.parent);       // [N]
   int* dep = reinterpret_cast<int*>(smem_raw + lay.depth);        // [N]
@@ -581,7 +673,7 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
   const int col = v0 + lane;
   const bool col_ok = col < sh.vdim;
 
-  // Stages the raw key and query rows of chunk nodes c0 .. c0 + nodes - 1 as float (rows 2 l and 2 l + 1).
+  // Stages the raw key and query rows of chunk nodes c0 .. c0 + nodes - 1 as they are (rows 2 l and 2 l + 1).
   const RowSplit split(kdim / kPack<T, PACKED>);
   const T* k_base = k + b * k_sb + h * k_sh;
   const T* q_base = q + b * q_sb + h * q_sh;
@@ -594,11 +686,11 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
           return load_group<T, PACKED>(row, split.col(e));
         },
         [&](int e, const RowGroup<T, PACKED>& x) {
-          store_group<T, PACKED>(stage + split.row(e) * kpad, split.col(e), x);
+          *reinterpret_cast<RowGroup<T, PACKED>*>(stage + split.row(e) * kpad + kPack<T, PACKED> * split.col(e)) = x;
         });
     if (lay.krows > kdim) {  // zero the columns K..krows the GEMM reads
       const int w = lay.krows - kdim;
-      for (int e = tid; e < 2 * nodes * w; e += kMainThreads) stage[(e / w) * kpad + kdim + e % w] = 0.f;
+      for (int e = tid; e < 2 * nodes * w; e += kMainThreads) stage[(e / w) * kpad + kdim + e % w] = cuda::from_float<T>(0.f);
     }
   };
 
@@ -606,6 +698,7 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
   for (int i = tid; i < n; i += kMainThreads) {
     par[i] = cuda::checked_parent(parent[b * pa_sb + i * pa_sn], i);
     beta_s[i] = beta[b * be_sb + i * be_sn + hv * be_sh];
+    graw[i] = g[b * g_sb + i * g_sn + hv * g_sh];
   }
   const float* h0_src = state + b * st_sb + hv * st_sh;
   // Rows K..krows of the tile are zero; so are columns past V (their sums are never stored). Clamped
@@ -643,9 +736,9 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
     if (rg < nodes) {
       float acc[4][4] = {};
       if (nodes > kHalfChunk) {
-        node_pair_gemm<false>(stage, kpad, nodes, h0, lay.krows, rg, cg, acc);
+        node_pair_gemm<T, false>(stage, kpad, nodes, h0, lay.krows, rg, cg, acc);
       } else {
-        node_pair_gemm<true>(stage, kpad, nodes, h0, lay.krows, rg, cg, acc);
+        node_pair_gemm<T, true>(stage, kpad, nodes, h0, lay.krows, rg, cg, acc);
       }
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
@@ -662,37 +755,59 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
     __syncthreads();
   }
   // The staged rows are dead from here on: the region now holds the path terms (rows now, coefficients later).
+  // One walk up the tree per node gives its first kCachedDist ancestors (in registers: unrolled) and its depth.
+  // G_i is summed root first, as gdn_tree_prep sums it (the same additions in the same order: the same bits).
   for (int i = tid; i < n; i += kMainThreads) {
-    int d = 0;
-    for (int j = par[i]; j >= 0; j = par[j]) ++d;
-    dep[i] = d;
-    int j = i;
+    int anc[kCachedDist];
+    int j = i, d = 0;
+#pragma unroll
     for (int a = 0; a < kCachedDist; ++a) {
-      terms[i * kCachedDist + a].row = (a <= d ? j : i) * kTileV;
-      if (j >= 0) j = par[j];
+      if (j >= 0) d = a;
+      anc[a] = j >= 0 ? j : i;  // past the root: the node's own row, with zero coefficients later
+      j = j >= 0 ? par[j] : -1;
     }
+    const int first_deep = j;  // the kCachedDist-th ancestor, or -1
+    for (; j >= 0; j = par[j]) ++d;
+    dep[i] = d;
+#pragma unroll
+    for (int a = 0; a < kCachedDist; ++a) terms[i * kCachedDist + a].row = anc[a] * kTileV;
+    float acc = 0.f;
+    for (int a = d; a >= kCachedDist; --a) {  // paths deeper than 16 only
+      j = first_deep;
+      for (int s = kCachedDist; s < a; ++s) j = par[j];
+      acc += graw[j];
+    }
+#pragma unroll
+    for (int a = kCachedDist - 1; a >= 0; --a) {
+      if (a <= d) acc += graw[anc[a]];
+    }
+    cumg[i] = acc;
   }
+  __syncthreads();  // dep and cumg
 
-  // ---- kernel 1's results: G, the norms and the coefficients of ancestor distances a <= 16 ----
+  // ---- kernel 1's results: the norms and the coefficients of ancestor distances a <= 16, in one round trip ----
   wait_for_prerequisite_grid();
   const float2* coef_h = coef + (static_cast<int64_t>(b) * sh.value_heads + hv) * n * n;
   const float2* norms_h = norms + (static_cast<int64_t>(b) * sh.heads + h) * n;
-  for (int i = tid; i < n; i += kMainThreads) {
-    cumg[i] = stash_cumg[b * cg_sb + i * cg_sn + hv * cg_sh];
-    norm_s[i] = norms_h[i];
-  }
-  __syncthreads();  // dep (written before the wait), cumg and norms
+  const int num_terms = n * kCachedDist;
   batched_copy<kMainThreads, 4>(
-      n * kCachedDist,
+      num_terms + n,
       [&](int e) {
         const int i = e / kCachedDist, a = e % kCachedDist;
-        return coef_h[static_cast<int64_t>(i) * n + min(a, dep[i])];
+        const float2* src = e < num_terms ? coef_h + static_cast<int64_t>(i) * n + min(a, dep[min(i, n - 1)])
+                                          : norms_h + (e - num_terms);
+        return *src;
       },
       [&](int e, float2 c) {
+        if (e >= num_terms) {
+          norm_s[e - num_terms] = c;
+          return;
+        }
         const bool real = e % kCachedDist <= dep[e / kCachedDist];
         terms[e].t = real ? c.x : 0.f;
         terms[e].m = real ? c.y : 0.f;
       });
+  __syncthreads();  // the norms
   // r_i = beta_i (v_i - e^{G_i} H0^T k_i) over kh, e^{G_i} H0^T q_i over qh.
   for (int i = warp; i < n; i += kMainWarps) {
     const float decay = expf(cumg[i]);
@@ -702,8 +817,9 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
   }
   __syncthreads();
 
-  // sum_{a = 0..depth(i)} c_i[a] x_{a-th ancestor}: the first kCachedDist terms from the table, deeper ones walked.
-  auto path_sum = [&](int i, const float* x, bool m_pass) {
+  // sum_{a = 0..depth(i)} c_i[a] x_{a-th ancestor}: the first kCachedDist terms from the table (cached_sum), then
+  // the deeper ones walked (deep_sum; paths deeper than 16 only).
+  auto cached_sum = [&](int i, const float* x, bool m_pass) {
     const PathTerm* term = terms + i * kCachedDist;
     const float* x_lane = x + lane;
     float acc = 0.f;
@@ -712,27 +828,43 @@ __global__ void __launch_bounds__(kMainThreads, 2) gdn_tree_main_kernel(
       const PathTerm pt = term[a];
       acc = fmaf(m_pass ? pt.m : pt.t, x_lane[pt.row], acc);
     }
+    return acc;
+  };
+  auto deep_sum = [&](int i, const float* x, bool m_pass, float acc) {
     const int d = dep[i];
     if (d >= kCachedDist) {
-      int j = term[kCachedDist - 1].row / kTileV;
+      int j = terms[i * kCachedDist + kCachedDist - 1].row / kTileV;
       for (int a = kCachedDist; a <= d; ++a) {
         j = par[j];
         const float2 c = coef_h[static_cast<int64_t>(i) * n + a];
-        acc = fmaf(m_pass ? c.y : c.x, x_lane[j * kTileV], acc);
+        acc = fmaf(m_pass ? c.y : c.x, x[j * kTileV + lane], acc);
       }
     }
     return acc;
   };
+  // A warp takes two nodes kMainWarps apart at a time: two independent chains of shared-memory reads and FMAs
+  // (one chain per warp left the schedulers idle). Past the end the second is node N - 1 again, not stored.
   // u = T r, into vt (v is dead).
-  for (int i = warp; i < n; i += kMainWarps) {
-    const float u = path_sum(i, kh, false);
-    vt[i * kTileV + lane] = u;
-    if (col_ok) stash_u[b * su_sb + i * su_sn + hv * su_sh + col] = u;
+  for (int i = warp; i < n; i += 2 * kMainWarps) {
+    const int i2 = min(i + kMainWarps, n - 1);
+    float u1 = cached_sum(i, kh, false), u2 = cached_sum(i2, kh, false);
+    u1 = deep_sum(i, kh, false, u1);
+    u2 = deep_sum(i2, kh, false, u2);
+    vt[i * kTileV + lane] = u1;
+    if (col_ok) stash_u[b * su_sb + i * su_sn + hv * su_sh + col] = u1;
+    if (i + kMainWarps < n) {
+      vt[i2 * kTileV + lane] = u2;
+      if (col_ok) stash_u[b * su_sb + i2 * su_sn + hv * su_sh + col] = u2;
+    }
   }
   __syncthreads();
-  for (int i = warp; i < n; i += kMainWarps) {
-    const float o = qh[i * kTileV + lane] + path_sum(i, vt, true);
-    if (col_ok) out[b * o_sb + i * o_sn + hv * o_sh + col] = cuda::from_float<T>(o);
+  for (int i = warp; i < n; i += 2 * kMainWarps) {
+    const int i2 = min(i + kMainWarps, n - 1);
+    float o1 = cached_sum(i, vt, true), o2 = cached_sum(i2, vt, true);
+    o1 = qh[i * kTileV + lane] + deep_sum(i, vt, true, o1);
+    o2 = qh[i2 * kTileV + lane] + deep_sum(i2, vt, true, o2);
+    if (col_ok) out[b * o_sb + i * o_sn + hv * o_sh + col] = cuda::from_float<T>(o1);
+    if (col_ok && i + kMainWarps < n) out[b * o_sb + i2 * o_sn + hv * o_sh + col] = cuda::from_float<T>(o2);
   }
 }
 
@@ -845,7 +977,7 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t value_heads = v.size(2), vdim = v.size(3);
   const GdnShapes sh{static_cast<int>(n), static_cast<int>(heads), static_cast<int>(value_heads),
                      static_cast<int>(kdim), static_cast<int>(vdim), static_cast<float>(scale), use_qk_l2norm};
-  const GdnMainLayout lay(static_cast<int>(n), static_cast<int>(kdim));
+  const GdnMainLayout lay(static_cast<int>(n), static_cast<int>(kdim), static_cast<int>(sizeof(T)));
   const GdnPrepLayout prep_lay(static_cast<int>(n), static_cast<int>(kdim), static_cast<int>(value_heads / heads));
   TORCH_CHECK_VALUE(lay.total <= cuda::max_dynamic_smem() && prep_lay.total <= cuda::max_dynamic_smem(),
                     "tree_gated_delta_rule: N = ", n, " and K = ", kdim,
@@ -913,8 +1045,8 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         static_cast<const float*>(beta.data_ptr<float>()), beta.stride(0), beta.stride(1), beta.stride(2),
         static_cast<const float*>(state.data_ptr<float>()), state.stride(0), state.stride(1), state.stride(2),
         state.stride(3), state_vec4, static_cast<const int32_t*>(parent.data_ptr<int32_t>()), parent.stride(0),
-        parent.stride(1), static_cast<const float*>(stash_cumg.data_ptr<float>()), stash_cumg.stride(0),
-        stash_cumg.stride(1), stash_cumg.stride(2), static_cast<const float2*>(coef_ptr),
+        parent.stride(1), static_cast<const float*>(g.data_ptr<float>()), g.stride(0), g.stride(1), g.stride(2),
+        static_cast<const float2*>(coef_ptr),
         static_cast<const float2*>(norms_ptr), out.data_ptr<T>(), out.stride(0), out.stride(1), out.stride(2),
         stash_u.data_ptr<float>(), stash_u.stride(0), stash_u.stride(1), stash_u.stride(2)));
   };

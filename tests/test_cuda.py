@@ -587,16 +587,22 @@ def test_commit_gdn_state(layer_shapes):
         assert_close(got[l], expected_ref[l], torch.float32, f"layer {l} vs reference")
 
 
-def test_commit_gdn_state_qwen36_shape():
-    """48 GDN layers of [1, 48, 128, 128] float32 states, one launch per 32 layers."""
-    gen = make_gen(48)
-    n, layers = 65, 48
+@pytest.mark.parametrize(
+    "layers,n,max_accept,heads,value_heads,kdim,vdim",
+    [
+        (48, 65, 16, 16, 48, 128, 128),  # Qwen3.6-27B's 48 GDN layers: one launch
+        (70, 9, 5, 2, 4, 8, 16),  # more layers than one launch takes (64): split over two
+    ],
+)
+def test_commit_gdn_state_many_layers(layers, n, max_accept, heads, value_heads, kdim, vdim):
+    """Many float32 GDN layers committed by one op call, launched in runs of at most 64 layers."""
+    gen = make_gen(layers)
     parent = random_parents(n, gen)[None]
-    accepted, accept_len = random_paths(parent, 16, gen)
-    states = [torch.randn(1, 48, 128, 128, generator=gen) * 0.3 for _ in range(layers)]
-    stash = [GDNTreeOutput(None, torch.randn(1, n, 48, 128, generator=gen),
-                           F.normalize(torch.randn(1, n, 16, 128, generator=gen), dim=-1),
-                           -torch.rand(1, n, 48, generator=gen).cumsum(1)) for _ in range(layers)]
+    accepted, accept_len = random_paths(parent, max_accept, gen)
+    states = [torch.randn(1, value_heads, kdim, vdim, generator=gen) * 0.3 for _ in range(layers)]
+    stash = [GDNTreeOutput(None, torch.randn(1, n, value_heads, vdim, generator=gen),
+                           F.normalize(torch.randn(1, n, heads, kdim, generator=gen), dim=-1),
+                           -torch.rand(1, n, value_heads, generator=gen).cumsum(1)) for _ in range(layers)]
     got = commit_gdn(states, stash, accepted, accept_len, DEV)
     expected = commit_gdn(states, stash, accepted, accept_len, "cpu")
     for l in range(layers):
