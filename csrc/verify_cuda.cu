@@ -135,7 +135,7 @@ constexpr int kTileV = 32;          // value columns per main block: one per lan
 constexpr int kHalfChunk = 36;      // GEMM thread (rg, cg) owns the chunk's nodes rg and rg + 36
 constexpr int kChunkNodes = 2 * kHalfChunk;
 constexpr int kCachedDist = 17;     // ancestor distances 0..16 kept in shared memory; deeper ones are recomputed
-constexpr int kKkRun = 4;           // key products per prep thread that share one read of the node's row
+constexpr int kKkRun = 2;           // key products per prep thread that share one read of the node's row
 // Register budgets: two main blocks (2 x 288 x 80) and one prep block (256 x 64) fit one multiprocessor's 64 K
 // registers together (and, at 27B shapes and N <= 65, its shared memory), so every main block is resident from
 // the start and runs its loads and K/Q x H0 products beside the prep kernel instead of after it.
@@ -346,7 +346,7 @@ struct GdnPrepLayout {
 };
 
 template <typename T, bool PACKED>
-__global__ void __launch_bounds__(kPrepThreads, 4) gdn_tree_prep_kernel(  // <= 64 registers: see kMainMaxRegisters
+__global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(  // <= 64 registers: see kMainMaxRegisters
     GdnShapes sh, GdnPrepLayout lay, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh,
     const T* __restrict__ k, int64_t k_sb, int64_t k_sn, int64_t k_sh, const float* __restrict__ g, int64_t g_sb,
     int64_t g_sn, int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn, int64_t be_sh,
