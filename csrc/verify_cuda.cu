@@ -119,8 +119,9 @@ void launch_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10
 //                    group's value heads (stash_cumg), and per chunk node (a warp) and value head the rows T_i and
 //                    M_i into the workspace `coef`; 1/||k_i|| and scale/||q_i|| into `norms`.
 //  2. gdn_tree_main  per (b, value head, tile of 32 value columns): K H0 and Q H0 on the raw rows (the norms
-//                    scale the sums afterwards), then, once kernel 1 is complete, r, u = T r and o: three passes in
-//                    which nodes are independent, a warp per node and a lane per value column.
+//                    scale the sums afterwards) and G (the same sums as kernel 1's), then, once kernel 1 is
+//                    complete, the norms and T, M rows in one load, and r, u = T r and o: three passes in which
+//                    nodes are independent, a warp per node and a lane per value column.
 // Kernel 2 is launched as a programmatic dependent of kernel 1 (Hopper and newer): its loads and products, which
 // need nothing kernel 1 writes, overlap kernel 1, and `griddepcontrol.wait` orders its reads of kernel 1's
 // outputs after kernel 1's writes. Without that launch attribute the wait is a no-op.
@@ -136,9 +137,11 @@ constexpr int kHalfChunk = 36;      // GEMM thread (rg, cg) owns the chunk's nod
 constexpr int kChunkNodes = 2 * kHalfChunk;
 constexpr int kCachedDist = 17;     // ancestor distances 0..16 kept in shared memory; deeper ones are recomputed
 constexpr int kKkRun = 2;           // key products per prep thread that share one read of the node's row
-// Register budgets: two main blocks (2 x 288 x 80) and one prep block (256 x 64) fit one multiprocessor's 64 K
-// registers together (and, at 27B shapes and N <= 65, its shared memory), so every main block is resident from
-// the start and runs its loads and K/Q x H0 products beside the prep kernel instead of after it.
+// Register budgets: two main blocks (2 x 288 x 80, capped) and one prep block (256 x 64, what ptxas allots it:
+// see the -Xptxas -v lines of a build) fit one multiprocessor's 64 K registers together (and, at 27B shapes and
+// N <= 65, its shared memory), so every main block is resident from the start and runs its loads and K/Q x H0
+// products beside the prep kernel instead of after it. A prep kernel that grows past 64 registers costs speed,
+// not correctness.
 constexpr int kMainMaxRegisters = 80;
 
 // Lets the dependent launch (kernel 2) start / waits until the grid this one depends on is complete and its
@@ -346,7 +349,7 @@ struct GdnPrepLayout {
 };
 
 template <typename T, bool PACKED>
-__global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(  // <= 64 registers: see kMainMaxRegisters
+__global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(  // 64 registers: see kMainMaxRegisters
     GdnShapes sh, GdnPrepLayout lay, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh,
     const T* __restrict__ k, int64_t k_sb, int64_t k_sn, int64_t k_sh, const float* __restrict__ g, int64_t g_sb,
     int64_t g_sn, int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn, int64_t be_sh,
