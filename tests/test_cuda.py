@@ -358,7 +358,18 @@ def assert_gdn_close(got: GDNTreeOutput, expected, dtype, what: str):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("shape", ["random", "chain", "star"])
-@pytest.mark.parametrize("bsz,n,heads,value_heads,kdim,vdim", [(2, 17, 2, 4, 16, 8), (1, 33, 1, 3, 32, 40)])
+@pytest.mark.parametrize(
+    "bsz,n,heads,value_heads,kdim,vdim",
+    [
+        (2, 17, 2, 4, 16, 8),
+        (1, 33, 1, 3, 32, 40),
+        # The main kernel stages k/q rows in chunks of 72 nodes: N = 80 and 129 take two. K = 100 is a whole
+        # number of 16-byte packs in float32 but not in 16-bit types (rows staged element by element); K = 30 is
+        # not a multiple of 4 (the GEMM's depth is padded with zeros).
+        (2, 80, 1, 2, 100, 33),
+        (1, 129, 2, 4, 30, 40),
+    ],
+)
 def test_tree_gated_delta_rule(dtype, shape, bsz, n, heads, value_heads, kdim, vdim):
     gen = make_gen(n + kdim)
     x = gdn_inputs(bsz, n, heads, value_heads, kdim, vdim, dtype, gen, shape)
@@ -394,18 +405,20 @@ def test_tree_gated_delta_rule_single_node(dtype, l2norm, bsz, heads, value_head
     assert_gdn_close(got, gdn_recurrence_fp64(x, scale or kdim**-0.5, l2norm=l2norm), dtype, "vs float64 recurrence")
 
 
-def test_tree_gated_delta_rule_deep_chain():
+@pytest.mark.parametrize("dtype,n", [(torch.float32, 48), (torch.bfloat16, 100)])
+def test_tree_gated_delta_rule_deep_chain(dtype, n):
     """Paths longer than the 17 ancestor distances the kernels keep in shared memory (and than a warp): the
-    general path-row solve, dot products recomputed, path sums walked past the cached terms."""
+    general path-row solve, dot products recomputed, path sums walked past the cached terms; at N = 100 also
+    over two of the main kernel's 72-node chunks."""
     gen = make_gen(4)
-    x = gdn_inputs(1, 48, 2, 2, 32, 32, torch.float32, gen, shape="chain", max_depth=100)
+    x = gdn_inputs(1, n, 2, 2, 32, 32, dtype, gen, shape="chain", max_depth=n)
     got = run_gdn(x, DEV)
-    assert_gdn_close(got, run_gdn(x, "cpu"), torch.float32, "vs CPU op")
-    assert_gdn_close(got, gdn_recurrence_fp64(x, 32**-0.5), torch.float32, "vs float64 recurrence")
+    assert_gdn_close(got, run_gdn(x, "cpu"), dtype, "vs CPU op")
+    assert_gdn_close(got, gdn_recurrence_fp64(x, 32**-0.5), dtype, "vs float64 recurrence")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("budget", [16, 64])
+@pytest.mark.parametrize("budget", [16, 64, 256])
 def test_tree_gated_delta_rule_qwen36_shape(dtype, budget):
     """Qwen3.6-27B: 16 key heads, 48 value heads, K = V = 128."""
     gen = make_gen(budget + 1)
@@ -574,6 +587,8 @@ def commit_gdn(states, stashes, accepted, accept_len, device):
     [
         [(2, 4, 16, 8)] * 3,  # one launch
         [(2, 4, 16, 8), (1, 2, 40, 36), (1, 2, 40, 36), (2, 6, 128, 128)],  # three runs of equal layouts
+        # V = 256: a 64-row tile is two batches of loads; V = 30: element by element; K = 70: a partial tile
+        [(1, 2, 64, 256), (1, 3, 70, 30)],
     ],
 )
 def test_commit_gdn_state(layer_shapes):
@@ -607,6 +622,28 @@ def test_commit_gdn_state_many_layers(layers, n, max_accept, heads, value_heads,
     expected = commit_gdn(states, stash, accepted, accept_len, "cpu")
     for l in range(layers):
         assert_close(got[l], expected[l], torch.float32, f"layer {l}")
+
+
+@pytest.mark.parametrize("bad", ["length 0", "length past D", "node past N", "negative node"])
+def test_commit_gdn_state_leaves_unusable_paths_alone(bad):
+    """A path the kernel cannot apply (the CPU op raises on it; the CUDA op cannot read it on the host) leaves
+    that row's state as it was; the other rows are committed."""
+    gen = make_gen(5)
+    bsz, n, max_accept = 3, 17, 6
+    states, stashes, accepted, accept_len = gdn_commit_case([(2, 4, 16, 8), (1, 2, 40, 36)], bsz, n, max_accept, gen)
+    expected = commit_gdn(states, stashes, accepted, accept_len, "cpu")
+    broken_len, broken_acc = accept_len.clone(), accepted.clone()
+    if bad == "length 0":
+        broken_len[1] = 0
+    elif bad == "length past D":
+        broken_len[1] = max_accept + 1
+    else:
+        broken_acc[1, int(accept_len[1]) - 1] = n if bad == "node past N" else -1
+    got = commit_gdn(states, stashes, broken_acc, broken_len, DEV)
+    for l in range(len(states)):
+        for b in range(bsz):
+            want = states[l][b] if b == 1 else expected[l][b]
+            assert_close(got[l][b], want, torch.float32, f"layer {l} row {b}")
 
 
 def run_commit_conv(conv_states, xs, accepted, accept_len, device):
