@@ -12,9 +12,12 @@ medians over the replayed rounds after warm-up:
   with a 4D mask over a DynamicCache, top-K and the walk on the host with a Python heap, per-layer
   index_select compaction), re-created here and timed in the same run;
 * tokens/s = tau / round time, for the measured tau (random weights accept almost nothing) and,
-  labelled as a projection, for tau in {3, 5, 7, 9}.
+  labelled as a projection, for tau in {3, 5, 7, 9};
+* for the 27b and qwen3-8b presets, each of issue #5's targets (TARGETS) against the graph rounds: met, or
+  missed by how much.
 
-Writes ``<out>/<date>-<gpu>-e2e-<preset>.json`` and ``.md``. Needs a CUDA GPU.
+Writes ``<out>/<date>-<gpu>-e2e-<preset>.json`` and ``.md``. Needs a CUDA GPU. The report names the git
+commit of the working tree, or ``DDTREE_COMMIT`` when set (for a copy of the tree whose .git is stale).
 """
 
 from __future__ import annotations
@@ -74,6 +77,25 @@ PRESETS = {
     ),
 }
 TAUS = (3, 5, 7, 9)
+
+# Issue #5's targets, by preset (graph rounds): (label, what is measured, bound). Measures: "ar_x_floor" the
+# captured autoregressive step over the floor; "ddtree64_x_floor" the budget-64 round over the floor;
+# "ddtree64_x_chain" the budget-64 round over the DFlash chain round; "ddtree64_ms" the budget-64 round in ms;
+# "tree_ops_share" build + walk + commit over the budget-64 round; "fits_gpu" the run's peak plus the static
+# buffers for the maximum length, over the GPU's memory.
+TARGETS = {
+    "27b": [
+        ("captured AR step <= 1.15 x floor", "ar_x_floor", 1.15),
+        ("DDTree round, budget 64 <= 1.3 x floor", "ddtree64_x_floor", 1.3),
+        ("DDTree 64 round <= 1.05 x DFlash chain round", "ddtree64_x_chain", 1.05),
+        ("tree ops (build + walk + commit) <= 3 % of the budget-64 round", "tree_ops_share", 0.03),
+        ("peak + static buffers at the maximum length fit the GPU", "fits_gpu", 1.0),
+    ],
+    "qwen3-8b": [
+        ("DDTree round, budget 64 <= 6.5 ms", "ddtree64_ms", 6.5),
+        ("tree ops (build + walk + commit) <= 3 % of the budget-64 round", "tree_ops_share", 0.03),
+    ],
+}
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -391,6 +413,47 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
     return result
 
 
+def _graph_run(res: dict, method: str, budget: int | None = None) -> dict | None:
+    for run in res["runs"]:
+        if run["graphs"] and run["method"] == method and (budget is None or run["budget"] == budget):
+            return run
+    return None
+
+
+def target_measure(res: dict, what: str, gpu_memory_gb: float | None) -> float | None:
+    """The value a TARGETS entry bounds, from one preset's results; None when the run lacks it."""
+    ar, chain, tree = _graph_run(res, "autoregressive"), _graph_run(res, "dflash"), _graph_run(res, "ddtree", 64)
+    if what == "ar_x_floor":
+        return ar and ar["round_ms"] / res["floor_ms"]
+    if what == "ddtree64_x_floor":
+        return tree and tree["round_ms"] / res["floor_ms"]
+    if what == "ddtree64_x_chain":
+        return tree and chain and tree["round_ms"] / chain["round_ms"]
+    if what == "ddtree64_ms":
+        return tree and tree["round_ms"]
+    if what == "tree_ops_share":
+        return tree and sum(tree["stage_ms"].get(s, 0.0) for s in ("build", "walk", "commit")) / tree["round_ms"]
+    if what == "fits_gpu":
+        if not gpu_memory_gb:
+            return None
+        return (res["peak_memory_gb"] + res["static_buffers_max_length_gb"]) / gpu_memory_gb
+    raise ValueError(f"unknown target measure {what!r}")
+
+
+def target_rows(res: dict, gpu_memory_gb: float | None) -> List[str]:
+    """Markdown rows (label | measured | verdict) for the preset's issue #5 targets."""
+    rows = []
+    for label, what, bound in TARGETS.get(res["preset"], []):
+        value = target_measure(res, what, gpu_memory_gb)
+        if value is None:
+            continue
+        shown = (f"{100 * value:.1f} %" if what == "tree_ops_share" else f"{value:.2f} ms" if what == "ddtree64_ms"
+                 else f"{100 * value:.0f} % of the GPU's memory" if what == "fits_gpu" else f"{value:.2f} x")
+        verdict = "met" if value <= bound else f"missed by {value / bound:.2f} x"
+        rows.append(f"| {label} | {shown} | {verdict} |")
+    return rows
+
+
 def markdown(report: dict) -> str:
     lines = [
         f"# End-to-end rounds on {report['gpu']} ({report['date']})",
@@ -436,6 +499,10 @@ def markdown(report: dict) -> str:
             lines += ["", "Reference implementation's round pattern (re-created here, eager, same run):", ""]
             for budget, ms in res["reference_round_ms"].items():
                 lines.append(f"- budget {budget}: {ms:.2f} ms per round ({ms / floor:.2f}x floor)")
+        targets = target_rows(res, report.get("gpu_memory_gb"))
+        if targets:
+            lines += ["", "Against the issue #5 targets (graph rounds; computed by this script):", "",
+                      "| target | measured | verdict |", "| --- | --- | --- |"] + targets
         for prof in res.get("profiles", []):
             what = "autoregressive steps" if prof["method"] == "autoregressive" else f"DDTree rounds at budget {prof['budget']}"
             lines += ["", f"Top kernels by CUDA time over {prof['rounds']} eager {what}, prefill excluded (torch "
@@ -485,7 +552,7 @@ def main(argv=None) -> None:
         date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), commit=commit,
         command="python benchmarks/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         torch=torch.__version__, transformers=transformers.__version__, fla=has_fla, copy_gb_s=bandwidth / 1e9,
-        presets=[],
+        gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9, presets=[],
     )
     print(f"device copy {bandwidth / 1e9:.0f} GB/s; {report['gpu']}; commit {commit}", flush=True)
     for name in presets:
