@@ -1,19 +1,29 @@
-"""benchmarks/e2e.py's report: the issue #5 target rows computed from a run's results (no GPU needed)."""
+"""The benchmark reports' target tables, computed from a run's results (no GPU needed): benchmarks/e2e.py's
+issue #5 rows and scripts/summarize_bench.py's issue #4 rows."""
 
 import importlib.util
 import os
 
 import pytest
 
-E2E_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "e2e.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(name, *path):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, *path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def e2e():
-    spec = importlib.util.spec_from_file_location("ddtree_e2e_benchmark", E2E_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("ddtree_e2e_benchmark", "benchmarks", "e2e.py")
+
+
+@pytest.fixture(scope="module")
+def summarize():
+    return load("ddtree_summarize_bench", "scripts", "summarize_bench.py")
 
 
 def run(method, budget, round_ms, graphs=True, **stages):
@@ -65,3 +75,28 @@ def test_qwen3_8b_target_and_missing_runs(e2e):
         "| captured AR step <= 1.15 x floor | 1.20 x | missed by 1.04 x |"]
     assert e2e.target_rows(preset("4b", 5.0, runs), 141.0) == []
     assert "Against the issue #5 targets" not in e2e.markdown(report([preset("4b", 5.0, runs)]))
+
+
+def bench(name, per_op_us, floor_us=1.0):
+    return dict(name=name, group=None, stats=dict(median=per_op_us * 1e-6),
+                extra_info=dict(op=name, shape="s", calls_per_replay=1, per_op_us=per_op_us, floor_us=floor_us,
+                                copy_GBps=4000.0, fp32_TFLOPs=50.0))
+
+
+def test_kernel_targets(summarize):
+    data = dict(benchmarks=[
+        bench("test_tree_gated_delta_rule[64]", 37.1, 4.2),
+        bench("test_topk_logprobs", 15.6),
+        bench("test_build_tree[64]", 26.7),
+        bench("test_walk_greedy[64]", 3.5),
+        bench("test_commit_gdn_state", 160.0, 75.0),
+        # test_commit_kv missing: its row is left out
+    ])
+    assert summarize.target_rows(data) == [
+        "| tree gated delta rule <= 30 us per layer at N = 65 | 37.1 us | missed by 1.24 x |",
+        "| top-K + build <= 50 us at N = 65 | 15.6 + 26.7 = 42.3 us | met |",
+        "| walk (greedy) <= 10 us at N = 65 | 3.5 us | met |",
+        "| commit of 48 GDN states <= 2 x its floor | 160.0 us / 75.0 us = 2.13 x | missed by 1.07 x |",
+    ]
+    text = summarize.table(data)
+    assert "Against the issue #4 targets" in text and text.count("| met |") == 2
