@@ -2,11 +2,12 @@
 # Build, test, sanitize and benchmark ddtree_ext's CUDA kernels on a GPU machine (made for the H200:
 # torch with CUDA 13, nvcc, compute-sanitizer; no package registry needed).
 #
-#   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] scripts/h200.sh [build] [test] [gputest] [sanitize] [bench] [e2e]
-#   (default: build test sanitize bench e2e, in order; gputest = only the GPU test files, for quick runs)
+#   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] scripts/h200.sh [build] [test] [gputest] [gdn] [sanitize] [bench] [e2e]
+#   (default: build test sanitize bench e2e, in order; gputest = only the GPU test files, for quick runs;
+#   gdn = the GDN and commit CUDA tests, then the tree GDN op's per-layer timing at 27B shapes, for A/B runs)
 #
 # Stages can run in separate calls (the in-place build stays in the worktree). Every log goes to $OUT:
-# build.log (with ptxas register/spill lines), tests.log, memcheck.log, racecheck.log, bench.log,
+# build.log (with ptxas register/spill lines), tests.log, gdn.log, memcheck.log, racecheck.log, bench.log,
 # bench.json and bench.md, e2e.log and results/ (benchmarks/e2e.py's JSON and Markdown). The exit status is
 # nonzero when any stage failed; later stages still run.
 set -uo pipefail
@@ -72,6 +73,11 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cu
       run bench.log "$PY" -m pytest benchmarks --benchmark-only --benchmark-json "$OUT/bench.json" -q
       run bench.log "$PY" scripts/summarize_bench.py "$OUT/bench.json" --out "$OUT/bench.md"
       [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
+      ;;
+    gdn)
+      : > "$OUT/gdn.log"
+      run gdn.log "$PY" -m pytest tests/test_cuda.py -q -n "${PYTEST_WORKERS:-8}" -k "gated_delta or gdn or commit or all_ops"
+      run gdn.log "$PY" scripts/profile_gdn.py --nodes 1 17 65 129 257 --time
       ;;
     e2e)
       : > "$OUT/e2e.log"
