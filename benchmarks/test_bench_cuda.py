@@ -132,23 +132,27 @@ def path_of(tree, length: int):
 # ---- verify ------------------------------------------------------------------------------------
 
 
+def gdn_layer_inputs(n: int):
+    """One 27B GDN layer's tree_gated_delta_rule inputs for N nodes, bf16 activations (the tree aside):
+    (q, k, v, g, beta, state, out). Also used by scripts/profile_gdn.py."""
+    bf16 = dict(dtype=torch.bfloat16, device=DEV)
+    q = torch.randn(1, n, H, KD, **bf16)
+    k = torch.randn(1, n, H, KD, **bf16)
+    v = torch.randn(1, n, HV, VD, **bf16)
+    g = -torch.rand(1, n, HV, device=DEV)
+    beta = torch.rand(1, n, HV, device=DEV)
+    state = torch.randn(1, HV, KD, VD, device=DEV) * 0.1
+    out = ops.GDNTreeOutput(torch.empty(1, n, HV, VD, **bf16), torch.empty(1, n, HV, VD, device=DEV),
+                            torch.empty(1, n, H, KD, device=DEV), torch.empty(1, n, HV, device=DEV))
+    return q, k, v, g, beta, state, out
+
+
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_tree_gated_delta_rule(benchmark, ceilings, budget):
     gen = torch.Generator().manual_seed(budget)
     n = budget + 1
     tree = built_tree(budget, gen)
-    bf16 = dict(dtype=torch.bfloat16, device=DEV)
-    layers = []
-    for _ in range(GDN_LAYERS):
-        q = torch.randn(1, n, H, KD, **bf16)
-        k = torch.randn(1, n, H, KD, **bf16)
-        v = torch.randn(1, n, HV, VD, **bf16)
-        g = -torch.rand(1, n, HV, device=DEV)
-        beta = torch.rand(1, n, HV, device=DEV)
-        state = torch.randn(1, HV, KD, VD, device=DEV) * 0.1
-        out = ops.GDNTreeOutput(torch.empty(1, n, HV, VD, **bf16), torch.empty(1, n, HV, VD, device=DEV),
-                                torch.empty(1, n, H, KD, device=DEV), torch.empty(1, n, HV, device=DEV))
-        layers.append((q, k, v, g, beta, state, out))
+    layers = [gdn_layer_inputs(n) for _ in range(GDN_LAYERS)]
     calls = [lambda l=l: ops.tree_gated_delta_rule(*l[:6], tree.parent, out=l[6]) for l in layers]
     bytes_moved = (HV * KD * VD * 4  # the committed state, read once
                    + 2 * n * H * KD * 2 + n * HV * VD * 2 + 2 * n * HV * 4 + n * 4  # q, k, v, g, beta, parent

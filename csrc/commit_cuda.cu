@@ -50,7 +50,8 @@ LayerTable<T> table_of(at::TensorList list, int64_t first, int64_t count) {
   return t;
 }
 
-// The accepted path of row b: its length (0 when unusable) and node d, read by every thread.
+// The accepted path of row b: its length (0 when unusable) and node d, read by every thread. A path is usable
+// when 1 <= accept_len <= D and every node lies in [0, num_nodes).
 struct Path {
   const int32_t* accepted;
   int64_t acc_sb, acc_sd;
@@ -58,12 +59,14 @@ struct Path {
   int64_t len_s;
   int max_len;
 
+  __device__ __forceinline__ int raw_length(int b) const { return accept_len[b * len_s]; }
+  __device__ __forceinline__ bool length_ok(int len) const { return len >= 1 && len <= max_len; }
+  __device__ __forceinline__ static bool node_ok(int node, int num_nodes) { return node >= 0 && node < num_nodes; }
   __device__ __forceinline__ int length(int b, int num_nodes) const {
-    const int len = accept_len[b * len_s];
-    if (len < 1 || len > max_len) return 0;
+    const int len = raw_length(b);
+    if (!length_ok(len)) return 0;
     for (int d = 0; d < len; ++d) {
-      const int node = accepted[b * acc_sb + d * acc_sd];
-      if (node < 0 || node >= num_nodes) return 0;
+      if (!node_ok(node(b, d), num_nodes)) return 0;
     }
     return len;
   }
@@ -127,12 +130,13 @@ __global__ void __launch_bounds__(kCommitGdnThreads) commit_gdn_state_kernel(
   float* gs = us + path.max_len * s.vdim;                  // [max_len] G_p
   int* ps = reinterpret_cast<int*>(gs + path.max_len);     // [max_len] p
   const float* cumg = stash_cumg.ptr[layer] + b * s.cg_sb + hv * s.cg_sh;
-  const int len = path.accept_len[b * path.len_s];
-  bool usable = len >= 1 && len <= path.max_len;
+  // Path::length's checks, with the nodes read one per thread.
+  const int len = path.raw_length(b);
+  bool usable = path.length_ok(len);
   if (usable) {
     for (int d = tid; d < len; d += kCommitGdnThreads) {
       const int p = path.node(b, d);
-      const bool in_tree = p >= 0 && p < s.num_nodes;
+      const bool in_tree = Path::node_ok(p, s.num_nodes);
       usable = usable && in_tree;
       ps[d] = p;
       gs[d] = in_tree ? cumg[p * s.cg_sn] : 0.f;

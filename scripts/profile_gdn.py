@@ -8,18 +8,20 @@ The profiled region (cudaProfilerStart/Stop) holds one call per node count, afte
 prints the median of graph-replayed calls instead (48 layers' inputs, rotated so they do not sit in L2).
 """
 import argparse
+import os
+import sys
 
 import torch
 
 from ddtree_ext import ops
 
-H, HV, KD, VD, LAYERS = 16, 48, 128, 128, 48
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from test_bench_cuda import GDN_LAYERS as LAYERS, gdn_layer_inputs  # noqa: E402
 
 
 def layer_inputs(n: int, gen: torch.Generator):
-    dev = "cuda"
-    bf16 = dict(dtype=torch.bfloat16, device=dev)
-    # A spine of up to 16 nodes, the rest hung under random earlier nodes of depth < 15: build_tree's shape.
+    """The benchmark's inputs of one layer, with a tree of N nodes: a spine of up to 16 nodes, the rest hung
+    under random earlier nodes of depth < 15 (build_tree's shape)."""
     par, depth = [-1], [0]
     for i in range(1, n):
         if i < 16:
@@ -28,16 +30,9 @@ def layer_inputs(n: int, gen: torch.Generator):
             choices = [j for j in range(i) if depth[j] < 15]
             par.append(choices[int(torch.randint(0, len(choices), (1,), generator=gen))])
         depth.append(depth[par[-1]] + 1)
-    parent = torch.tensor([par], dtype=torch.int32, device=dev)
-    q = torch.randn(1, n, H, KD, **bf16)
-    k = torch.randn(1, n, H, KD, **bf16)
-    v = torch.randn(1, n, HV, VD, **bf16)
-    g = -torch.rand(1, n, HV, device=dev)
-    beta = torch.rand(1, n, HV, device=dev)
-    state = torch.randn(1, HV, KD, VD, device=dev) * 0.1
-    out = ops.GDNTreeOutput(torch.empty(1, n, HV, VD, **bf16), torch.empty(1, n, HV, VD, device=dev),
-                            torch.empty(1, n, H, KD, device=dev), torch.empty(1, n, HV, device=dev))
-    return (q, k, v, g, beta, state, parent), out
+    parent = torch.tensor([par], dtype=torch.int32, device="cuda")
+    *inputs, out = gdn_layer_inputs(n)
+    return (*inputs, parent), out
 
 
 def main():
