@@ -673,8 +673,6 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
   const int v0 = blockIdx.x * kTileV, hv = blockIdx.y, b = blockIdx.z;
   const int h = hv / (sh.value_heads / sh.heads);
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
-  const int col = v0 + lane;
-  const bool col_ok = col < sh.vdim;
 
   // Stages the raw key and query rows of chunk nodes c0 .. c0 + nodes - 1 as they are (rows 2 l and 2 l + 1).
   const RowSplit split(kdim / kPack<T, PACKED>);
@@ -820,54 +818,67 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
   }
   __syncthreads();
 
-  // sum_{a = 0..depth(i)} c_i[a] x_{a-th ancestor}: the first kCachedDist terms from the table (cached_sum), then
-  // the deeper ones walked (deep_sum; paths deeper than 16 only).
-  auto cached_sum = [&](int i, const float* x, bool m_pass) {
+  // The u and o passes: a warp takes kPassNodes nodes at once, kTileV / 4 lanes each, and a lane owns 4
+  // consecutive columns of its node. Per path term a warp then reads kPassNodes 16-byte terms (one wavefront) and
+  // kPassNodes rows of the tile (128 bytes each), against one term and one row per node with a lane per column:
+  // the passes are bound by shared-memory wavefronts. Each column still sums its terms in the same order.
+  constexpr int kLanesPerNode = kTileV / 4;
+  constexpr int kPassNodes = kWarp / kLanesPerNode;
+  const int slot = lane / kLanesPerNode, c4 = 4 * (lane % kLanesPerNode);
+  // sum_{a = 0..depth(i)} c_i[a] x_{a-th ancestor}[c4 .. c4 + 3]: the first kCachedDist terms from the table, then
+  // the deeper ones walked (paths deeper than 16 only).
+  auto path_sum4 = [&](int i, const float* x, bool m_pass) {
     const PathTerm* term = terms + i * kCachedDist;
-    const float* x_lane = x + lane;
-    float acc = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto add = [&](float c, const float* row) {
+      const float4 xv = *reinterpret_cast<const float4*>(row + c4);
+      acc.x = fmaf(c, xv.x, acc.x);
+      acc.y = fmaf(c, xv.y, acc.y);
+      acc.z = fmaf(c, xv.z, acc.z);
+      acc.w = fmaf(c, xv.w, acc.w);
+    };
 #pragma unroll
     for (int a = 0; a < kCachedDist; ++a) {
       const PathTerm pt = term[a];
-      acc = fmaf(m_pass ? pt.m : pt.t, x_lane[pt.row], acc);
+      add(m_pass ? pt.m : pt.t, x + pt.row);
     }
-    return acc;
-  };
-  auto deep_sum = [&](int i, const float* x, bool m_pass, float acc) {
     const int d = dep[i];
     if (d >= kCachedDist) {
-      int j = terms[i * kCachedDist + kCachedDist - 1].row / kTileV;
+      int j = term[kCachedDist - 1].row / kTileV;
       for (int a = kCachedDist; a <= d; ++a) {
         j = par[j];
         const float2 c = coef_h[static_cast<int64_t>(i) * n + a];
-        acc = fmaf(m_pass ? c.y : c.x, x[j * kTileV + lane], acc);
+        add(m_pass ? c.y : c.x, x + j * kTileV);
       }
     }
     return acc;
   };
-  // A warp takes two nodes kMainWarps apart at a time: two independent chains of shared-memory reads and FMAs
-  // (one chain per warp left the schedulers idle). Past the end the second is node N - 1 again, not stored.
+  // Past the end a slot recomputes node N - 1 and stores nothing.
   // u = T r, into vt (v is dead).
-  for (int i = warp; i < n; i += 2 * kMainWarps) {
-    const int i2 = min(i + kMainWarps, n - 1);
-    float u1 = cached_sum(i, kh, false), u2 = cached_sum(i2, kh, false);
-    u1 = deep_sum(i, kh, false, u1);
-    u2 = deep_sum(i2, kh, false, u2);
-    vt[i * kTileV + lane] = u1;
-    if (col_ok) stash_u[b * su_sb + i * su_sn + hv * su_sh + col] = u1;
-    if (i + kMainWarps < n) {
-      vt[i2 * kTileV + lane] = u2;
-      if (col_ok) stash_u[b * su_sb + i2 * su_sn + hv * su_sh + col] = u2;
+  for (int base = warp * kPassNodes; base < n; base += kMainWarps * kPassNodes) {
+    const int i = min(base + slot, n - 1);
+    const float4 u = path_sum4(i, kh, false);
+    if (base + slot < n) {
+      *reinterpret_cast<float4*>(vt + i * kTileV + c4) = u;
+      const float uv[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (v0 + c4 + e < sh.vdim) stash_u[b * su_sb + i * su_sn + hv * su_sh + v0 + c4 + e] = uv[e];
+      }
     }
   }
   __syncthreads();
-  for (int i = warp; i < n; i += 2 * kMainWarps) {
-    const int i2 = min(i + kMainWarps, n - 1);
-    float o1 = cached_sum(i, vt, true), o2 = cached_sum(i2, vt, true);
-    o1 = qh[i * kTileV + lane] + deep_sum(i, vt, true, o1);
-    o2 = qh[i2 * kTileV + lane] + deep_sum(i2, vt, true, o2);
-    if (col_ok) out[b * o_sb + i * o_sn + hv * o_sh + col] = cuda::from_float<T>(o1);
-    if (col_ok && i + kMainWarps < n) out[b * o_sb + i2 * o_sn + hv * o_sh + col] = cuda::from_float<T>(o2);
+  for (int base = warp * kPassNodes; base < n; base += kMainWarps * kPassNodes) {
+    const int i = min(base + slot, n - 1);
+    const float4 m = path_sum4(i, vt, true);
+    if (base + slot < n) {
+      const float4 e0 = *reinterpret_cast<const float4*>(qh + i * kTileV + c4);
+      const float ov[4] = {e0.x + m.x, e0.y + m.y, e0.z + m.z, e0.w + m.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (v0 + c4 + e < sh.vdim) out[b * o_sb + i * o_sn + hv * o_sh + v0 + c4 + e] = cuda::from_float<T>(ov[e]);
+      }
+    }
   }
 }
 
