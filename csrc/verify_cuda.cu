@@ -318,6 +318,43 @@ __device__ __forceinline__ void dot_rows_run(const float* x, const float* const 
   }
 }
 
+// A node's first kCachedDist ancestors (anc[a]: the a-th; past the root the node itself) and its depth, from one
+// walk up the parent table. root_first_sum adds a per-node value (the log decay) over root..i, root first, as the
+// recurrence accumulates G: every GDN tree kernel sums G through it, so all get the same bits.
+struct NodePath {
+  int anc[kCachedDist];
+  int depth;
+  int first_deep;  // the kCachedDist-th ancestor, or -1
+
+  __device__ __forceinline__ NodePath(int i, const int* par) {
+    int j = i, d = 0;
+#pragma unroll
+    for (int a = 0; a < kCachedDist; ++a) {
+      if (j >= 0) d = a;
+      anc[a] = j >= 0 ? j : i;
+      j = j >= 0 ? par[j] : -1;
+    }
+    first_deep = j;
+    for (; j >= 0; j = par[j]) ++d;
+    depth = d;
+  }
+
+  template <typename Value>
+  __device__ __forceinline__ float root_first_sum(const int* par, Value value) const {
+    float acc = 0.f;
+    for (int a = depth; a >= kCachedDist; --a) {  // paths deeper than 16 only
+      int j = first_deep;
+      for (int s = kCachedDist; s < a; ++s) j = par[j];
+      acc += value(j);
+    }
+#pragma unroll
+    for (int a = kCachedDist - 1; a >= 0; --a) {
+      if (a <= depth) acc += value(anc[a]);
+    }
+    return acc;
+  }
+};
+
 // Shared-memory plan of gdn_tree_prep (byte offsets), sized from N, K and the value heads per key head.
 struct GdnPrepLayout {
   int kpad;
@@ -479,15 +516,7 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(  // 64 reg
   }
   for (int e = tid; e < rows * group; e += kPrepThreads) {
     const int m = e / group, gi = e % group;
-    if (!on_path[m]) continue;
-    // Summed root first, as the recurrence accumulates it: the a-th ancestor for a = depth .. 0.
-    float acc = 0.f;
-    for (int a = dep[m]; a >= 0; --a) {
-      int j = anc[m * kCachedDist + min(a, kCachedDist - 1)];
-      for (int s = kCachedDist - 1; s < a; ++s) j = par[j];
-      acc += graw[j * group + gi];
-    }
-    gcum[e] = acc;
+    if (on_path[m]) gcum[e] = NodePath(m, par).root_first_sum(par, [&](int j) { return graw[j * group + gi]; });
   }
   __syncthreads();
 
@@ -543,6 +572,249 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(  // 64 reg
       __syncwarp();  // tr is rewritten for the next value head
     }
     if (lane == 0) stash_cumg[b * cg_sb + i * cg_sn + hv * cg_sh] = gi_cum;
+  }
+}
+
+// ---- the prep kernel for 16-bit inputs and N <= kGramMaxNodes: key products on tensor cores ----
+// Same outputs and launch shape as gdn_tree_prep_kernel. The raw key rows 0..rows-1 and the chunk's raw query rows
+// are staged as they are (X, 16-bit) and S = X X^T is formed on tensor cores (bf16/fp16 products are exact in the
+// float32 accumulator): S holds every key and query product and, on its diagonal, the squared norms. A
+// normalised product is then a raw one times two inverse norms, so no row is normalised and no product recomputed
+// for deep paths. The T-row solves step all value heads of a batch together, each weight formed where it is
+// used: kGramSolveHeads independent shuffle-and-FMA chains per warp instead of one.
+
+constexpr int kGramMaxNodes = 96;   // S takes 4 (N + 8)^2 bytes of shared memory
+constexpr int kGramSolveHeads = 3;  // value heads a warp solves at once (Qwen3.5/3.6: 3 per key head)
+
+struct GdnGramLayout {
+  int kdepth;   // the MMA depth: K rounded up to 16 (staged columns K..kdepth are zero)
+  int kstride;  // staged row length in elements: kdepth + 8
+  int sstride;  // row length of S: N + kPrepNodes
+  size_t x, s, kinv, par, graw, gcum, beta, path, trow, total;
+
+  // A staged row takes kdepth + 8 elements, kstride / 2 = 4 (mod 8) words: the 8 rows x 4 consecutive words of
+  // an MMA fragment fall in 32 distinct banks.
+  GdnGramLayout(int n, int kdim, int group) {
+    kdepth = (kdim + 15) / 16 * 16;
+    kstride = kdepth + 8;
+    sstride = n + kPrepNodes;
+    const int xrows = (n + kPrepNodes + 15) / 16 * 16;  // whole MMA row tiles
+    size_t off = 0;
+    auto take = [&](size_t bytes) {
+      const size_t at = off;
+      off += (bytes + 15) / 16 * 16;
+      return at;
+    };
+    x = take(sizeof(uint16_t) * xrows * kstride);
+    s = take(sizeof(float) * sstride * sstride);
+    kinv = take(sizeof(float) * sstride);            // 1/||k|| of key rows, scale/||q|| of query rows
+    par = take(sizeof(int) * n);
+    graw = take(sizeof(float) * n * group);
+    gcum = take(sizeof(float) * n * group);
+    beta = take(sizeof(float) * n * group);
+    path = take(sizeof(int) * kPrepNodes * n);
+    trow = take(sizeof(float) * kPrepNodes * kGramSolveHeads * n);  // finished T entries, paths longer than a warp
+    total = off;
+  }
+};
+
+// d += a b for a 16x16 tile a (row-major) and a 16x8 tile b (column-major) of 16-bit values, float32 sums.
+template <typename T>
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    static_assert(std::is_same_v<T, at::Half>, "tensor-core products take Half or BFloat16");
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  __trap();  // the launcher takes this kernel on compute capability >= 8 only
+#endif
+}
+
+template <typename T, bool PACKED>
+__global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
+    GdnShapes sh, GdnGramLayout lay, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh,
+    const T* __restrict__ k, int64_t k_sb, int64_t k_sn, int64_t k_sh, const float* __restrict__ g, int64_t g_sb,
+    int64_t g_sn, int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn, int64_t be_sh,
+    const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, float* __restrict__ stash_k, int64_t sk_sb,
+    int64_t sk_sn, int64_t sk_sh, float* __restrict__ stash_cumg, int64_t cg_sb, int64_t cg_sn, int64_t cg_sh,
+    float2* __restrict__ coef, float2* __restrict__ norms) {
+  static_assert(sizeof(T) == 2, "the tensor-core prep kernel takes 16-bit inputs");
+  allow_dependent_launch();  // kernel 2 reads nothing of ours before its wait
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int n = sh.num_nodes, kdim = sh.kdim, ks = lay.kstride, ss = lay.sstride;
+  const int group = sh.value_heads / sh.heads;
+  const int c0 = blockIdx.x * kPrepNodes, h = blockIdx.y, b = blockIdx.z;
+  const int count = min(kPrepNodes, n - c0);
+  const int rows = c0 + count;       // key rows 0..rows-1 can lie on the chunk's paths
+  const int xrows = rows + count;    // then the chunk's queries
+  const int xtiles = (xrows + 15) / 16;
+  T* x = reinterpret_cast<T*>(smem_raw + lay.x);
+  float* s = reinterpret_cast<float*>(smem_raw + lay.s);
+  float* kinv = reinterpret_cast<float*>(smem_raw + lay.kinv);
+  int* par = reinterpret_cast<int*>(smem_raw + lay.par);
+  float* graw = reinterpret_cast<float*>(smem_raw + lay.graw);
+  float* gcum = reinterpret_cast<float*>(smem_raw + lay.gcum);
+  float* beta_s = reinterpret_cast<float*>(smem_raw + lay.beta);
+  int* path = reinterpret_cast<int*>(smem_raw + lay.path);
+  float* trow = reinterpret_cast<float*>(smem_raw + lay.trow);
+  __shared__ int path_len[kPrepNodes];
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+
+  // ---- every load at once: the tree, the log decays and betas, the raw key and query rows; zero padding ----
+  for (int j = tid; j < rows; j += kPrepThreads) par[j] = cuda::checked_parent(parent[b * pa_sb + j * pa_sn], j);
+  batched_copy<kPrepThreads, 4>(
+      rows * group,
+      [&](int e) {
+        const int j = e / group, hv = h * group + e % group;
+        return make_float2(g[b * g_sb + j * g_sn + hv * g_sh], beta[b * be_sb + j * be_sn + hv * be_sh]);
+      },
+      [&](int e, float2 v) {
+        graw[e] = v.x;
+        beta_s[e] = v.y;
+      });
+  const RowSplit split(kdim / kPack<T, PACKED>);
+  const T* k_base = k + b * k_sb + h * k_sh;
+  const T* q_base = q + b * q_sb + h * q_sh;
+  batched_copy<kPrepThreads, 8>(
+      xrows * split.groups,
+      [&](int e) {
+        const int r = split.row(e);
+        const T* row = r < rows ? k_base + r * k_sn : q_base + (c0 + r - rows) * q_sn;
+        return load_group<T, PACKED>(row, split.col(e));
+      },
+      [&](int e, const RowGroup<T, PACKED>& v) {
+        *reinterpret_cast<RowGroup<T, PACKED>*>(x + split.row(e) * ks + kPack<T, PACKED> * split.col(e)) = v;
+      });
+  // Columns K..kdepth of the staged rows and the rows past them up to a whole tile take part in the products:
+  // zero (the padding rows' products are never read, but are kept finite).
+  const int pad_cols = lay.kdepth - kdim;
+  for (int e = tid; e < xrows * pad_cols; e += kPrepThreads) x[(e / pad_cols) * ks + kdim + e % pad_cols] = cuda::from_float<T>(0.f);
+  for (int e = tid; e < (16 * xtiles - xrows) * lay.kdepth; e += kPrepThreads) {
+    x[(xrows + e / lay.kdepth) * ks + e % lay.kdepth] = cuda::from_float<T>(0.f);
+  }
+  __syncthreads();
+
+  // ---- three independent jobs: the chunk's paths (a thread per chunk node), G of every row for each value
+  // head (a thread per row), S = X X^T on and below the diagonal (a warp per 16x8 tile) ----
+  if (tid < count) {
+    int len = 0;
+    for (int j = c0 + tid; j >= 0; j = par[j]) path[tid * n + len++] = j;
+    path_len[tid] = len;
+  }
+  for (int m = tid; m < rows; m += kPrepThreads) {
+    const NodePath np(m, par);
+    for (int gi = 0; gi < group; ++gi) {
+      gcum[m * group + gi] = np.root_first_sum(par, [&](int j) { return graw[j * group + gi]; });
+    }
+  }
+  {
+    // Fragments as in the PTX ISA's m16n8k16 layout: lane (gid, tig) holds rows gid and gid + 8 of the 16x16 tile
+    // (columns 2 tig, 2 tig + 1 and those + 8) and row gid of the 8 columns' tile (the same columns).
+    const int gid = lane / 4, tig = lane % 4;
+    const uint32_t* xw = reinterpret_cast<const uint32_t*>(x);
+    const int ws = ks / 2;  // words per staged row
+    const int col_tiles = (xrows + 7) / 8;
+    int task = 0;
+    for (int rt = 0; rt < xtiles; ++rt) {
+      const int last = min(col_tiles, 2 * rt + 2);  // tiles reaching the diagonal
+      for (int ct = 0; ct < last; ++ct, ++task) {
+        if (task % kPrepNodes != warp) continue;
+        const uint32_t* arow0 = xw + (16 * rt + gid) * ws + tig;
+        const uint32_t* arow1 = arow0 + 8 * ws;
+        const uint32_t* brow = xw + (8 * ct + gid) * ws + tig;
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int kw = 0; kw < lay.kdepth / 2; kw += 8) {
+          const uint32_t a[4] = {arow0[kw], arow1[kw], arow0[kw + 4], arow1[kw + 4]};
+          const uint32_t bb[2] = {brow[kw], brow[kw + 4]};
+          mma_16x8x16<T>(d, a, bb);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 16 * rt + gid + 8 * (e / 2), c = 8 * ct + 2 * tig + e % 2;
+          if (r >= xrows || c > r) continue;
+          s[r * ss + c] = d[e];
+          if (c == r) {  // the squared norm: 1/||k|| of a key row, scale/||q|| of a query row
+            const float inv = sh.l2norm ? cuda::inv_l2_norm(d[e], kL2NormEps) : 1.f;
+            kinv[r] = r < rows ? inv : inv * sh.scale;
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- per chunk node (a warp): its norms and normalised key, then the rows T_i and M_i of each value head ----
+  if (warp >= count) return;
+  const int t = warp, i = c0 + t, len = path_len[t];
+  const int* p = path + t * n;
+  const float ki = kinv[i], qf = kinv[rows + t];
+  if (lane == 0) norms[(static_cast<int64_t>(b) * sh.heads + h) * n + i] = make_float2(ki, qf);
+  for (int e = lane; e < kdim; e += kWarp) stash_k[b * sk_sb + i * sk_sn + h * sk_sh + e] = cuda::to_float(x[i * ks + e]) * ki;
+  const float* s_query = s + (rows + t) * ss;
+  float* tr = trow + t * kGramSolveHeads * n;
+  for (int g0 = 0; g0 < group; g0 += kGramSolveHeads) {
+    // Heads past the group repeat the last one and store nothing.
+    int hs[kGramSolveHeads];
+#pragma unroll
+    for (int u = 0; u < kGramSolveHeads; ++u) hs[u] = min(g0 + u, group - 1);
+    float gi_cum[kGramSolveHeads];
+#pragma unroll
+    for (int u = 0; u < kGramSolveHeads; ++u) gi_cum[u] = gcum[i * group + hs[u]];
+    // Lane l holds T_i[cb + l]: T_i[b] = -sum_{a < b} T_i[a] A(P[a], P[b]), A(P[a], P[b]) = beta_{P[a]}
+    // e^{G_{P[a]} - G_{P[b]}} k_{P[a]}.k_{P[b]}. Step a adds term a to every lane; lane a - cb is then complete
+    // and passes T_i[a] on by a shuffle (entries of earlier blocks of 32 come from tr).
+    for (int cb = 0; cb < len; cb += kWarp) {
+      const int bi = cb + lane;
+      const bool live = bi < len;
+      const int pb = p[live ? bi : 0];
+      const float kb = kinv[pb];
+      float gb[kGramSolveHeads], tb[kGramSolveHeads];
+#pragma unroll
+      for (int u = 0; u < kGramSolveHeads; ++u) {
+        gb[u] = gcum[pb * group + hs[u]];
+        tb[u] = bi == 0 ? 1.f : 0.f;
+      }
+      const int a_end = min(cb + kWarp, len) - 1;
+      for (int a = 0; a < a_end; ++a) {
+        const int pa = p[a];
+        // Lanes without the term (a >= b, or past the path) take weight 0: their exponent may be positive.
+        const bool term = live && a < bi;
+        const float kk = (s[pa * ss + pb] * kinv[pa]) * kb;  // pa > pb where the term exists: below the diagonal
+#pragma unroll
+        for (int u = 0; u < kGramSolveHeads; ++u) {
+          const float w = term ? beta_s[pa * group + hs[u]] * expf(gcum[pa * group + hs[u]] - gb[u]) * kk : 0.f;
+          const float ta = a < cb ? tr[u * n + a] : __shfl_sync(cuda::kFullMask, tb[u], a - cb);
+          tb[u] = fmaf(-ta, w, tb[u]);
+        }
+      }
+      if (live) {
+        const float qk = (s_query[pb] * qf) * kb;
+#pragma unroll
+        for (int u = 0; u < kGramSolveHeads; ++u) {
+          if (g0 + u >= group) continue;
+          const int hv = h * group + g0 + u;
+          coef[((static_cast<int64_t>(b) * sh.value_heads + hv) * n + i) * n + bi] =
+              make_float2(tb[u], expf(gi_cum[u] - gb[u]) * qk);
+          if (len > kWarp) tr[u * n + bi] = tb[u];
+        }
+      }
+      __syncwarp();
+    }
+    if (lane < kGramSolveHeads && g0 + lane < group) {
+      stash_cumg[b * cg_sb + i * cg_sn + (h * group + g0 + lane) * cg_sh] = gcum[i * group + g0 + lane];
+    }
+    __syncwarp();  // tr is rewritten for the next batch of heads
   }
 }
 
@@ -759,30 +1031,11 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
   // One walk up the tree per node gives its first kCachedDist ancestors (in registers: unrolled) and its depth.
   // G_i is summed root first, as gdn_tree_prep sums it (the same additions in the same order: the same bits).
   for (int i = tid; i < n; i += kMainThreads) {
-    int anc[kCachedDist];
-    int j = i, d = 0;
+    const NodePath path(i, par);  // past the root: the node's own row, with zero coefficients later
+    dep[i] = path.depth;
 #pragma unroll
-    for (int a = 0; a < kCachedDist; ++a) {
-      if (j >= 0) d = a;
-      anc[a] = j >= 0 ? j : i;  // past the root: the node's own row, with zero coefficients later
-      j = j >= 0 ? par[j] : -1;
-    }
-    const int first_deep = j;  // the kCachedDist-th ancestor, or -1
-    for (; j >= 0; j = par[j]) ++d;
-    dep[i] = d;
-#pragma unroll
-    for (int a = 0; a < kCachedDist; ++a) terms[i * kCachedDist + a].row = anc[a] * kTileV;
-    float acc = 0.f;
-    for (int a = d; a >= kCachedDist; --a) {  // paths deeper than 16 only
-      j = first_deep;
-      for (int s = kCachedDist; s < a; ++s) j = par[j];
-      acc += graw[j];
-    }
-#pragma unroll
-    for (int a = kCachedDist - 1; a >= 0; --a) {
-      if (a <= d) acc += graw[anc[a]];
-    }
-    cumg[i] = acc;
+    for (int a = 0; a < kCachedDist; ++a) terms[i * kCachedDist + a].row = path.anc[a] * kTileV;
+    cumg[i] = path.root_first_sum(par, [&](int j) { return graw[j]; });
   }
   __syncthreads();  // dep and cumg
 
@@ -993,9 +1246,14 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      static_cast<int>(kdim), static_cast<int>(vdim), static_cast<float>(scale), use_qk_l2norm};
   const GdnMainLayout lay(static_cast<int>(n), static_cast<int>(kdim), static_cast<int>(sizeof(T)));
   const GdnPrepLayout prep_lay(static_cast<int>(n), static_cast<int>(kdim), static_cast<int>(value_heads / heads));
-  TORCH_CHECK_VALUE(lay.total <= cuda::max_dynamic_smem() && prep_lay.total <= cuda::max_dynamic_smem(),
+  const GdnGramLayout gram_lay(static_cast<int>(n), static_cast<int>(kdim), static_cast<int>(value_heads / heads));
+  // The tensor-core prep kernel where it applies: 16-bit inputs, N <= kGramMaxNodes, compute capability >= 8.
+  const bool gram = sizeof(T) == 2 && n <= kGramMaxNodes && at::cuda::getCurrentDeviceProperties()->major >= 8 &&
+                    gram_lay.total <= cuda::max_dynamic_smem();
+  const size_t prep_smem = gram ? gram_lay.total : prep_lay.total;
+  TORCH_CHECK_VALUE(lay.total <= cuda::max_dynamic_smem() && prep_smem <= cuda::max_dynamic_smem(),
                     "tree_gated_delta_rule: N = ", n, " and K = ", kdim,
-                    " need more shared memory than this GPU offers (", std::max(lay.total, prep_lay.total), " bytes)");
+                    " need more shared memory than this GPU offers (", std::max(lay.total, prep_smem), " bytes)");
   const cudaStream_t stream = cuda::current_stream();
   if (n == 1) {
     const size_t smem = sizeof(float) * (2 * kdim + 2 * kNodeWarps * kWarp);
@@ -1021,12 +1279,12 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   auto* norms_ptr = reinterpret_cast<float2*>(norms.data_ptr<float>());
   const bool packed = rows_in_packs<T>(q) && rows_in_packs<T>(k);
 
-  auto launch_prep = [&](auto kernel) {
-    cuda::allow_dynamic_smem(kernel, prep_lay.total);
+  auto launch_prep = [&](auto kernel, const auto& layout) {
+    cuda::allow_dynamic_smem(kernel, layout.total);
     const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, kPrepNodes)), static_cast<unsigned>(heads),
                     static_cast<unsigned>(bsz));
-    kernel<<<grid, kPrepThreads, prep_lay.total, stream>>>(
-        sh, prep_lay, q.data_ptr<T>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<T>(), k.stride(0),
+    kernel<<<grid, kPrepThreads, layout.total, stream>>>(
+        sh, layout, q.data_ptr<T>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<T>(), k.stride(0),
         k.stride(1), k.stride(2), g.data_ptr<float>(), g.stride(0), g.stride(1), g.stride(2), beta.data_ptr<float>(),
         beta.stride(0), beta.stride(1), beta.stride(2), parent.data_ptr<int32_t>(), parent.stride(0),
         parent.stride(1), stash_k.data_ptr<float>(), stash_k.stride(0), stash_k.stride(1), stash_k.stride(2),
@@ -1065,12 +1323,23 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         stash_u.data_ptr<float>(), stash_u.stride(0), stash_u.stride(1), stash_u.stride(2)));
   };
 
+  auto launch_pair = [&](auto packed_rows) {
+    constexpr bool kPacked = decltype(packed_rows)::value;
+    if constexpr (sizeof(T) == 2) {
+      if (gram) {
+        launch_prep(gdn_tree_prep_gram_kernel<T, kPacked>, gram_lay);
+      } else {
+        launch_prep(gdn_tree_prep_kernel<T, kPacked>, prep_lay);
+      }
+    } else {
+      launch_prep(gdn_tree_prep_kernel<T, kPacked>, prep_lay);
+    }
+    launch_main(gdn_tree_main_kernel<T, kPacked>);
+  };
   if (packed) {
-    launch_prep(gdn_tree_prep_kernel<T, true>);
-    launch_main(gdn_tree_main_kernel<T, true>);
+    launch_pair(std::true_type{});
   } else {
-    launch_prep(gdn_tree_prep_kernel<T, false>);
-    launch_main(gdn_tree_main_kernel<T, false>);
+    launch_pair(std::false_type{});
   }
 }
 

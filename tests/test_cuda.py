@@ -368,6 +368,8 @@ def assert_gdn_close(got: GDNTreeOutput, expected, dtype, what: str):
         # not a multiple of 4 (the GEMM's depth is padded with zeros).
         (2, 80, 1, 2, 100, 33),
         (1, 129, 2, 4, 30, 40),
+        # Four value heads per key head: the 16-bit prep kernel solves them in two batches (3 + 1).
+        (1, 40, 2, 8, 64, 32),
     ],
 )
 def test_tree_gated_delta_rule(dtype, shape, bsz, n, heads, value_heads, kdim, vdim):
@@ -405,11 +407,12 @@ def test_tree_gated_delta_rule_single_node(dtype, l2norm, bsz, heads, value_head
     assert_gdn_close(got, gdn_recurrence_fp64(x, scale or kdim**-0.5, l2norm=l2norm), dtype, "vs float64 recurrence")
 
 
-@pytest.mark.parametrize("dtype,n", [(torch.float32, 48), (torch.bfloat16, 100)])
+@pytest.mark.parametrize("dtype,n", [(torch.float32, 48), (torch.bfloat16, 100), (torch.bfloat16, 64), (torch.float16, 96)])
 def test_tree_gated_delta_rule_deep_chain(dtype, n):
     """Paths longer than the 17 ancestor distances the kernels keep in shared memory (and than a warp): the
     general path-row solve, dot products recomputed, path sums walked past the cached terms; at N = 100 also
-    over two of the main kernel's 72-node chunks."""
+    over two of the main kernel's 72-node chunks. 16-bit inputs with N <= 96 take the tensor-core prep kernel,
+    whose solves then run over two and three blocks of 32 path entries."""
     gen = make_gen(4)
     x = gdn_inputs(1, n, 2, 2, 32, 32, dtype, gen, shape="chain", max_depth=n)
     got = run_gdn(x, DEV)
