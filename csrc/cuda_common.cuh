@@ -136,6 +136,37 @@ __device__ __forceinline__ float warp_sum_squares(const T* row, int n, int lane)
   return warp_sum(acc);
 }
 
+// Asynchronous global -> shared copies of 4, 8 or 16 bytes (cp.async, compute capability >= 8): a thread issues
+// all of its copies without waiting for any, so one round trip to memory serves a kernel's whole prologue;
+// wait_async_copies() then waits for the calling thread's copies (a barrier makes them visible to the block).
+// Both addresses must be aligned to the copy's size.
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void* smem_dst, const void* gmem_src) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem_src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(gmem_src), "n"(BYTES) : "memory");
+  }
+#else
+  if constexpr (BYTES == 16) {
+    *static_cast<uint4*>(smem_dst) = *static_cast<const uint4*>(gmem_src);
+  } else if constexpr (BYTES == 8) {
+    *static_cast<uint2*>(smem_dst) = *static_cast<const uint2*>(gmem_src);
+  } else {
+    *static_cast<uint32_t*>(smem_dst) = *static_cast<const uint32_t*>(gmem_src);
+  }
+#endif
+}
+
+__device__ __forceinline__ void wait_async_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // 1 / sqrt(sum + eps) with correctly rounded sqrt and division (no rsqrt approximation), as on the CPU.
 __device__ __forceinline__ float inv_l2_norm(float sum_squares, float eps) { return 1.0f / sqrtf(sum_squares + eps); }
 

@@ -132,7 +132,8 @@ constexpr int kPrepNodes = 8;                      // chunk nodes per prep block
 constexpr int kPrepThreads = kPrepNodes * kWarp;
 constexpr int kMainThreads = 288;   // GEMM: 36 node rows x 8 column groups; passes: 9 warps
 constexpr int kMainWarps = kMainThreads / kWarp;
-constexpr int kTileV = 32;          // value columns per main block: one per lane in the passes
+constexpr int kTileV = 32;          // value columns per main block
+constexpr int kH0Stride = kTileV + 8;  // floats per staged H0 row (see GdnMainLayout)
 constexpr int kHalfChunk = 36;      // GEMM thread (rg, cg) owns the chunk's nodes rg and rg + 36
 constexpr int kChunkNodes = 2 * kHalfChunk;
 constexpr int kCachedDist = 17;     // ancestor distances 0..16 kept in shared memory; deeper ones are recomputed
@@ -671,31 +672,28 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
   __shared__ int path_len[kPrepNodes];
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
 
-  // ---- every load at once: the tree, the log decays and betas, the raw key and query rows; zero padding ----
-  for (int j = tid; j < rows; j += kPrepThreads) par[j] = cuda::checked_parent(parent[b * pa_sb + j * pa_sn], j);
-  batched_copy<kPrepThreads, 4>(
-      rows * group,
-      [&](int e) {
-        const int j = e / group, hv = h * group + e % group;
-        return make_float2(g[b * g_sb + j * g_sn + hv * g_sh], beta[b * be_sb + j * be_sn + hv * be_sh]);
-      },
-      [&](int e, float2 v) {
-        graw[e] = v.x;
-        beta_s[e] = v.y;
-      });
+  // ---- every load at once, as asynchronous copies (one round trip to memory): the tree, the log decays and
+  // betas, the raw key and query rows; zero padding ----
+  for (int j = tid; j < rows; j += kPrepThreads) cuda::copy_async<4>(par + j, parent + b * pa_sb + j * pa_sn);
+  for (int e = tid; e < rows * group; e += kPrepThreads) {
+    const int j = e / group, hv = h * group + e % group;
+    cuda::copy_async<4>(graw + e, g + b * g_sb + j * g_sn + hv * g_sh);
+    cuda::copy_async<4>(beta_s + e, beta + b * be_sb + j * be_sn + hv * be_sh);
+  }
   const RowSplit split(kdim / kPack<T, PACKED>);
   const T* k_base = k + b * k_sb + h * k_sh;
   const T* q_base = q + b * q_sb + h * q_sh;
-  batched_copy<kPrepThreads, 8>(
-      xrows * split.groups,
-      [&](int e) {
-        const int r = split.row(e);
-        const T* row = r < rows ? k_base + r * k_sn : q_base + (c0 + r - rows) * q_sn;
-        return load_group<T, PACKED>(row, split.col(e));
-      },
-      [&](int e, const RowGroup<T, PACKED>& v) {
-        *reinterpret_cast<RowGroup<T, PACKED>*>(x + split.row(e) * ks + kPack<T, PACKED> * split.col(e)) = v;
-      });
+  auto x_source = [&](int r) { return r < rows ? k_base + r * k_sn : q_base + (c0 + r - rows) * q_sn; };
+  if constexpr (PACKED) {
+    for (int e = tid; e < xrows * split.groups; e += kPrepThreads) {
+      const int r = split.row(e), c = kPack<T, PACKED> * split.col(e);
+      cuda::copy_async<16>(x + r * ks + c, x_source(r) + c);
+    }
+  } else {  // element by element (2 bytes: too small for an asynchronous copy)
+    batched_copy<kPrepThreads, 8>(
+        xrows * split.groups, [&](int e) { return load_group<T, PACKED>(x_source(split.row(e)), split.col(e)); },
+        [&](int e, const RowGroup<T, PACKED>& v) { x[split.row(e) * ks + split.col(e)] = v; });
+  }
   // Columns K..kdepth of the staged rows and the rows past them up to a whole tile take part in the products:
   // zero (the padding rows' products are never read, but are kept finite).
   const int pad_cols = lay.kdepth - kdim;
@@ -703,14 +701,18 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
   for (int e = tid; e < (16 * xtiles - xrows) * lay.kdepth; e += kPrepThreads) {
     x[(xrows + e / lay.kdepth) * ks + e % lay.kdepth] = cuda::from_float<T>(0.f);
   }
+  cuda::wait_async_copies();
+  for (int j = tid; j < rows; j += kPrepThreads) par[j] = cuda::checked_parent(par[j], j);  // this thread's copies
   __syncthreads();
 
   // ---- three independent jobs: the chunk's paths (a thread per chunk node), G of every row for each value
   // head (a thread per row), S = X X^T on and below the diagonal (a warp per 16x8 tile) ----
-  if (tid < count) {
+  // Balance: G takes the first threads, the paths warp 3's, and the tiles go to warps 7, 6, ... first.
+  constexpr int kPathWarp = 3;
+  if (warp == kPathWarp && lane < count) {
     int len = 0;
-    for (int j = c0 + tid; j >= 0; j = par[j]) path[tid * n + len++] = j;
-    path_len[tid] = len;
+    for (int j = c0 + lane; j >= 0; j = par[j]) path[lane * n + len++] = j;
+    path_len[lane] = len;
   }
   for (int m = tid; m < rows; m += kPrepThreads) {
     const NodePath np(m, par);
@@ -729,11 +731,12 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
     for (int rt = 0; rt < xtiles; ++rt) {
       const int last = min(col_tiles, 2 * rt + 2);  // tiles reaching the diagonal
       for (int ct = 0; ct < last; ++ct, ++task) {
-        if (task % kPrepNodes != warp) continue;
+        if (task % kPrepNodes != kPrepNodes - 1 - warp) continue;
         const uint32_t* arow0 = xw + (16 * rt + gid) * ws + tig;
         const uint32_t* arow1 = arow0 + 8 * ws;
         const uint32_t* brow = xw + (8 * ct + gid) * ws + tig;
         float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
         for (int kw = 0; kw < lay.kdepth / 2; kw += 8) {
           const uint32_t a[4] = {arow0[kw], arow1[kw], arow0[kw + 4], arow1[kw + 4]};
           const uint32_t bb[2] = {brow[kw], brow[kw + 4]};
@@ -785,19 +788,24 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
         gb[u] = gcum[pb * group + hs[u]];
         tb[u] = bi == 0 ? 1.f : 0.f;
       }
-      const int a_end = min(cb + kWarp, len) - 1;
-      for (int a = 0; a < a_end; ++a) {
+      // Term a: T_i[a] (t_a(u) for the batch's head u) times the weight A(P[a], P[b]). Lanes without the term
+      // (a >= b, or past the path) get weight 0 by arithmetic, not a branch (the compiler turned a select into
+      // one, which made every weight wait for the previous one): a mask of 0 zeroes their product, read from S
+      // at a written entry, and their exponent, so everything stays finite.
+      auto add_term = [&](int a, auto t_a) {
         const int pa = p[a];
-        // Lanes without the term (a >= b, or past the path) take weight 0: their exponent may be positive.
-        const bool term = live && a < bi;
-        const float kk = (s[pa * ss + pb] * kinv[pa]) * kb;  // pa > pb where the term exists: below the diagonal
+        const float mask = live && a < bi ? 1.f : 0.f;
+        const float kk = ((s[max(pa, pb) * ss + min(pa, pb)] * kinv[pa]) * kb) * mask;  // pa > pb for a term
 #pragma unroll
         for (int u = 0; u < kGramSolveHeads; ++u) {
-          const float w = term ? beta_s[pa * group + hs[u]] * expf(gcum[pa * group + hs[u]] - gb[u]) * kk : 0.f;
-          const float ta = a < cb ? tr[u * n + a] : __shfl_sync(cuda::kFullMask, tb[u], a - cb);
-          tb[u] = fmaf(-ta, w, tb[u]);
+          const float w = beta_s[pa * group + hs[u]] * expf((gcum[pa * group + hs[u]] - gb[u]) * mask) * kk;
+          tb[u] = fmaf(-t_a(u), w, tb[u]);
         }
-      }
+      };
+      for (int a = 0; a < cb; ++a) add_term(a, [&](int u) { return tr[u * n + a]; });  // earlier blocks of 32
+      const int a_end = min(cb + kWarp, len) - 1;
+#pragma unroll 4
+      for (int a = cb; a < a_end; ++a) add_term(a, [&](int u) { return __shfl_sync(cuda::kFullMask, tb[u], a - cb); });
       if (live) {
         const float qk = (s_query[pb] * qf) * kb;
 #pragma unroll
@@ -830,16 +838,17 @@ struct alignas(16) PathTerm {
 // Shared-memory plan of gdn_tree_main (byte offsets), sized from N and K at launch.
 struct GdnMainLayout {
   int kpad;   // staged row length in elements of the input type: see the constructor
-  int krows;  // the GEMM's depth: K rounded up to 4 (rows of the H0 tile; staged rows are zero beyond K)
+  int krows;  // the GEMM's depth: K rounded up to 8 (rows of the H0 tile; staged rows are zero beyond K)
   int chunk;  // nodes per GEMM chunk: min(N, 72)
   size_t h0, stage, kh, qh, vt, graw, cumg, beta, parent, depth, norms, total;
 
   // Staged k/q rows keep the input's type (16-bit inputs: half the shared memory, so that two main blocks fit
-  // on a multiprocessor beside a prep block). A row takes K rounded up to 4 elements, then to 16 bytes, plus 16
-  // bytes when that is a multiple of 32: rows two apart then start 32 or 96 bytes apart modulo 128, and the
-  // GEMM's four row groups read distinct banks.
+  // on a multiprocessor beside a prep block). A row takes K rounded up to 8 elements, then to 16 bytes, plus 16
+  // bytes when that is a multiple of 32: rows two apart then start 32 or 96 bytes apart modulo 128 (the float
+  // GEMM's four row groups read distinct banks), and the tensor-core fragments' 8 rows x 4 elements as well.
+  // H0 rows are kH0Stride floats apart: a fragment's 4 rows x 8 columns fall in 32 distinct banks.
   GdnMainLayout(int n, int kdim, int elem_bytes) {
-    krows = (kdim + 3) / 4 * 4;
+    krows = (kdim + 7) / 8 * 8;
     int row_bytes = (krows * elem_bytes + 15) / 16 * 16;
     if (row_bytes % 32 == 0) row_bytes += 16;
     kpad = row_bytes / elem_bytes;
@@ -850,7 +859,7 @@ struct GdnMainLayout {
       off += (bytes + 15) / 16 * 16;
       return at;
     };
-    h0 = take(sizeof(float) * krows * kTileV);
+    h0 = take(sizeof(float) * krows * kH0Stride);
     // The staged k/q rows of a chunk and, after the GEMM, the table of ancestors and coefficients share one region.
     const size_t staging = static_cast<size_t>(elem_bytes) * 2 * chunk * kpad;
     const size_t coeffs = sizeof(PathTerm) * static_cast<size_t>(n) * kCachedDist;
@@ -868,26 +877,14 @@ struct GdnMainLayout {
   }
 };
 
-// Four consecutive staged elements as floats (p: 16-byte aligned for float, 8-byte for 16-bit types).
-template <typename T>
-__device__ __forceinline__ float4 load4_as_float(const T* p) {
-  if constexpr (sizeof(T) == 4) {
-    return *reinterpret_cast<const float4*>(p);
-  } else {
-    const uint2 w = *reinterpret_cast<const uint2*>(p);
-    const float2 a = unpack_pair<T>(w.x), b = unpack_pair<T>(w.y);
-    return make_float4(a.x, a.y, b.x, b.y);
-  }
-}
-
-// KH and QH of one chunk: thread (rg, cg) accumulates staged rows 2 rg, 2 rg + 1 (key and query of chunk node rg)
-// and 2 rg + 72, 2 rg + 73 (node rg + 36) against H0 columns 4 cg .. 4 cg + 3. The 4 row groups of a warp read
-// rows 2 apart (distinct banks, see GdnMainLayout); its 8 column groups read one 128-byte H0 row. HALF skips node
-// rg + 36 (chunks of <= 36 nodes); a missing node's rows are read from row 0 and its sums dropped.
-template <typename T, bool HALF>
-__device__ __forceinline__ void node_pair_gemm(const T* stage, int kpad, int nodes, const float* h0, int krows,
+// KH and QH of one chunk for float32 inputs: thread (rg, cg) accumulates staged rows 2 rg, 2 rg + 1 (key and query of
+// chunk node rg) and 2 rg + 72, 2 rg + 73 (node rg + 36) against H0 columns 4 cg .. 4 cg + 3. The 4 row groups of
+// a warp read rows 2 apart (distinct banks, see GdnMainLayout); its 8 column groups read one 128-byte H0 row.
+// HALF skips node rg + 36 (chunks of <= 36 nodes); a missing node's rows are read from row 0 and its sums dropped.
+template <bool HALF>
+__device__ __forceinline__ void node_pair_gemm(const float* stage, int kpad, int nodes, const float* h0, int krows,
                                                int rg, int cg, float (&acc)[4][4]) {
-  const T* row[4];
+  const float* row[4];
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     const int node = rg + kHalfChunk * (m / 2);
@@ -899,11 +896,11 @@ __device__ __forceinline__ void node_pair_gemm(const T* stage, int kpad, int nod
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       if (HALF && m >= 2) continue;
-      a[m] = load4_as_float<T>(row[m] + k0);
+      a[m] = *reinterpret_cast<const float4*>(row[m] + k0);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float4 hb = *reinterpret_cast<const float4*>(h0 + (k0 + e) * kTileV + 4 * cg);
+      const float4 hb = *reinterpret_cast<const float4*>(h0 + (k0 + e) * kH0Stride + 4 * cg);
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         if (HALF && m >= 2) continue;
@@ -912,6 +909,80 @@ __device__ __forceinline__ void node_pair_gemm(const T* stage, int kpad, int nod
         acc[m][1] = fmaf(ae, hb.y, acc[m][1]);
         acc[m][2] = fmaf(ae, hb.z, acc[m][2]);
         acc[m][3] = fmaf(ae, hb.w, acc[m][3]);
+      }
+    }
+  }
+}
+
+// The TF32 bits of a 16-bit element (exact: bf16 and fp16 mantissas fit TF32's 10 bits).
+template <typename T>
+__device__ __forceinline__ uint32_t tf32_of_16bit(uint16_t raw) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return static_cast<uint32_t>(raw) << 16;
+  } else {
+    return __float_as_uint(__half2float(__ushort_as_half(raw)));
+  }
+}
+
+__device__ __forceinline__ uint32_t round_to_tf32(float x) {
+  uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+#endif
+  return r;
+}
+
+// d += a b for a 16x8 tile a (row-major) and an 8x8 tile b (column-major) of TF32 values, float32 sums.
+__device__ __forceinline__ void mma_16x8x8_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // 16-bit inputs need compute capability >= 8 (the release architectures all have it)
+#endif
+}
+
+// KH and QH of one chunk for 16-bit inputs, on tensor cores (m16n8k8 TF32). Staged key and query elements are exact
+// in TF32; each H0 element is split into two TF32 parts, hi + lo, whose residual (below 2^-22 of the element) is
+// under float32 rounding, so two products per tile keep float32 accuracy. Warp w takes the 16-row tiles w, w + 9, ...
+// of the chunk's `rows` staged rows (key and query of node 0, then of node 1, ...) against all 32 columns; rows past
+// the end are read from row 0 and their sums dropped. Fragments as in the PTX ISA's m16n8k8 layout: lane (gid, tig)
+// holds rows gid and gid + 8 of a tile at depths tig and tig + 4, and column gid of each 8-column tile.
+template <typename T>
+__device__ __forceinline__ void stage_gemm_tensor_cores(const T* stage, int kpad, int rows, const float* h0, int krows,
+                                                        int warp, int lane, int c0, float* kh, float* qh) {
+  const int gid = lane / 4, tig = lane % 4;
+  const uint16_t* st = reinterpret_cast<const uint16_t*>(stage);
+  for (int rt = warp; 16 * rt < rows; rt += kMainWarps) {
+    const int r_lo = 16 * rt + gid, r_hi = r_lo + 8;
+    const uint16_t* a_lo = st + (r_lo < rows ? r_lo : 0) * kpad + tig;
+    const uint16_t* a_hi = st + (r_hi < rows ? r_hi : 0) * kpad + tig;
+    const float* b_col = h0 + tig * kH0Stride + gid;
+    float acc[4][4] = {};
+#pragma unroll 2
+    for (int k0 = 0; k0 < krows; k0 += 8) {
+      const uint32_t a[4] = {tf32_of_16bit<T>(a_lo[k0]), tf32_of_16bit<T>(a_hi[k0]), tf32_of_16bit<T>(a_lo[k0 + 4]),
+                             tf32_of_16bit<T>(a_hi[k0 + 4])};
+#pragma unroll
+      for (int nt = 0; nt < kTileV / 8; ++nt) {
+        const float x0 = b_col[k0 * kH0Stride + 8 * nt], x1 = b_col[(k0 + 4) * kH0Stride + 8 * nt];
+        const uint32_t hi0 = round_to_tf32(x0), hi1 = round_to_tf32(x1);
+        const uint32_t lo0 = round_to_tf32(x0 - __uint_as_float(hi0)), lo1 = round_to_tf32(x1 - __uint_as_float(hi1));
+        mma_16x8x8_tf32(acc[nt], a, lo0, lo1);
+        mma_16x8x8_tf32(acc[nt], a, hi0, hi1);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kTileV / 8; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = half == 0 ? r_lo : r_hi;
+        if (r >= rows) continue;
+        float* dst = (r % 2 == 0 ? kh : qh) + (c0 + r / 2) * kTileV + 8 * nt + 2 * tig;
+        *reinterpret_cast<float2*>(dst) = make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
       }
     }
   }
@@ -950,42 +1021,44 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
   const RowSplit split(kdim / kPack<T, PACKED>);
   const T* k_base = k + b * k_sb + h * k_sh;
   const T* q_base = q + b * q_sb + h * q_sh;
+  // Packed rows travel as asynchronous copies: wait_async_copies() before the barrier that publishes them.
   auto stage_chunk = [&](int c0, int nodes) {
-    batched_copy<kMainThreads, 8>(
-        2 * nodes * split.groups,
-        [&](int e) {
-          const int r = split.row(e), i = c0 + r / 2;
-          const T* row = r % 2 == 0 ? k_base + i * k_sn : q_base + i * q_sn;
-          return load_group<T, PACKED>(row, split.col(e));
-        },
-        [&](int e, const RowGroup<T, PACKED>& x) {
-          *reinterpret_cast<RowGroup<T, PACKED>*>(stage + split.row(e) * kpad + kPack<T, PACKED> * split.col(e)) = x;
-        });
+    auto source = [&](int r) { return r % 2 == 0 ? k_base + (c0 + r / 2) * k_sn : q_base + (c0 + r / 2) * q_sn; };
+    if constexpr (PACKED) {
+      for (int e = tid; e < 2 * nodes * split.groups; e += kMainThreads) {
+        const int r = split.row(e), c = kPack<T, PACKED> * split.col(e);
+        cuda::copy_async<16>(stage + r * kpad + c, source(r) + c);
+      }
+    } else {
+      batched_copy<kMainThreads, 8>(
+          2 * nodes * split.groups, [&](int e) { return load_group<T, PACKED>(source(split.row(e)), split.col(e)); },
+          [&](int e, const RowGroup<T, PACKED>& x) { stage[split.row(e) * kpad + split.col(e)] = x; });
+    }
     if (lay.krows > kdim) {  // zero the columns K..krows the GEMM reads
       const int w = lay.krows - kdim;
       for (int e = tid; e < 2 * nodes * w; e += kMainThreads) stage[(e / w) * kpad + kdim + e % w] = cuda::from_float<T>(0.f);
     }
   };
 
-  // ---- tree, beta, H0 tile, v tile and the first chunk's k and q: independent loads, issued together ----
+  // ---- tree, beta, H0 tile, v tile and the first chunk's k and q: independent loads, in one round trip (the
+  // asynchronous copies are all issued first, then the v tile is loaded and converted while they fly) ----
   for (int i = tid; i < n; i += kMainThreads) {
-    par[i] = cuda::checked_parent(parent[b * pa_sb + i * pa_sn], i);
-    beta_s[i] = beta[b * be_sb + i * be_sn + hv * be_sh];
-    graw[i] = g[b * g_sb + i * g_sn + hv * g_sh];
+    cuda::copy_async<4>(par + i, parent + b * pa_sb + i * pa_sn);
+    cuda::copy_async<4>(beta_s + i, beta + b * be_sb + i * be_sn + hv * be_sh);
+    cuda::copy_async<4>(graw + i, g + b * g_sb + i * g_sn + hv * g_sh);
   }
   const float* h0_src = state + b * st_sb + hv * st_sh;
   // Rows K..krows of the tile are zero; so are columns past V (their sums are never stored). Clamped
   // addresses keep every load in bounds without a branch.
   if (state_vec4 && v0 + kTileV <= sh.vdim) {
-    batched_copy<kMainThreads, 4>(
-        lay.krows * (kTileV / 4),
-        [&](int e) {
-          const int r = e / (kTileV / 4), c = 4 * (e % (kTileV / 4));
-          return *reinterpret_cast<const float4*>(h0_src + min(r, kdim - 1) * st_sk + v0 + c);
-        },
-        [&](int e, float4 x) {
-          reinterpret_cast<float4*>(h0)[e] = e / (kTileV / 4) < kdim ? x : make_float4(0.f, 0.f, 0.f, 0.f);
-        });
+    for (int e = tid; e < lay.krows * (kTileV / 4); e += kMainThreads) {
+      const int r = e / (kTileV / 4), c = 4 * (e % (kTileV / 4));
+      if (r < kdim) {
+        cuda::copy_async<16>(h0 + r * kH0Stride + c, h0_src + r * st_sk + v0 + c);
+      } else {
+        *reinterpret_cast<float4*>(h0 + r * kH0Stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
   } else {
     batched_copy<kMainThreads, 8>(
         lay.krows * kTileV,
@@ -993,25 +1066,31 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
           const int r = min(e / kTileV, kdim - 1), c = min(v0 + e % kTileV, sh.vdim - 1);
           return h0_src[r * st_sk + c * st_sv];
         },
-        [&](int e, float x) { h0[e] = e / kTileV < kdim && v0 + e % kTileV < sh.vdim ? x : 0.f; });
+        [&](int e, float x) {
+          h0[(e / kTileV) * kH0Stride + e % kTileV] = e / kTileV < kdim && v0 + e % kTileV < sh.vdim ? x : 0.f;
+        });
   }
+  stage_chunk(0, lay.chunk);
   batched_copy<kMainThreads, 8>(
       n * kTileV,
       [&](int e) { return v[b * v_sb + (e / kTileV) * v_sn + hv * v_sh + min(v0 + e % kTileV, sh.vdim - 1)]; },
       [&](int e, T x) { vt[e] = v0 + e % kTileV < sh.vdim ? cuda::to_float(x) : 0.f; });
-  stage_chunk(0, lay.chunk);
+  cuda::wait_async_copies();
+  for (int i = tid; i < n; i += kMainThreads) par[i] = cuda::checked_parent(par[i], i);  // this thread's copies
   __syncthreads();
 
   // ---- K H0 and Q H0 of the raw rows, by chunks of up to 72 nodes ----
   const int rg = tid / 8, cg = tid % 8;
   for (int c0 = 0;;) {
     const int nodes = min(lay.chunk, n - c0);
-    if (rg < nodes) {
+    if constexpr (sizeof(T) == 2) {
+      stage_gemm_tensor_cores<T>(stage, kpad, 2 * nodes, h0, lay.krows, warp, lane, c0, kh, qh);
+    } else if (rg < nodes) {
       float acc[4][4] = {};
       if (nodes > kHalfChunk) {
-        node_pair_gemm<T, false>(stage, kpad, nodes, h0, lay.krows, rg, cg, acc);
+        node_pair_gemm<false>(stage, kpad, nodes, h0, lay.krows, rg, cg, acc);
       } else {
-        node_pair_gemm<T, true>(stage, kpad, nodes, h0, lay.krows, rg, cg, acc);
+        node_pair_gemm<true>(stage, kpad, nodes, h0, lay.krows, rg, cg, acc);
       }
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
@@ -1025,6 +1104,7 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
     __syncthreads();  // this chunk's reads of the staged rows are done
     if (c0 >= n) break;
     stage_chunk(c0, min(lay.chunk, n - c0));
+    cuda::wait_async_copies();
     __syncthreads();
   }
   // The staged rows are dead from here on: the region now holds the path terms (rows now, coefficients later).
@@ -1044,7 +1124,7 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
   const float2* coef_h = coef + (static_cast<int64_t>(b) * sh.value_heads + hv) * n * n;
   const float2* norms_h = norms + (static_cast<int64_t>(b) * sh.heads + h) * n;
   const int num_terms = n * kCachedDist;
-  batched_copy<kMainThreads, 4>(
+  batched_copy<kMainThreads, 8>(  // one round trip for N <= 128
       num_terms + n,
       [&](int e) {
         const int i = e / kCachedDist, a = e % kCachedDist;
