@@ -17,11 +17,8 @@ constexpr float kL2NormEps = 1e-6f;  // reference.L2NORM_EPS
 //
 // One thread per (node, VEC channels). Node i's window is, oldest first, its W - 1 nearest
 // ancestors then itself; window columns above the root come from the last columns of conv_state.
-// Two round trips to memory: the block's parents 0..i (to shared memory) with the thread's weights and bias, then
-// the window's inputs. Walking the parents in global memory took one round trip per ancestor.
 
 constexpr int kConvThreads = 128;
-constexpr int kConvCachedParents = 4096;  // trees up to this many nodes walk their parents in shared memory
 
 template <typename T, int VEC, int W>
 __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
@@ -29,25 +26,9 @@ __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
     const T* __restrict__ bias, int64_t bias_s, const T* __restrict__ conv_state, int64_t cs_sb, int64_t cs_sc,
     int64_t cs_ss, int64_t state_len, const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, int num_nodes,
     int64_t channels, bool silu, T* __restrict__ out, int64_t o_sb, int64_t o_sn) {
-  extern __shared__ int par_s[];  // [num_nodes] when cached
   const int b = blockIdx.x / num_nodes, i = blockIdx.x % num_nodes;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x) * VEC;
-  const bool cached = num_nodes <= kConvCachedParents;
-  if (cached && W > 1) {
-    for (int j = threadIdx.x; j <= i; j += kConvThreads) par_s[j] = parent[b * pa_sb + j * pa_sn];
-  }
-  // The weights and bias (independent of the tree) load while the parents do.
-  const bool active = c0 < channels;
-  const int64_t cw = active ? c0 : 0;
-  float wt[VEC][W], bs[VEC];
-#pragma unroll
-  for (int e = 0; e < VEC; ++e) {
-#pragma unroll
-    for (int t = 0; t < W; ++t) wt[e][t] = cuda::to_float(weight[(cw + e) * w_sc + t * w_st]);
-    bs[e] = bias != nullptr ? cuda::to_float(bias[(cw + e) * bias_s]) : 0.f;
-  }
-  if (cached && W > 1) __syncthreads();
-  if (!active) return;
+  if (c0 >= channels) return;
 
   // chain[m] = the m-th ancestor of i (chain[0] = i), -1 above the root; path_len = nodes on the path.
   int chain[W];
@@ -55,9 +36,7 @@ __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
   chain[0] = i;
 #pragma unroll
   for (int m = 1; m < W; ++m) {
-    const int prev = chain[m - 1];
-    const int raw = prev < 0 ? -1 : cached ? par_s[prev] : parent[b * pa_sb + prev * pa_sn];
-    chain[m] = prev < 0 ? -1 : cuda::checked_parent(raw, prev);
+    chain[m] = chain[m - 1] < 0 ? -1 : cuda::checked_parent(parent[b * pa_sb + chain[m - 1] * pa_sn], chain[m - 1]);
     if (chain[m] < 0 && path_len == W) path_len = m;
   }
 
@@ -76,12 +55,12 @@ __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
       for (int e = 0; e < VEC; ++e) col[e] = cuda::to_float(conv_state[b * cs_sb + (c0 + e) * cs_sc + s * cs_ss]);
     }
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[e] = fmaf(col[e], wt[e][t], acc[e]);
+    for (int e = 0; e < VEC; ++e) acc[e] = fmaf(col[e], cuda::to_float(weight[(c0 + e) * w_sc + t * w_st]), acc[e]);
   }
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
     float y = acc[e];
-    if (bias != nullptr) y += bs[e];
+    if (bias != nullptr) y += cuda::to_float(bias[(c0 + e) * bias_s]);
     acc[e] = silu ? y / (1.f + expf(-y)) : y;
   }
   cuda::store_pack_float<T, VEC>(out + b * o_sb + i * o_sn + c0, acc);
@@ -94,9 +73,8 @@ void launch_tree_conv1d_vec(const at::Tensor& x, const at::Tensor& weight, const
   const dim3 grid(static_cast<unsigned>(bsz * n), static_cast<unsigned>(cuda::ceil_div(channels, kConvThreads * VEC)));
   const T* bias_ptr = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   const int64_t bias_stride = bias.has_value() ? bias->stride(0) : 0;
-  const size_t smem = n <= kConvCachedParents && width > 1 ? sizeof(int) * n : 0;
   auto launch = [&](auto kernel) {
-    kernel<<<grid, kConvThreads, smem, cuda::current_stream()>>>(
+    kernel<<<grid, kConvThreads, 0, cuda::current_stream()>>>(
         x.data_ptr<T>(), x.stride(0), x.stride(1), weight.data_ptr<T>(), weight.stride(0), weight.stride(1), bias_ptr,
         bias_stride, conv_state.data_ptr<T>(), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         conv_state.size(2), parent.data_ptr<int32_t>(), parent.stride(0), parent.stride(1), static_cast<int>(n),

@@ -255,16 +255,6 @@ def test_tree_conv1d_strided_input():
         assert_close(got, expected, torch.float32)
 
 
-@pytest.mark.parametrize("n", [4096, 4100])
-def test_tree_conv1d_many_nodes(n):
-    """Trees of up to 4096 nodes walk their parents in shared memory; larger ones in global memory."""
-    gen = make_gen(n)
-    x, weight, b, conv_state, parent = conv_inputs(1, n, 16, 4, 3, torch.float32, gen)
-    expected = ops.tree_conv1d(x, weight, b, conv_state, parent)
-    got = ops.tree_conv1d(*to([x, weight, b, conv_state, parent], DEV), out=poison(torch.empty(1, n, 16, device=DEV)))
-    assert_close(got, expected, torch.float32)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("budget", [16, 64, 256])
 def test_tree_conv1d_qwen36_shape(dtype, budget):
