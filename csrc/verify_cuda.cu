@@ -13,6 +13,18 @@ using cuda::kWarp;
 
 constexpr float kL2NormEps = 1e-6f;  // reference.L2NORM_EPS
 
+// The two 16-bit elements of a 32-bit word as floats (element 0 in the low half: little-endian).
+template <typename T>
+__device__ __forceinline__ float2 unpack_pair(uint32_t w) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    static_assert(std::is_same_v<T, at::Half>, "16-bit packs hold Half or BFloat16");
+    return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu))),
+                       __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16))));
+  }
+}
+
 // ==== tree_conv1d ==============================================================================
 //
 // One thread per (node, VEC channels). Node i's window is, oldest first, its W - 1 nearest
@@ -25,7 +37,7 @@ __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
     const T* __restrict__ x, int64_t x_sb, int64_t x_sn, const T* __restrict__ weight, int64_t w_sc, int64_t w_st,
     const T* __restrict__ bias, int64_t bias_s, const T* __restrict__ conv_state, int64_t cs_sb, int64_t cs_sc,
     int64_t cs_ss, int64_t state_len, const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, int num_nodes,
-    int64_t channels, bool silu, T* __restrict__ out, int64_t o_sb, int64_t o_sn) {
+    int64_t channels, bool silu, bool weight_packed, T* __restrict__ out, int64_t o_sb, int64_t o_sn) {
   const int b = blockIdx.x / num_nodes, i = blockIdx.x % num_nodes;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x) * VEC;
   if (c0 >= channels) return;
@@ -38,6 +50,51 @@ __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
   for (int m = 1; m < W; ++m) {
     chain[m] = chain[m - 1] < 0 ? -1 : cuda::checked_parent(parent[b * pa_sb + chain[m - 1] * pa_sn], chain[m - 1]);
     if (chain[m] < 0 && path_len == W) path_len = m;
+  }
+
+  // The thread's VEC x W weights, as 16-byte loads when the weight rows are contiguous: a warp's rows then span
+  // one contiguous range, where element by element each of the VEC x W loads touched a sector per lane.
+  float wt[VEC][W];
+  constexpr int kWeightBytes = VEC * W * static_cast<int>(sizeof(T));
+  bool loaded = false;
+  if constexpr (kWeightBytes % 16 == 0) {
+    if (weight_packed) {
+      constexpr int kWords = kWeightBytes / 4, kPerWord = 4 / static_cast<int>(sizeof(T));
+      uint32_t words[kWords];
+      const uint4* src = reinterpret_cast<const uint4*>(weight + c0 * w_sc);
+#pragma unroll
+      for (int l = 0; l < kWords / 4; ++l) {
+        const uint4 v = src[l];
+        words[4 * l] = v.x;
+        words[4 * l + 1] = v.y;
+        words[4 * l + 2] = v.z;
+        words[4 * l + 3] = v.w;
+      }
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) {
+        float pair[2] = {0.f, 0.f};
+        if constexpr (sizeof(T) == 4) {
+          pair[0] = __uint_as_float(words[w]);
+        } else {
+          const float2 f = unpack_pair<T>(words[w]);
+          pair[0] = f.x;
+          pair[1] = f.y;
+        }
+#pragma unroll
+        for (int h = 0; h < kPerWord; ++h) {
+          const int idx = w * kPerWord + h;  // element e * W + t
+          wt[idx / W][idx % W] = pair[h];
+        }
+      }
+      loaded = true;
+    }
+  }
+  if (!loaded) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+#pragma unroll
+      for (int t = 0; t < W; ++t) wt[e][t] = cuda::to_float(weight[(c0 + e) * w_sc + t * w_st]);
+    }
   }
 
   float acc[VEC];
@@ -55,7 +112,7 @@ __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
       for (int e = 0; e < VEC; ++e) col[e] = cuda::to_float(conv_state[b * cs_sb + (c0 + e) * cs_sc + s * cs_ss]);
     }
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[e] = fmaf(col[e], cuda::to_float(weight[(c0 + e) * w_sc + t * w_st]), acc[e]);
+    for (int e = 0; e < VEC; ++e) acc[e] = fmaf(col[e], wt[e][t], acc[e]);
   }
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
@@ -72,13 +129,17 @@ void launch_tree_conv1d_vec(const at::Tensor& x, const at::Tensor& weight, const
   const int64_t bsz = x.size(0), n = x.size(1), channels = x.size(2), width = weight.size(1);
   const dim3 grid(static_cast<unsigned>(bsz * n), static_cast<unsigned>(cuda::ceil_div(channels, kConvThreads * VEC)));
   const T* bias_ptr = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  // Weight rows [C, W] contiguous and every thread's VEC rows 16-byte aligned (c0 is a multiple of VEC).
+  const bool weight_packed = weight.stride(1) == 1 && weight.stride(0) == width &&
+                             (VEC * width * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
+                             cuda::is_aligned(weight.data_ptr(), 16);
   const int64_t bias_stride = bias.has_value() ? bias->stride(0) : 0;
   auto launch = [&](auto kernel) {
     kernel<<<grid, kConvThreads, 0, cuda::current_stream()>>>(
         x.data_ptr<T>(), x.stride(0), x.stride(1), weight.data_ptr<T>(), weight.stride(0), weight.stride(1), bias_ptr,
         bias_stride, conv_state.data_ptr<T>(), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         conv_state.size(2), parent.data_ptr<int32_t>(), parent.stride(0), parent.stride(1), static_cast<int>(n),
-        channels, silu, out.data_ptr<T>(), out.stride(0), out.stride(1));
+        channels, silu, weight_packed, out.data_ptr<T>(), out.stride(0), out.stride(1));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   switch (width) {
@@ -207,18 +268,6 @@ __device__ __forceinline__ RowGroup<T, PACKED> load_group(const T* row, int p) {
     return *reinterpret_cast<const uint4*>(row + kPack<T, PACKED> * p);
   } else {
     return row[p];
-  }
-}
-
-// The two 16-bit elements of a 32-bit word as floats (element 0 in the low half: little-endian).
-template <typename T>
-__device__ __forceinline__ float2 unpack_pair(uint32_t w) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-  } else {
-    static_assert(std::is_same_v<T, at::Half>, "16-bit packs hold Half or BFloat16");
-    return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu))),
-                       __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16))));
   }
 }
 
