@@ -175,14 +175,17 @@ void launch_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10
 // Row i of T is nonzero on the path root..i only: T_i[a] by ancestor distance a, T_i[0] = 1, and
 // T_i[b] = -sum_{a < b} T_i[a] A(P[a], P[b]) for the path P (P[0] = i): a forward substitution along one path,
 // independent of every other node's. Two launches; H0 is read once (by the second), no per-node state is formed.
-//  1. gdn_tree_prep  per (b, key head, chunk of 8 nodes): the l2-normalised keys of every node on the chunk's
-//                    paths (stash_k for the chunk's own), their dot products with their ancestors, G for the
-//                    group's value heads (stash_cumg), and per chunk node (a warp) and value head the rows T_i and
-//                    M_i into the workspace `coef`; 1/||k_i|| and scale/||q_i|| into `norms`.
+//  1. prep        per (b, key head, chunk of 8 nodes): the key products along the chunk's paths and the query
+//                 products with them, G for the group's value heads (stash_cumg), the chunk's normalised keys
+//                 (stash_k), and per chunk node (a warp) and value head the rows T_i and M_i into the workspace `coef`;
+//                 1/||k_i|| and scale/||q_i|| into `norms`. Two versions: gdn_tree_prep_gram (16-bit inputs and
+//                 N <= kGramMaxNodes: S = X X^T of the raw key and query rows on tensor cores, norms from its
+//                 diagonal) and gdn_tree_prep (float32, or larger trees: normalised rows, products by FMA).
 //  2. gdn_tree_main  per (b, value head, tile of 32 value columns): K H0 and Q H0 on the raw rows (the norms
-//                    scale the sums afterwards) and G (the same sums as kernel 1's), then, once kernel 1 is
-//                    complete, the norms and T, M rows in one load, and r, u = T r and o: three passes in which
-//                    nodes are independent, a warp per node and a lane per value column.
+//                 scale the sums afterwards; on tensor cores in TF32 with H0 split in two parts for 16-bit inputs)
+//                 and G (the same sums as kernel 1's), then, once kernel 1 is complete, the norms and T, M rows in
+//                 one load, and r, u = T r and o: three passes in which nodes are independent.
+// gdn_tree_prep_gram and gdn_tree_main issue their prologue loads as asynchronous copies: one round trip each.
 // Kernel 2 is launched as a programmatic dependent of kernel 1 (Hopper and newer): its loads and products, which
 // need nothing kernel 1 writes, overlap kernel 1, and `griddepcontrol.wait` orders its reads of kernel 1's
 // outputs after kernel 1's writes. Without that launch attribute the wait is a no-op.
