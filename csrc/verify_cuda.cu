@@ -690,7 +690,7 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
 #else
-  __trap();  // the launcher takes this kernel on compute capability >= 8 only
+  __trap();  // launch_tree_gdn refuses 16-bit inputs on builds for older architectures
 #endif
 }
 
@@ -993,13 +993,13 @@ __device__ __forceinline__ void mma_16x8x8_tf32(float (&d)[4], const uint32_t (&
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
-  __trap();  // 16-bit inputs need compute capability >= 8 (the release architectures all have it)
+  __trap();  // launch_tree_gdn refuses 16-bit inputs on builds for older architectures
 #endif
 }
 
 // KH and QH of one chunk for 16-bit inputs, on tensor cores (m16n8k8 TF32). Staged key and query elements are exact
-// in TF32; each H0 element is split into two TF32 parts, hi + lo, whose residual (below 2^-22 of the element) is
-// under float32 rounding, so two products per tile keep float32 accuracy. Warp w takes the 16-row tiles w, w + 9, ...
+// in TF32; each H0 element is split into two TF32 parts, hi + lo, whose residual is at most 2^-22 of the element (a
+// few float32 ulps), so two products per tile keep about float32 accuracy. Warp w takes the 16-row tiles w, w + 9, ...
 // of the chunk's `rows` staged rows (key and query of node 0, then of node 1, ...) against all 32 columns; rows past
 // the end are read from row 0 and their sums dropped. Fragments as in the PTX ISA's m16n8k8 layout: lane (gid, tig)
 // holds rows gid and gid + 8 of a tile at depths tig and tig + 4, and column gid of each 8-column tile.
@@ -1379,9 +1379,21 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const GdnMainLayout lay(static_cast<int>(n), static_cast<int>(kdim), static_cast<int>(sizeof(T)));
   const GdnPrepLayout prep_lay(static_cast<int>(n), static_cast<int>(kdim), static_cast<int>(value_heads / heads));
   const GdnGramLayout gram_lay(static_cast<int>(n), static_cast<int>(kdim), static_cast<int>(value_heads / heads));
-  // The tensor-core prep kernel where it applies: 16-bit inputs, N <= kGramMaxNodes, compute capability >= 8.
-  const bool gram = sizeof(T) == 2 && n <= kGramMaxNodes && at::cuda::getCurrentDeviceProperties()->major >= 8 &&
-                    gram_lay.total <= cuda::max_dynamic_smem();
+  // 16-bit inputs take tensor-core code (mma.sync, cp.async: compute capability >= 8.0) in both tree kernels. A build
+  // whose code for this GPU targets an older architecture (TORCH_CUDA_ARCH_LIST with 7.x only, or 7.x PTX compiled
+  // for a newer GPU) has traps in its place: refuse before launching.
+  if constexpr (sizeof(T) == 2) {
+    static const int ptx_version = [] {
+      cudaFuncAttributes attr{};
+      C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gdn_tree_main_kernel<T, true>));
+      return attr.ptxVersion;
+    }();
+    TORCH_CHECK(ptx_version >= 80, "tree_gated_delta_rule: bfloat16/float16 inputs need this extension built for ",
+                "compute capability 8.0 or newer (its code for this GPU targets ", ptx_version / 10, ".",
+                ptx_version % 10, "); rebuild with TORCH_CUDA_ARCH_LIST naming 8.0 or newer, or pass float32");
+  }
+  // The tensor-core prep kernel where it applies: 16-bit inputs and N <= kGramMaxNodes.
+  const bool gram = sizeof(T) == 2 && n <= kGramMaxNodes && gram_lay.total <= cuda::max_dynamic_smem();
   const size_t prep_smem = gram ? gram_lay.total : prep_lay.total;
   TORCH_CHECK_VALUE(lay.total <= cuda::max_dynamic_smem() && prep_smem <= cuda::max_dynamic_smem(),
                     "tree_gated_delta_rule: N = ", n, " and K = ", kdim,
