@@ -169,76 +169,65 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Block: HEADS value heads; each head's 8 warps are (a, b) x 4 quarters of the features, against a chunk of
-// kGateRows rows of x. A warp streams its quarter of a weight row once, with the chunk's rows of x beside it
-// (independent sums in flight), and the quarters are added in a fixed order; then the block turns the rounded
-// projections into the gates. Features are assigned by 16-byte chunks, so aligned and unaligned inputs give the
-// same bits, and so does any HEADS. Several heads per block read each row of x once from memory for all of them
-// (the heads' warps share it through L1): with one head per block, x crossed L2 once per head, most of the
-// traffic for a chunk of 65 rows.
+// Block: one value head; its 8 warps are (a, b) x 4 quarters of the features, against a chunk of kGateRows
+// rows of x. A warp streams its quarter of a weight row once, with the chunk's rows of x beside it (independent
+// sums in flight), and the quarters are added in a fixed order; then the block turns the rounded projections
+// into the gates. Features are assigned by 16-byte chunks, so aligned and unaligned inputs give the same bits.
 constexpr int kGateQuarters = kThreads / cuda::kWarp / 2;
 constexpr int kGateRows = 8;
-constexpr int kGateHeadsMany = 4;  // heads per block when x has more than one chunk of rows
 
-template <typename T, typename A, typename D, bool PACKED, int HEADS>
-__global__ void __launch_bounds__(kThreads * HEADS)
+template <typename T, typename A, typename D, bool PACKED>
+__global__ void __launch_bounds__(kThreads)
     gdn_gates_kernel(const T* x, int64_t x_stride, const T* weight_a, const T* weight_b, const A* A_log,
                      const D* dt_bias, float* g, float* beta, int64_t rows, int features, int heads) {
   constexpr int C = 16 / sizeof(T);
-  constexpr int kWarpsPerHead = 2 * kGateQuarters;
-  __shared__ float partial[HEADS][kGateRows][2][kGateQuarters];
-  __shared__ float proj[HEADS][kGateRows][2];
+  __shared__ float partial[kGateRows][2][kGateQuarters];
+  __shared__ float proj[kGateRows][2];
   const int warp = threadIdx.x / cuda::kWarp, lane = threadIdx.x % cuda::kWarp;
-  const int slot = warp / kWarpsPerHead, head = blockIdx.x * HEADS + slot;  // slot: the block's head index
-  const int which = warp % kWarpsPerHead / kGateQuarters, quarter = warp % kGateQuarters;  // which: 0 = a, 1 = b
+  const int head = blockIdx.x, which = warp / kGateQuarters, quarter = warp % kGateQuarters;  // which: 0 = a, 1 = b
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kGateRows;
   const int chunk = static_cast<int>(rows - row0 < kGateRows ? rows - row0 : kGateRows);
-  if (head < heads) {
-    const int chunks = (features + C - 1) / C;
-    const int first = quarter * chunks / kGateQuarters, last = (quarter + 1) * chunks / kGateQuarters;
-    const T* w = (which == 0 ? weight_a : weight_b) + static_cast<int64_t>(head) * features;
-    const T* x0 = x + row0 * x_stride;
-    float acc[kGateRows] = {};
+  const int chunks = (features + C - 1) / C;
+  const int first = quarter * chunks / kGateQuarters, last = (quarter + 1) * chunks / kGateQuarters;
+  const T* w = (which == 0 ? weight_a : weight_b) + static_cast<int64_t>(head) * features;
+  const T* x0 = x + row0 * x_stride;
+  float acc[kGateRows] = {};
 #pragma unroll 2
-    for (int c = first + lane; c < last; c += cuda::kWarp) {
-      const int f = c * C, valid = features - f;
-      float wv[C];
-      load_chunk<T, C, PACKED>(w + f, valid, wv);
-#pragma unroll
-      for (int r = 0; r < kGateRows; ++r) {
-        if (r < chunk) {
-          float xv[C];
-          load_chunk<T, C, PACKED>(x0 + r * x_stride + f, valid, xv);
-#pragma unroll
-          for (int e = 0; e < C; ++e) acc[r] = fmaf(xv[e], wv[e], acc[r]);
-        }
-      }
-    }
+  for (int c = first + lane; c < last; c += cuda::kWarp) {
+    const int f = c * C, valid = features - f;
+    float wv[C];
+    load_chunk<T, C, PACKED>(w + f, valid, wv);
 #pragma unroll
     for (int r = 0; r < kGateRows; ++r) {
-      const float sum = cuda::warp_sum(acc[r]);
-      if (lane == 0) partial[slot][r][which][quarter] = sum;
+      if (r < chunk) {
+        float xv[C];
+        load_chunk<T, C, PACKED>(x0 + r * x_stride + f, valid, xv);
+#pragma unroll
+        for (int e = 0; e < C; ++e) acc[r] = fmaf(xv[e], wv[e], acc[r]);
+      }
     }
   }
+#pragma unroll
+  for (int r = 0; r < kGateRows; ++r) {
+    const float sum = cuda::warp_sum(acc[r]);
+    if (lane == 0) partial[r][which][quarter] = sum;
+  }
   __syncthreads();
-  const int t = threadIdx.x;
-  if (t < HEADS * 2 * chunk) {
-    const int hs = t / (2 * chunk), r = t % (2 * chunk) / 2, k = t % 2;
+  if (threadIdx.x < 2 * chunk) {
+    const int r = threadIdx.x / 2, k = threadIdx.x % 2;
     float sum = 0.f;
 #pragma unroll
-    for (int q = 0; q < kGateQuarters; ++q) sum += partial[hs][r][k][q];
-    proj[hs][r][k] = round_to<T>(sum);  // the projection's output dtype
+    for (int q = 0; q < kGateQuarters; ++q) sum += partial[r][k][q];
+    proj[r][k] = round_to<T>(sum);  // the projection's output dtype
   }
   __syncthreads();
-  if (t < HEADS * chunk) {
-    const int hs = t / chunk, r = t % chunk, hd = blockIdx.x * HEADS + hs;
-    if (hd < heads) {
-      const float xa = proj[hs][r][0] + to_float(dt_bias[hd]);
-      const float softplus = xa > 20.f ? xa : log1pf(expf(xa));  // torch's threshold 20
-      const int64_t o = (row0 + r) * heads + hd;
-      g[o] = -expf(to_float(A_log[hd])) * softplus;
-      beta[o] = round_to<T>(1.f / (1.f + expf(-proj[hs][r][1])));
-    }
+  if (threadIdx.x < chunk) {
+    const int r = threadIdx.x;
+    const float xa = proj[r][0] + to_float(dt_bias[head]);
+    const float softplus = xa > 20.f ? xa : log1pf(expf(xa));  // torch's threshold 20
+    const int64_t o = (row0 + r) * heads + head;
+    g[o] = -expf(to_float(A_log[head])) * softplus;
+    beta[o] = round_to<T>(1.f / (1.f + expf(-proj[r][1])));
   }
 }
 
@@ -345,11 +334,7 @@ void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::T
   const int64_t rows = x.size(0), features = x.size(1), heads = weight_a.size(0);
   if (rows == 0 || heads == 0) return;
   TORCH_CHECK_VALUE(features <= INT32_MAX && heads <= INT32_MAX, "gdn_gates: x or the weights are too large");
-  // One chunk of rows (decode steps): a head per block, for more blocks; more rows: kGateHeadsMany heads per block.
-  const bool many = rows > kGateRows;
-  const int64_t per_block = many ? kGateHeadsMany : 1;
-  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(heads, per_block)),
-                  static_cast<unsigned>(cuda::ceil_div(rows, kGateRows)));
+  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(cuda::ceil_div(rows, kGateRows)));
   TORCH_CHECK_VALUE(grid.y <= 65535, "gdn_gates: x has too many rows (", rows, ")");
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "gdn_gates", [&] {
     using T = scalar_t;
@@ -359,20 +344,16 @@ void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::T
       DDTREE_CUDA_DISPATCH_FLOAT(dt_bias.scalar_type(), "gdn_gates", [&] {
         using D = scalar_t;
         auto launch = [&](auto kernel) {
-          kernel<<<grid, static_cast<unsigned>(kThreads * per_block), 0, cuda::current_stream()>>>(
+          kernel<<<grid, kThreads, 0, cuda::current_stream()>>>(
               x.data_ptr<T>(), x.stride(0), weight_a.data_ptr<T>(), weight_b.data_ptr<T>(), A_log.data_ptr<A>(),
               dt_bias.data_ptr<D>(), g.data_ptr<float>(), beta.data_ptr<float>(), rows, static_cast<int>(features),
               static_cast<int>(heads));
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         };
-        if (packed && many) {
-          launch(gdn_gates_kernel<T, A, D, true, kGateHeadsMany>);
-        } else if (packed) {
-          launch(gdn_gates_kernel<T, A, D, true, 1>);
-        } else if (many) {
-          launch(gdn_gates_kernel<T, A, D, false, kGateHeadsMany>);
+        if (packed) {
+          launch(gdn_gates_kernel<T, A, D, true>);
         } else {
-          launch(gdn_gates_kernel<T, A, D, false, 1>);
+          launch(gdn_gates_kernel<T, A, D, false>);
         }
       });
     });
