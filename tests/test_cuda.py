@@ -381,14 +381,16 @@ def test_tree_gated_delta_rule(dtype, shape, bsz, n, heads, value_heads, kdim, v
     assert_gdn_close(got, gdn_recurrence_fp64(x, kdim**-0.5), dtype, "vs float64 recurrence")
 
 
-def test_tree_gated_delta_rule_options():
-    """No l2norm (keys small enough to stay stable) and an explicit scale."""
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_tree_gated_delta_rule_options(dtype):
+    """No l2norm (keys small enough to stay stable) and an explicit scale; 16-bit inputs take the tensor-core
+    prep kernel, whose norms are then 1 and whose query factor is the scale alone."""
     gen = make_gen(3)
     x = gdn_inputs(2, 17, 2, 4, 16, 16, torch.float32, gen)
-    x = x._replace(q=x.q * 0.2, k=x.k * 0.2)
+    x = x._replace(q=(x.q * 0.2).to(dtype), k=(x.k * 0.2).to(dtype), v=x.v.to(dtype))
     got = run_gdn(x, DEV, scale=0.37, l2norm=False)
-    assert_gdn_close(got, run_gdn(x, "cpu", scale=0.37, l2norm=False), torch.float32, "vs CPU op")
-    assert_gdn_close(got, gdn_recurrence_fp64(x, 0.37, l2norm=False), torch.float32, "vs float64 recurrence")
+    assert_gdn_close(got, run_gdn(x, "cpu", scale=0.37, l2norm=False), dtype, "vs CPU op")
+    assert_gdn_close(got, gdn_recurrence_fp64(x, 0.37, l2norm=False), dtype, "vs float64 recurrence")
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
