@@ -630,8 +630,8 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(  // 64 reg
 
 // ---- the prep kernel for 16-bit inputs and N <= kGramMaxNodes: key products on tensor cores ----
 // Same outputs and launch shape as gdn_tree_prep_kernel. The raw key rows 0..rows-1 and the chunk's raw query rows
-// are staged as they are (X, 16-bit) and S = X X^T is formed on tensor cores (bf16/fp16 products are exact in the
-// float32 accumulator): S holds every key and query product and, on its diagonal, the squared norms. A
+// are staged as they are (X, 16-bit) and S = X X^T is formed on tensor cores (bf16/fp16 products are exact, their
+// sums float32): S holds every key and query product and, on its diagonal, the squared norms. A
 // normalised product is then a raw one times two inverse norms, so no row is normalised and no product recomputed
 // for deep paths. The T-row solves step all value heads of a batch together, each weight formed where it is
 // used: kGramSolveHeads independent shuffle-and-FMA chains per warp instead of one.
