@@ -408,6 +408,16 @@ struct NodePath {
   }
 };
 
+// Byte offsets of consecutive shared-memory regions, each starting 16-byte aligned (the layouts below).
+struct SmemPlan {
+  size_t off = 0;
+  size_t take(size_t bytes) {
+    const size_t at = off;
+    off += (bytes + 15) / 16 * 16;
+    return at;
+  }
+};
+
 // Shared-memory plan of gdn_tree_prep (byte offsets), sized from N, K and the value heads per key head.
 struct GdnPrepLayout {
   int kpad;
@@ -415,26 +425,21 @@ struct GdnPrepLayout {
 
   GdnPrepLayout(int n, int kdim, int group) {
     kpad = staged_row_len(kdim);
-    size_t off = 0;
-    auto take = [&](size_t bytes) {
-      const size_t at = off;
-      off += (bytes + 15) / 16 * 16;
-      return at;
-    };
-    krows = take(sizeof(float) * n * kpad);            // keys of nodes 0..rows-1, normalised where on a path
-    qrows = take(sizeof(float) * kPrepNodes * kpad);   // the chunk's scaled, normalised queries
-    par = take(sizeof(int) * n);
-    dep = take(sizeof(int) * n);
-    on_path = take(sizeof(int) * n);                   // 1 when some chunk path holds the node
-    anc = take(sizeof(int) * n * kCachedDist);         // anc[m][a]: a-th ancestor of an on-path node m
-    kk = take(sizeof(float) * n * kCachedDist);        // kk[m][a] = k_m . k_{anc[m][a]}, a >= 1
-    graw = take(sizeof(float) * n * group);            // log decays of h's value heads
-    gcum = take(sizeof(float) * n * group);            // G of on-path nodes
-    beta = take(sizeof(float) * n * group);
-    qk = take(sizeof(float) * kPrepNodes * n);         // qk[t][a] = q_i . k_{a-th ancestor of i}, i = chunk node t
-    trow = take(sizeof(float) * kPrepNodes * n);       // a row of T being solved (paths longer than a warp)
-    path = take(sizeof(int) * kPrepNodes * n);         // path[t][a] = a-th ancestor of chunk node t
-    total = off;
+    SmemPlan plan;
+    krows = plan.take(sizeof(float) * n * kpad);            // keys of nodes 0..rows-1, normalised where on a path
+    qrows = plan.take(sizeof(float) * kPrepNodes * kpad);   // the chunk's scaled, normalised queries
+    par = plan.take(sizeof(int) * n);
+    dep = plan.take(sizeof(int) * n);
+    on_path = plan.take(sizeof(int) * n);                   // 1 when some chunk path holds the node
+    anc = plan.take(sizeof(int) * n * kCachedDist);         // anc[m][a]: a-th ancestor of an on-path node m
+    kk = plan.take(sizeof(float) * n * kCachedDist);        // kk[m][a] = k_m . k_{anc[m][a]}, a >= 1
+    graw = plan.take(sizeof(float) * n * group);            // log decays of h's value heads
+    gcum = plan.take(sizeof(float) * n * group);            // G of on-path nodes
+    beta = plan.take(sizeof(float) * n * group);
+    qk = plan.take(sizeof(float) * kPrepNodes * n);         // qk[t][a] = q_i . k_{a-th ancestor of i}, i = chunk node t
+    trow = plan.take(sizeof(float) * kPrepNodes * n);       // a row of T being solved (paths longer than a warp)
+    path = plan.take(sizeof(int) * kPrepNodes * n);         // path[t][a] = a-th ancestor of chunk node t
+    total = plan.off;
   }
 };
 
@@ -652,22 +657,17 @@ struct GdnGramLayout {
     kstride = kdepth + 8;
     sstride = n + kPrepNodes;
     const int xrows = (n + kPrepNodes + 15) / 16 * 16;  // whole MMA row tiles
-    size_t off = 0;
-    auto take = [&](size_t bytes) {
-      const size_t at = off;
-      off += (bytes + 15) / 16 * 16;
-      return at;
-    };
-    x = take(sizeof(uint16_t) * xrows * kstride);
-    s = take(sizeof(float) * sstride * sstride);
-    kinv = take(sizeof(float) * sstride);            // 1/||k|| of key rows, scale/||q|| of query rows
-    par = take(sizeof(int) * n);
-    graw = take(sizeof(float) * n * group);
-    gcum = take(sizeof(float) * n * group);
-    beta = take(sizeof(float) * n * group);
-    path = take(sizeof(int) * kPrepNodes * n);
-    trow = take(sizeof(float) * kPrepNodes * kGramSolveHeads * n);  // finished T entries, paths longer than a warp
-    total = off;
+    SmemPlan plan;
+    x = plan.take(sizeof(uint16_t) * xrows * kstride);
+    s = plan.take(sizeof(float) * sstride * sstride);
+    kinv = plan.take(sizeof(float) * sstride);            // 1/||k|| of key rows, scale/||q|| of query rows
+    par = plan.take(sizeof(int) * n);
+    graw = plan.take(sizeof(float) * n * group);
+    gcum = plan.take(sizeof(float) * n * group);
+    beta = plan.take(sizeof(float) * n * group);
+    path = plan.take(sizeof(int) * kPrepNodes * n);
+    trow = plan.take(sizeof(float) * kPrepNodes * kGramSolveHeads * n);  // finished T entries, paths longer than a warp
+    total = plan.off;
   }
 };
 
@@ -749,7 +749,9 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
   // Columns K..kdepth of the staged rows and the rows past them up to a whole tile take part in the products:
   // zero (the padding rows' products are never read, but are kept finite).
   const int pad_cols = lay.kdepth - kdim;
-  for (int e = tid; e < xrows * pad_cols; e += kPrepThreads) x[(e / pad_cols) * ks + kdim + e % pad_cols] = cuda::from_float<T>(0.f);
+  for (int e = tid; e < xrows * pad_cols; e += kPrepThreads) {
+    x[(e / pad_cols) * ks + kdim + e % pad_cols] = cuda::from_float<T>(0.f);
+  }
   for (int e = tid; e < (16 * xtiles - xrows) * lay.kdepth; e += kPrepThreads) {
     x[(xrows + e / lay.kdepth) * ks + e % lay.kdepth] = cuda::from_float<T>(0.f);
   }
@@ -815,7 +817,9 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
   const int* p = path + t * n;
   const float ki = kinv[i], qf = kinv[rows + t];
   if (lane == 0) norms[(static_cast<int64_t>(b) * sh.heads + h) * n + i] = make_float2(ki, qf);
-  for (int e = lane; e < kdim; e += kWarp) stash_k[b * sk_sb + i * sk_sn + h * sk_sh + e] = cuda::to_float(x[i * ks + e]) * ki;
+  for (int e = lane; e < kdim; e += kWarp) {
+    stash_k[b * sk_sb + i * sk_sn + h * sk_sh + e] = cuda::to_float(x[i * ks + e]) * ki;
+  }
   const float* s_query = s + (rows + t) * ss;
   float* tr = trow + t * kGramSolveHeads * n;
   for (int g0 = 0; g0 < group; g0 += kGramSolveHeads) {
@@ -905,27 +909,22 @@ struct GdnMainLayout {
     if (row_bytes % 32 == 0) row_bytes += 16;
     kpad = row_bytes / elem_bytes;
     chunk = n < kChunkNodes ? n : kChunkNodes;
-    size_t off = 0;
-    auto take = [&](size_t bytes) {
-      const size_t at = off;
-      off += (bytes + 15) / 16 * 16;
-      return at;
-    };
-    h0 = take(sizeof(float) * krows * kH0Stride);
+    SmemPlan plan;
+    h0 = plan.take(sizeof(float) * krows * kH0Stride);
     // The staged k/q rows of a chunk and, after the GEMM, the table of ancestors and coefficients share one region.
     const size_t staging = static_cast<size_t>(elem_bytes) * 2 * chunk * kpad;
     const size_t coeffs = sizeof(PathTerm) * static_cast<size_t>(n) * kCachedDist;
-    stage = take(staging > coeffs ? staging : coeffs);
-    kh = take(sizeof(float) * n * kTileV);
-    qh = take(sizeof(float) * n * kTileV);
-    vt = take(sizeof(float) * n * kTileV);
-    graw = take(sizeof(float) * n);
-    cumg = take(sizeof(float) * n);
-    beta = take(sizeof(float) * n);
-    parent = take(sizeof(int) * n);
-    depth = take(sizeof(int) * n);
-    norms = take(sizeof(float2) * n);
-    total = off;
+    stage = plan.take(staging > coeffs ? staging : coeffs);
+    kh = plan.take(sizeof(float) * n * kTileV);
+    qh = plan.take(sizeof(float) * n * kTileV);
+    vt = plan.take(sizeof(float) * n * kTileV);
+    graw = plan.take(sizeof(float) * n);
+    cumg = plan.take(sizeof(float) * n);
+    beta = plan.take(sizeof(float) * n);
+    parent = plan.take(sizeof(int) * n);
+    depth = plan.take(sizeof(int) * n);
+    norms = plan.take(sizeof(float2) * n);
+    total = plan.off;
   }
 };
 
