@@ -326,15 +326,19 @@ def profile_round(target, draft, prompt, method: str, budget: int, rounds: int =
 
     kw = dict(method=method, tree_budget=budget, cuda_graph=False)
     generate(target, draft, prompt, rounds, **kw)  # warm-up
-    prof = profile(activities=[ProfilerActivity.CUDA])
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     generate(target, draft, prompt, rounds + 1, streamer=_ProfileRounds(prof), **kw)
-    rows = []
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows, averages = [], prof.key_averages()
+    # Host-side ops that launch kernels themselves (self device time): which torch calls the small kernels come from.
+    launching = sorted((e for e in averages if e.device_type != torch.autograd.DeviceType.CUDA
+                        and e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    ops = [dict(name=e.key[:90], calls=e.count, self_cuda_ms=e.self_device_time_total / 1e3) for e in launching[:top]]
+    events = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
     total = sum(e.device_time_total for e in events) or 1.0
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         rows.append(dict(name=e.key[:90], calls=e.count, cuda_ms=e.device_time_total / 1e3,
                          share=e.device_time_total / total))
-    return dict(method=method, budget=budget, rounds=rounds, top=rows,
+    return dict(method=method, budget=budget, rounds=rounds, top=rows, ops=ops,
                 kernels_per_round=sum(e.count for e in events) / rounds, cuda_ms_per_round=total / 1e3 / rounds)
 
 
@@ -394,8 +398,8 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
             result["reference_round_ms"][budget] = ms
             print(f"[{name}] reference implementation's round pattern, budget {budget}: {ms:.2f} ms", flush=True)
     if args.profile:
-        result["profiles"] = [profile_round(adapter, draft, prompt, "autoregressive", 1),
-                              profile_round(adapter, draft, prompt, "ddtree", 64)]
+        result["profiles"] = [profile_round(adapter, draft, prompt, "autoregressive", 1, top=args.profile_top),
+                              profile_round(adapter, draft, prompt, "ddtree", 64, top=args.profile_top)]
 
     # Static buffers for a 32k-token generation (the target's caches and the draft's), measured by
     # allocating them; the run's own peak used a capacity of prompt + a few hundred slots.
@@ -511,6 +515,10 @@ def markdown(report: dict) -> str:
                       "| kernel | calls | CUDA ms | share |", "| --- | ---: | ---: | ---: |"]
             for row in prof["top"]:
                 lines.append(f"| `{row['name']}` | {row['calls']} | {row['cuda_ms']:.2f} | {100 * row['share']:.1f}% |")
+            if prof.get("ops"):
+                lines += ["", f"The torch ops that launch those kernels, by their kernels' CUDA time (same {what}):", "",
+                          "| op | calls | CUDA ms |", "| --- | ---: | ---: |"]
+                lines += [f"| `{row['name']}` | {row['calls']} | {row['self_cuda_ms']:.2f} |" for row in prof["ops"]]
         lines.append("")
     return "\n".join(lines)
 
@@ -530,6 +538,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-length", type=int, default=32768, help="the length the static caches are sized for")
     parser.add_argument("--profile", action="store_true", help="add the top kernels of eager rounds (torch profiler)")
+    parser.add_argument("--profile-top", type=int, default=15, help="how many kernels each profile table lists")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
