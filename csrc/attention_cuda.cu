@@ -1,9 +1,8 @@
-// WORK IN PROGRESS (branch wip-gqa-attention; compile-checked only, never run on a GPU; no op schema, CPU op,
-// reference or test yet). Split-KV masked GQA attention for verify and decode steps, to replace the cuDNN SDPA
-// kernel under fused.gqa_attention: that kernel tiles only over query rows, so a decode step (G folded rows per KV
-// head) runs one CTA per KV head (4 on the 27B shape) and a budget-64 verify about 28, each streaming the whole
-// K/V. Measured there (e2e profiles): 9-17 us per layer at decode, 47 us at a 65-node verify, against a K/V read
-// floor under 1 us.
+// WORK IN PROGRESS (branch wip-gqa-attention; compile-checked only, never run on a GPU). Split-KV masked GQA
+// attention for verify and decode steps, to replace the cuDNN SDPA kernel under fused.gqa_attention: that kernel
+// tiles only over query rows, so a decode step (G folded rows per KV head) runs one CTA per KV head (4 on the 27B
+// shape) and a budget-64 verify about 28, each streaming the whole K/V. Measured there (e2e profiles): 9-17 us per
+// layer at decode, 47 us at a 65-node verify, against a K/V read floor under 1 us.
 //
 // out[b, h, n] = softmax(scale q[b, h, n] . k[b, h / G, s] over s with mask[b, 0, n, s]) . v[b, h / G, s].
 // Rows are folded per KV head: row r = g N + n is query head h = kvh G + g at node n. A CTA takes 64 folded rows
@@ -15,6 +14,7 @@
 #include <type_traits>
 
 #include "cuda_common.cuh"
+#include "ops.h"
 
 namespace ddtree {
 namespace {
@@ -295,25 +295,39 @@ void launch_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 }  // namespace
 
-// q [B, H, N, D], k and v [B, Hkv, S, D] (H a multiple of Hkv; last dims contiguous, rows 16-byte aligned),
-// mask [B, 1, N, S] bool (True: attend), out [B, H, N, D] (any strides, last dim contiguous); D in {64, 128, 256};
-// bfloat16 or float16. Argument checks: TODO with the op schema.
+// The kernel takes bfloat16/float16 with head dims 64, 128 or 256, q/k/v rows starting 16-byte aligned and out rows
+// 4-byte aligned; anything else takes ATen's SDPA over repeated K/V (gqa_attention_sdpa, as the CPU op).
 void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                         double scale, at::Tensor& out) {
+  check_gqa_attention(q, k, v, mask, out);
+  if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t dim = q.size(3);
+  auto rows_aligned = [](const at::Tensor& t, int64_t elems, size_t bytes) {
+    return t.stride(0) % elems == 0 && t.stride(1) % elems == 0 && t.stride(2) % elems == 0 &&
+           cuda::is_aligned(t.data_ptr(), bytes);
+  };
+  const bool kernel_applies = (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) &&
+                              (dim == 64 || dim == 128 || dim == 256) && rows_aligned(q, 8, 16) &&
+                              rows_aligned(k, 8, 16) && rows_aligned(v, 8, 16) && rows_aligned(out, 2, 4) &&
+                              at::cuda::getCurrentDeviceProperties()->major >= 8;
+  if (!kernel_applies) {
+    gqa_attention_sdpa(q, k, v, mask, scale, out);
+    return;
+  }
+  // A mask with one batch row or one query row broadcasts (stride 0).
+  const at::Tensor m = mask.expand({q.size(0), 1, q.size(2), k.size(2)});
   AT_DISPATCH_SWITCH(q.scalar_type(), "gqa_attention", AT_DISPATCH_CASE(at::kHalf, [&] {
-    using T = scalar_t;
-    switch (q.size(3)) {
-      case 64: launch_gqa_attention<T, 64>(q, k, v, mask, scale, out); break;
-      case 128: launch_gqa_attention<T, 128>(q, k, v, mask, scale, out); break;
-      default: launch_gqa_attention<T, 256>(q, k, v, mask, scale, out); break;
+    switch (dim) {
+      case 64: launch_gqa_attention<scalar_t, 64>(q, k, v, m, scale, out); break;
+      case 128: launch_gqa_attention<scalar_t, 128>(q, k, v, m, scale, out); break;
+      default: launch_gqa_attention<scalar_t, 256>(q, k, v, m, scale, out); break;
     }
   }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-    using T = scalar_t;
-    switch (q.size(3)) {
-      case 64: launch_gqa_attention<T, 64>(q, k, v, mask, scale, out); break;
-      case 128: launch_gqa_attention<T, 128>(q, k, v, mask, scale, out); break;
-      default: launch_gqa_attention<T, 256>(q, k, v, mask, scale, out); break;
+    switch (dim) {
+      case 64: launch_gqa_attention<scalar_t, 64>(q, k, v, m, scale, out); break;
+      case 128: launch_gqa_attention<scalar_t, 128>(q, k, v, m, scale, out); break;
+      default: launch_gqa_attention<scalar_t, 256>(q, k, v, m, scale, out); break;
     }
   }));
 }

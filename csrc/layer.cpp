@@ -293,6 +293,54 @@ void silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out)
   DDTREE_DISPATCH_FLOAT(gate.scalar_type(), "silu_mul", [&] { silu_mul_kernel<scalar_t>(gate, up, out); });
 }
 
+void check_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                         const at::Tensor& out) {
+  constexpr const char* op = "gqa_attention";
+  DDTREE_CHECK_DIM(op, q, 4);
+  DDTREE_CHECK_FLOAT(op, q);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, q);
+  const int64_t bsz = q.size(0), heads = q.size(1), n = q.size(2), dim = q.size(3);
+  DDTREE_CHECK_DIM(op, k, 4);
+  DDTREE_CHECK(op, k.size(0) == bsz && k.size(3) == dim && k.size(1) >= 1 && heads % k.size(1) == 0,
+               "k must have shape [B, Hkv, S, D] = [", bsz, ", Hkv, S, ", dim, "] with Hkv dividing H = ", heads,
+               ", got ", shape_str(k.sizes()));
+  const int64_t slots = k.size(2);
+  DDTREE_CHECK_SHAPE(op, v, {bsz, k.size(1), slots, dim});
+  for (const auto* t : {&k, &v, &out}) {
+    const char* name = t == &k ? "k" : t == &v ? "v" : "out";
+    DDTREE_CHECK(op, t->scalar_type() == q.scalar_type(), name, " must have dtype ", q.scalar_type(), " like q, got ",
+                 t->scalar_type());
+    DDTREE_CHECK(op, t->device() == q.device(), name, " must be on ", q.device(), " like q, got ", t->device());
+    DDTREE_CHECK(op, t->dim() == 0 || t->stride(-1) == 1 || t->size(-1) == 1, name,
+                 " must be contiguous in its last dim, got strides ", shape_str(t->strides()));
+  }
+  DDTREE_CHECK_SHAPE(op, out, {bsz, heads, n, dim});
+  DDTREE_CHECK_DTYPE(op, mask, at::kBool);
+  DDTREE_CHECK_SAME_DEVICE(op, q, mask);
+  DDTREE_CHECK(op, mask.dim() == 4 && (mask.size(0) == bsz || mask.size(0) == 1) && mask.size(1) == 1 &&
+                       (mask.size(2) == n || mask.size(2) == 1) && mask.size(3) == slots,
+               "mask must have shape [B or 1, 1, N or 1, S] = [", bsz, ", 1, ", n, ", ", slots, "], got ",
+               shape_str(mask.sizes()));
+  const auto overlap = at::get_overlap_status(q, out);
+  DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+               "out must not overlap q");
+}
+
+void gqa_attention_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                        double scale, at::Tensor& out) {
+  const int64_t group = q.size(1) / k.size(1);
+  const at::Tensor kr = group == 1 ? k : k.repeat_interleave(group, 1);
+  const at::Tensor vr = group == 1 ? v : v.repeat_interleave(group, 1);
+  out.copy_(at::scaled_dot_product_attention(q, kr, vr, mask, 0.0, false, scale));
+}
+
+void gqa_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                       double scale, at::Tensor& out) {
+  check_gqa_attention(q, k, v, mask, out);
+  if (out.numel() == 0) return;
+  gqa_attention_sdpa(q, k, v, mask, scale, out);
+}
+
 void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   check_rope(x, cos, sin, out);
   if (x.numel() == 0) return;

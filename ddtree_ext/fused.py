@@ -23,7 +23,8 @@ and, for the attention layers:
 * the modeling modules' ``apply_rotary_pos_emb`` (a module global the layers look up at call time) for
   two ``ops.rope`` launches that round where it rounds, so its results are HF's bit for bit;
 * the "sdpa" entry of HF's attention registry for :func:`gqa_attention`, which folds a KV head's query
-  heads into its query rows instead of copying K and V per query head (HF's ``repeat_kv`` under a mask).
+  heads into its query rows instead of copying K and V per query head (HF's ``repeat_kv`` under a mask),
+  and on CUDA with a bool mask runs ``ops.gqa_attention`` (split over the keys).
 
 Both are process-wide while any fusion context is open (installed by the first, removed by the last):
 another model's calls meanwhile get the same results (RoPE bit for bit, attention up to float rounding).
@@ -131,8 +132,15 @@ def gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     The G = H / Hkv query heads of a KV head are folded into its query rows ([B, Hkv, G * N, D], the mask's
     rows tiled G times), so the fused kernel reads each KV head once: no [B, H, S, D] copies of K and V
     (what ``repeat_kv`` makes when a mask is given) and no math-kernel fallback (what ``enable_gqa`` with a
-    mask gets)."""
+    mask gets).
+
+    On CUDA with a bool mask and no grad mode this is ``ops.gqa_attention`` instead (split over the keys: SDPA's
+    fused kernels tile only the query rows, a few CTAs per layer at decode), its output in [B, N, H, D] memory
+    order, which is what HF's attention forward turns it into next."""
     batch, heads, n, dim = query.shape
+    if query.is_cuda and mask.dtype == torch.bool and not torch.is_grad_enabled() and ops_apply(query, key, value):
+        out = torch.empty(batch, n, heads, dim, dtype=query.dtype, device=query.device).transpose(1, 2)
+        return ops.gqa_attention(query, key, value, mask, scale, out=out)
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     if groups == 1:

@@ -343,6 +343,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: Optional
     return out
 
 
+def gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Masked grouped-query attention: query head h reads KV head h // (H / Hkv).
+
+    q [B, H, N, D], k and v [B, Hkv, S, D] (Hkv dividing H), float (last dims contiguous, any other strides),
+    mask [B or 1, 1, N or 1, S] bool (True: attend) -> out [B, H, N, D] (contiguous unless given):
+    out[b, h, n] = softmax(scale q[b, h, n] . k[b, h // G, s] over the unmasked s) . v[b, h // G, s], float32
+    sums. A row with no unmasked key gives NaN, as SDPA does. On CUDA, bfloat16/float16 with D in {64, 128, 256}
+    run a split-KV tensor-core kernel; other inputs, and the CPU op, run SDPA over K/V repeated per query head.
+    """
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    load_ops().gqa_attention(q, k, v, mask, float(scale), out)
+    return out
+
+
 def gdn_gates(
     x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

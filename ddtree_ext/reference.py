@@ -280,6 +280,15 @@ def rope(x, cos, sin) -> torch.Tensor:
     return torch.cat([x_rot * c + rotated * s, x_pass], dim=-1)
 
 
+def gqa_attention(q, k, v, mask, scale) -> torch.Tensor:
+    """ops.gqa_attention in float32 math: query head h reads KV head h // (H / Hkv); mask True = attend."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = (q.float() @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
+
+
 def gdn_gates(x, weight_a, weight_b, A_log, dt_bias):
     a = torch.nn.functional.linear(x, weight_a)
     b = torch.nn.functional.linear(x, weight_b)

@@ -847,6 +847,36 @@ def test_gqa_attention(heads, kv_heads, n, slots, mask_rows, dim, dtype):
     assert_close(gqa_attention(q, k, v, mask, dim**-0.5), expected, dtype, "folded GQA")
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(
+    "bsz,heads,kv_heads,n,slots,mask_rows,dim",
+    [
+        (1, 24, 4, 1, 768, 1, 256),   # 27B decode step: one split per 64 keys
+        (1, 24, 4, 65, 768, 65, 256),  # 27B verify at budget 64
+        (1, 32, 8, 17, 700, 17, 128),  # Qwen3-8B chain; S not a multiple of the 64-key chunk
+        (2, 8, 2, 5, 70, 5, 64),       # batch rows; the mask per batch row
+        (2, 6, 6, 3, 9, 1, 64),        # no grouping; one mask row for all nodes; fewer keys than a chunk
+        (1, 4, 2, 5, 40, 5, 48),       # a head dim the kernel does not take: ATen's SDPA
+    ],
+)
+def test_gqa_attention_op(bsz, heads, kv_heads, n, slots, mask_rows, dim, dtype):
+    """The CUDA op (split-KV tensor-core kernel for 16-bit inputs with D in {64, 128, 256}, SDPA otherwise)
+    against the CPU op and the reference, K/V sliced from a larger cache, out in [B, N, H, D] memory order."""
+    gen = make_gen(slots + n)
+    q = torch.randn(bsz, n, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    k_cache, v_cache = (torch.randn(bsz, kv_heads, slots + 9, dim, generator=gen).to(dtype) for _ in range(2))
+    k, v = k_cache[:, :, :slots], v_cache[:, :, :slots]
+    mask = torch.rand(bsz, 1, mask_rows, slots, generator=gen) > 0.3
+    mask[..., 0] = True
+    expected_cpu = ops.gqa_attention(q, k, v, mask, dim**-0.5)
+    expected_ref = reference.gqa_attention(q, k, v, mask, dim**-0.5)
+    out = poison(torch.empty(bsz, n, heads, dim, dtype=dtype, device=DEV)).transpose(1, 2)
+    k_dev, v_dev = (t.to(DEV)[:, :, :slots] for t in (k_cache, v_cache))
+    got = ops.gqa_attention(q.to(DEV), k_dev, v_dev, mask.to(DEV), dim**-0.5, out=out)
+    assert_close(got, expected_cpu, dtype, "vs CPU op")
+    assert_close(got, expected_ref, dtype, "vs reference")
+
+
 # ---- CUDA graphs and determinism ---------------------------------------------------------------
 
 
@@ -968,6 +998,16 @@ def _case_layer():
     return OpCase(inputs, run)
 
 
+def _case_attention():
+    def inputs(gen):
+        q = torch.randn(1, 24, 65, 256, generator=gen).to(torch.bfloat16)
+        k, v = (torch.randn(1, 4, 700, 256, generator=gen).to(torch.bfloat16) for _ in range(2))
+        mask = torch.rand(1, 1, 65, 700, generator=gen) > 0.3
+        return dict(q=q.to(DEV), k=k.to(DEV), v=v.to(DEV), mask=mask.to(DEV))
+
+    return OpCase(inputs, lambda x: [ops.gqa_attention(x["q"], x["k"], x["v"], x["mask"], 0.0625)])
+
+
 OP_CASES = {
     "topk_logprobs": _case_topk,
     "build_tree+mask": _case_build,
@@ -979,6 +1019,7 @@ OP_CASES = {
     "walk_sample_sorted": functools.partial(_case_walk_sample, 0, 0.9),
     "commit": _case_commit,
     "layer": _case_layer,
+    "gqa_attention": _case_attention,
 }
 
 

@@ -1,4 +1,4 @@
-"""The layer-body ops (rms_norm, silu_mul, rope, gdn_gates) on the CPU and the fused forwards that use them.
+"""The layer-body ops (rms_norm, silu_mul, rope, gdn_gates, gqa_attention) on the CPU and the fused forwards that use them.
 
 Each op against the Hugging Face module it replaces (the modules' own forwards, not a copy of their math)
 and against the reference, over dtypes, odd sizes and strided inputs; bad input; opcheck. Then
@@ -221,6 +221,40 @@ def test_silu_mul_and_gdn_gating_bad_inputs():
         ops.rope(q, torch.randn(1, 5, 8), torch.randn(1, 5, 8), out=q)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,n,mask_rows,mask_batch", [(6, 2, 5, 5, 2), (6, 2, 1, 1, 1), (4, 4, 3, 1, 2)])
+def test_gqa_attention_op_equals_sdpa_and_the_reference(heads, kv_heads, n, mask_rows, mask_batch, dtype, gen):
+    q = torch.randn(2, heads, n, 8, generator=gen).to(dtype)
+    k_cache, v_cache = (torch.randn(2, kv_heads, 12, 8, generator=gen).to(dtype) for _ in range(2))
+    k, v = k_cache[:, :, :9], v_cache[:, :, :9]  # a slice of a larger cache, as the verify reads it
+    mask = torch.rand(mask_batch, 1, mask_rows, 9, generator=gen) > 0.4
+    mask[..., 0] = True
+    group = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask, scale=0.3)
+    got = ops.gqa_attention(q, k, v, mask, 0.3, out=poison(torch.empty(q.shape, dtype=dtype)))
+    assert_close(got, expected, dtype, "vs SDPA")
+    assert_close(got, reference.gqa_attention(q, k, v, mask, 0.3), dtype, "vs reference")
+
+
+def test_gqa_attention_bad_inputs():
+    q, k, mask = torch.randn(1, 6, 5, 8), torch.randn(1, 2, 9, 8), torch.ones(1, 1, 5, 9, dtype=torch.bool)
+    with pytest.raises(ValueError, match="gqa_attention: k must have shape"):
+        ops.gqa_attention(q, torch.randn(1, 4, 9, 8), torch.randn(1, 4, 9, 8), mask, 1.0)
+    with pytest.raises(ValueError, match="gqa_attention: v must have shape"):
+        ops.gqa_attention(q, k, torch.randn(1, 2, 8, 8), mask, 1.0)
+    with pytest.raises(ValueError, match="gqa_attention: mask must have dtype"):
+        ops.gqa_attention(q, k, k, mask.float(), 1.0)
+    with pytest.raises(ValueError, match="gqa_attention: mask must have shape"):
+        ops.gqa_attention(q, k, k, torch.ones(1, 1, 4, 9, dtype=torch.bool), 1.0)
+    with pytest.raises(ValueError, match="gqa_attention: k must have dtype"):
+        ops.gqa_attention(q, k.double(), k.double(), mask, 1.0)
+    with pytest.raises(ValueError, match="gqa_attention: out must have shape"):
+        ops.gqa_attention(q, k, k, mask, 1.0, out=torch.empty(1, 6, 5, 7))
+    with pytest.raises(ValueError, match="gqa_attention: out must not overlap q"):
+        ops.gqa_attention(q, k, k, mask, 1.0, out=q)
+
+
 def test_layer_ops_opcheck(gen):
     lib = load_ops()
     x = torch.randn(3, 16, generator=gen)
@@ -230,6 +264,9 @@ def test_layer_ops_opcheck(gen):
     torch.library.opcheck(lib.gdn_gates.default, (x, w, w.clone(), torch.randn(6), torch.randn(6), torch.empty(3, 6), torch.empty(3, 6)))
     q = torch.randn(1, 2, 5, 8, generator=gen)
     torch.library.opcheck(lib.rope.default, (q, torch.randn(1, 5, 8), torch.randn(1, 5, 8), torch.empty(1, 2, 5, 8)))
+    kv = torch.randn(1, 1, 7, 8, generator=gen)
+    torch.library.opcheck(lib.gqa_attention.default,
+                          (q, kv, kv.clone(), torch.ones(1, 1, 5, 7, dtype=torch.bool), 0.5, torch.empty(1, 2, 5, 8)))
 
 
 # ---- LayerFusion ---------------------------------------------------------------------------------
