@@ -404,3 +404,29 @@ def test_rope(benchmark, ceilings, rows):
     bench(benchmark, ceilings, "rope (q and k)", f"[1, 24 + {KV_HEADS}, {rows}, {HEAD_DIM}] bf16, rotary 64", calls,
           2 * rows * (24 + KV_HEADS) * HEAD_DIM * BF16 + 2 * rows * 64 * BF16,
           baseline=[lambda q=q, k=k: apply_rotary_pos_emb(q, k, cos, sin) for q, k in zip(qs, ks)])
+
+
+@pytest.mark.parametrize("rows,kv_len", [(1, 1024), (1, 8192), (65, 1024), (65, 8192)])
+def test_gqa_attention(benchmark, ceilings, rows, kv_len):
+    """One Qwen3.5 attention layer's masked GQA attention (24 query heads over 4 KV heads of 256) against
+    the folded SDPA call it replaces (cuDNN's fused kernel, query heads folded into the rows)."""
+    bf16 = dict(dtype=torch.bfloat16, device=DEV)
+    heads = 24
+    qs = [torch.randn(1, rows, heads, HEAD_DIM, **bf16).transpose(1, 2) for _ in range(4)]
+    ks = [torch.randn(1, KV_HEADS, kv_len, HEAD_DIM, **bf16) for _ in range(4)]
+    vs = [torch.randn(1, KV_HEADS, kv_len, HEAD_DIM, **bf16) for _ in range(4)]
+    mask = torch.rand(1, 1, rows, kv_len, device=DEV) > 0.1
+    mask[..., 0] = True
+    out = torch.empty(1, rows, heads, HEAD_DIM, **bf16).transpose(1, 2)
+    groups = heads // KV_HEADS
+    folded_mask = mask if rows == 1 else mask.repeat(1, 1, groups, 1)
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.reshape(1, KV_HEADS, groups * rows, HEAD_DIM), k, v, attn_mask=folded_mask, scale=HEAD_DIM**-0.5)
+
+    inputs = list(zip(qs, ks, vs))
+    calls = [lambda q=q, k=k, v=v: ops.gqa_attention(q, k, v, mask, HEAD_DIM**-0.5, out=out) for q, k, v in inputs]
+    bench(benchmark, ceilings, "gqa_attention", f"[1, {heads}, {rows}, {HEAD_DIM}] over {kv_len} keys bf16", calls,
+          2 * KV_HEADS * kv_len * HEAD_DIM * BF16 + 2 * rows * heads * HEAD_DIM * BF16 + rows * kv_len,
+          baseline=[lambda q=q, k=k, v=v: sdpa(q, k, v) for q, k, v in inputs])
