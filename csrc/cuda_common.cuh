@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "checks.h"
 
@@ -36,6 +37,15 @@ inline cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream().s
 
 // Largest dynamic shared memory a block may opt into on the current device.
 inline size_t max_dynamic_smem() { return at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin; }
+
+// The PTX version a kernel's code for the current GPU was compiled from (e.g. 90): code for compute capability < 8.0
+// has traps in place of the tensor-core instructions (mma_16x8x16), so callers check this before launching.
+template <typename Kernel>
+int ptx_version(Kernel kernel) {
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  return attr.ptxVersion;
+}
 
 // Raises a kernel's dynamic shared-memory limit when a launch needs more than the default 48 KB.
 template <typename Kernel>
@@ -136,6 +146,30 @@ __device__ __forceinline__ float warp_sum_squares(const T* row, int n, int lane)
   return warp_sum(acc);
 }
 
+// d += a b for a 16x16 tile a (row-major) and a 16x8 tile b (column-major) of 16-bit values, float32 sums
+// (mma.sync m16n8k16; fragments in the PTX ISA's layouts: lane = 4 gid + tig).
+template <typename T>
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    static_assert(std::is_same_v<T, at::Half>, "tensor-core products take Half or BFloat16");
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  __trap();  // the launchers check ptx_version() and never get here
+#endif
+}
+
 // Asynchronous global -> shared copies of 4, 8 or 16 bytes (cp.async, compute capability >= 8): a thread issues
 // all of its copies without waiting for any, so one round trip to memory serves a kernel's whole prologue;
 // wait_async_copies() then waits for the calling thread's copies (a barrier makes them visible to the block).
@@ -164,6 +198,21 @@ __device__ __forceinline__ void copy_async(void* smem_dst, const void* gmem_src)
 __device__ __forceinline__ void wait_async_copies() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// For pipelines: commit_async_copies() closes the group of the calling thread's copies issued since the last
+// commit; wait_async_copies_but<PENDING>() waits until at most PENDING of its committed groups are in flight.
+__device__ __forceinline__ void commit_async_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int PENDING>
+__device__ __forceinline__ void wait_async_copies_but() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 #endif
 }
 

@@ -169,6 +169,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// g = -exp(A_log) softplus(a + dt_bias), beta = round(sigmoid(b)) from the rounded projections a and b.
+template <typename T, typename A, typename D>
+__device__ __forceinline__ void write_gates(float a, float b, A A_log, D dt_bias, float* g, float* beta) {
+  const float xa = a + to_float(dt_bias);
+  const float softplus = xa > 20.f ? xa : log1pf(expf(xa));  // torch's threshold 20
+  *g = -expf(to_float(A_log)) * softplus;
+  *beta = round_to<T>(1.f / (1.f + expf(-b)));
+}
+
 // Block: one value head; its 8 warps are (a, b) x 4 quarters of the features, against a chunk of kGateRows
 // rows of x. A warp streams its quarter of a weight row once, with the chunk's rows of x beside it (independent
 // sums in flight), and the quarters are added in a fixed order; then the block turns the rounded projections
@@ -223,12 +232,91 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (threadIdx.x < chunk) {
     const int r = threadIdx.x;
-    const float xa = proj[r][0] + to_float(dt_bias[head]);
-    const float softplus = xa > 20.f ? xa : log1pf(expf(xa));  // torch's threshold 20
     const int64_t o = (row0 + r) * heads + head;
-    g[o] = -expf(to_float(A_log[head])) * softplus;
-    beta[o] = round_to<T>(1.f / (1.f + expf(-proj[r][1])));
+    write_gates<T>(proj[r][0], proj[r][1], A_log[head], dt_bias[head], g + o, beta + o);
   }
+}
+
+// Rows of x past kGateRows on 16-bit inputs: the product [rows, F] x [F, 2 H] on tensor cores, split over the
+// features (kGateSplit per block; partial sums to a float32 workspace), then one thread per (row, head) adds the
+// splits in order and writes the gates. x is read once, not once per head. Staging is element by element where
+// a row is not 16-byte aligned, so the bits do not depend on alignment.
+constexpr int kGateSplit = 128;                 // features per block
+constexpr int kGateStride = kGateSplit + 8;     // staged row stride (elements): conflict-free fragments
+
+inline int64_t round_up(int64_t a, int64_t b) { return cuda::ceil_div(a, b) * b; }
+
+inline size_t gates_partial_smem(int64_t rows, int64_t heads) {
+  return sizeof(uint16_t) * kGateStride * (round_up(2 * heads, 16) + round_up(rows, 8));
+}
+
+template <typename T, bool PACKED>
+__global__ void __launch_bounds__(kThreads) gdn_gates_partial_kernel(const T* x, int64_t x_stride, const T* weight_a,
+                                                                     const T* weight_b, float* part, int rows,
+                                                                     int features, int heads) {
+  constexpr int C = 8, kPacks = kGateSplit / C;  // 16-byte packs per staged row
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int outs = 2 * heads, out_pad = (outs + 15) / 16 * 16, row_pad = (rows + 7) / 8 * 8;
+  T* ws = reinterpret_cast<T*>(smem_raw);  // [out_pad][kGateStride]: the a rows, then the b rows
+  T* xs = ws + out_pad * kGateStride;      // [row_pad][kGateStride]
+  const int f0 = blockIdx.x * kGateSplit, valid = min(kGateSplit, features - f0);
+  for (int e = threadIdx.x; e < (out_pad + row_pad) * kPacks; e += kThreads) {
+    const int r = e / kPacks, c = C * (e % kPacks);
+    const bool weight_row = r < out_pad;
+    const int rr = weight_row ? r : r - out_pad;
+    const bool real = weight_row ? rr < outs : rr < rows;
+    T* dst = (weight_row ? ws : xs) + rr * kGateStride + c;
+    const T* src = weight_row ? (rr < heads ? weight_a + static_cast<int64_t>(rr) * features
+                                            : weight_b + static_cast<int64_t>(rr - heads) * features)
+                              : x + rr * x_stride;
+    if (PACKED && real && c + C <= valid) {
+      cuda::copy_async<16>(dst, src + f0 + c);
+    } else {
+#pragma unroll
+      for (int t = 0; t < C; ++t) dst[t] = real && c + t < valid ? src[f0 + c + t] : from_float<T>(0.f);
+    }
+  }
+  cuda::wait_async_copies();
+  __syncthreads();
+  const int warp = threadIdx.x / cuda::kWarp, lane = threadIdx.x % cuda::kWarp, gid = lane / 4, tig = lane % 4;
+  const int n_tiles = row_pad / 8;
+  const uint32_t* ww = reinterpret_cast<const uint32_t*>(ws);
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(xs);
+  constexpr int kWs = kGateStride / 2;  // words per staged row
+  for (int t = warp; t < out_pad / 16 * n_tiles; t += kThreads / cuda::kWarp) {
+    const int mt = t / n_tiles, nt = t % n_tiles;
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < kGateSplit / 16; ++kk) {
+      const uint32_t* a = ww + (16 * mt + gid) * kWs + 8 * kk + tig;
+      const uint32_t* b = xw + (8 * nt + gid) * kWs + 8 * kk + tig;
+      const uint32_t af[4] = {a[0], a[8 * kWs], a[4], a[8 * kWs + 4]};
+      const uint32_t bf[2] = {b[0], b[4]};
+      cuda::mma_16x8x16<T>(d, af, bf);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // d[e]: output 16 mt + gid + 8 (e / 2), x row 8 nt + 2 tig + e % 2
+      const int o = 16 * mt + gid + 8 * (e / 2), r = 8 * nt + 2 * tig + e % 2;
+      if (o < outs && r < rows) part[(static_cast<int64_t>(blockIdx.x) * rows + r) * outs + o] = d[e];
+    }
+  }
+}
+
+template <typename T, typename A, typename D>
+__global__ void __launch_bounds__(kThreads) gdn_gates_finish_kernel(const float* part, const A* A_log,
+                                                                    const D* dt_bias, float* g, float* beta,
+                                                                    int rows, int heads, int splits) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= static_cast<int64_t>(rows) * heads) return;
+  const int r = static_cast<int>(i / heads), head = static_cast<int>(i % heads), outs = 2 * heads;
+  float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll 8
+  for (int s = 0; s < splits; ++s) {  // in split order; unrolled so that several splits' loads are in flight
+    const float* p = part + (static_cast<int64_t>(s) * rows + r) * outs;
+    sum_a += p[head];
+    sum_b += p[heads + head];
+  }
+  write_gates<T>(round_to<T>(sum_a), round_to<T>(sum_b), A_log[head], dt_bias[head], g + i, beta + i);
 }
 
 // 16-byte packs of T when every pointer and row stride allows them, else single elements.
@@ -350,6 +438,26 @@ void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::T
               static_cast<int>(heads));
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         };
+        if constexpr (sizeof(T) == 2) {
+          const size_t smem = gates_partial_smem(rows, heads);
+          static const bool tensor_cores = cuda::ptx_version(gdn_gates_partial_kernel<T, true>) >= 80;
+          if (rows > kGateRows && tensor_cores && smem <= cuda::max_dynamic_smem() && rows <= INT32_MAX) {
+            const int splits = static_cast<int>(cuda::ceil_div(features, kGateSplit));
+            at::Tensor part = at::empty({splits, rows, 2 * heads}, x.options().dtype(at::kFloat));
+            auto partial = packed ? gdn_gates_partial_kernel<T, true> : gdn_gates_partial_kernel<T, false>;
+            cuda::allow_dynamic_smem(partial, smem);
+            partial<<<splits, kThreads, smem, cuda::current_stream()>>>(
+                x.data_ptr<T>(), x.stride(0), weight_a.data_ptr<T>(), weight_b.data_ptr<T>(), part.data_ptr<float>(),
+                static_cast<int>(rows), static_cast<int>(features), static_cast<int>(heads));
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            gdn_gates_finish_kernel<T, A, D>
+                <<<static_cast<unsigned>(cuda::ceil_div(rows * heads, kThreads)), kThreads, 0, cuda::current_stream()>>>(
+                    part.data_ptr<float>(), A_log.data_ptr<A>(), dt_bias.data_ptr<D>(), g.data_ptr<float>(),
+                    beta.data_ptr<float>(), static_cast<int>(rows), static_cast<int>(heads), splits);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            return;
+          }
+        }
         if (packed) {
           launch(gdn_gates_kernel<T, A, D, true>);
         } else {

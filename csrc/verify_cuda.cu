@@ -671,29 +671,6 @@ struct GdnGramLayout {
   }
 };
 
-// d += a b for a 16x16 tile a (row-major) and a 16x8 tile b (column-major) of 16-bit values, float32 sums.
-template <typename T>
-__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    static_assert(std::is_same_v<T, at::Half>, "tensor-core products take Half or BFloat16");
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-#else
-  __trap();  // launch_tree_gdn refuses 16-bit inputs on builds for older architectures
-#endif
-}
-
 template <typename T, bool PACKED>
 __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
     GdnShapes sh, GdnGramLayout lay, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh,
@@ -794,7 +771,7 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
         for (int kw = 0; kw < lay.kdepth / 2; kw += 8) {
           const uint32_t a[4] = {arow0[kw], arow1[kw], arow0[kw + 4], arow1[kw + 4]};
           const uint32_t bb[2] = {brow[kw], brow[kw + 4]};
-          mma_16x8x16<T>(d, a, bb);
+          cuda::mma_16x8x16<T>(d, a, bb);
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -1382,11 +1359,7 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   // whose code for this GPU targets an older architecture (TORCH_CUDA_ARCH_LIST with 7.x only, or 7.x PTX compiled
   // for a newer GPU) has traps in its place: refuse before launching.
   if constexpr (sizeof(T) == 2) {
-    static const int ptx_version = [] {
-      cudaFuncAttributes attr{};
-      C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gdn_tree_main_kernel<T, true>));
-      return attr.ptxVersion;
-    }();
+    static const int ptx_version = cuda::ptx_version(gdn_tree_main_kernel<T, true>);
     TORCH_CHECK(ptx_version >= 80, "tree_gated_delta_rule: bfloat16/float16 inputs need this extension built for ",
                 "compute capability 8.0 or newer (its code for this GPU targets ", ptx_version / 10, ".",
                 ptx_version % 10, "); rebuild with TORCH_CUDA_ARCH_LIST naming 8.0 or newer, or pass float32");

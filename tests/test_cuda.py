@@ -770,7 +770,11 @@ def test_silu_mul(rows, dim, dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("rows,heads,features", [(1, 48, 5120), (65, 48, 5120), (257, 48, 5120), (3, 5, 7), (17, 3, 64)])
+@pytest.mark.parametrize(
+    "rows,heads,features",
+    # 9 rows and more on 16-bit inputs: the tensor-core path (x rows unaligned at 100 features).
+    [(1, 48, 5120), (65, 48, 5120), (257, 48, 5120), (3, 5, 7), (17, 3, 64), (33, 4, 100)],
+)
 def test_gdn_gates(rows, heads, features, dtype):
     gen = make_gen(rows + features)
     x = torch.randn(rows, features, generator=gen).to(dtype)
@@ -854,6 +858,7 @@ def test_gqa_attention(heads, kv_heads, n, slots, mask_rows, dim, dtype):
         (1, 24, 4, 1, 768, 1, 256),   # 27B decode step: one split per 64 keys
         (1, 24, 4, 65, 768, 65, 256),  # 27B verify at budget 64
         (1, 32, 8, 17, 700, 17, 128),  # Qwen3-8B chain; S not a multiple of the 64-key chunk
+        (1, 32, 8, 65, 1000, 65, 128),  # several chunks per split through the stages, a short last chunk
         (2, 8, 2, 5, 70, 5, 64),       # batch rows; the mask per batch row
         (2, 6, 6, 3, 9, 1, 64),        # no grouping; one mask row for all nodes; fewer keys than a chunk
         (1, 4, 2, 5, 40, 5, 48),       # a head dim the kernel does not take: ATen's SDPA
