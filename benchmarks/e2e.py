@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ddtree_ext import generate  # noqa: E402
+from ddtree_ext import fused, generate  # noqa: E402
 from ddtree_ext.draft import DFlashDraftModel  # noqa: E402
 from ddtree_ext.target import TargetAdapter, record_layer_outputs  # noqa: E402
 from ddtree_ext.tiny import tiny_draft_config  # noqa: E402
@@ -537,10 +537,14 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-length", type=int, default=32768, help="the length the static caches are sized for")
+    parser.add_argument("--side-streams", type=lambda s: [] if s == "none" else s.split(","), default=["gdn", "mlp"],
+                        help="where layers overlap work on a second stream (ddtree_ext.fused.Fork): a comma list of "
+                             "gdn, mlp, or none")
     parser.add_argument("--profile", action="store_true", help="add the top kernels of eager rounds (torch profiler)")
     parser.add_argument("--profile-top", type=int, default=15, help="how many kernels each profile table lists")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
+    fused.side_streams = set(args.side_streams)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
     if bool(args.target) != bool(args.draft):

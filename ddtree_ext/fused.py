@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Callable, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -103,8 +103,80 @@ def _gated_norm_forward(norm: torch.nn.Module, hidden_states: torch.Tensor, gate
     return ops.rms_norm(hidden_states, norm.weight, norm.variance_epsilon, gate=gate)
 
 
+# ---- overlap on a second stream ----------------------------------------------------------------------
+
+# Where Forks use a side stream ("gdn": a GDN layer's gates and z projection beside its conv and delta rule; "mlp":
+# the up projection beside the gate projection); the others run inline. ``benchmarks/e2e.py --side-streams``
+# sets it for A/B runs.
+side_streams = {"gdn", "mlp"}
+_SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+class Fork:
+    """Work that can overlap the current stream's, issued on a second stream of the same GPU.
+
+    A layer's independent pieces run one after another on one stream, and many leave the GPU half idle: a
+    projection whose output tiles do not fill the SMs, the small latency-bound kernels of a GDN layer. Issued on
+    a side stream they overlap; under CUDA graph capture the fork and the joins become graph edges::
+
+        fork = Fork(x.device, "mlp")   # the side stream first waits for everything issued so far
+        with fork.side():
+            up = mlp.up_proj(x)        # issued on the side stream
+        gate = mlp.gate_proj(x)        # meanwhile, on the current stream
+        fork.join(up)                  # the current stream waits for the side work; up is now safe to use
+
+    ``mark()`` records a point on the side stream that ``join(mark, ...)`` waits for alone (work issued on the
+    side after it may still run). Results are the same bits either way: each kernel computes the same thing,
+    only the order of independent launches changes. On CPU tensors, or with ``side_streams`` off, everything
+    runs inline and the joins do nothing; ``use`` names the place, for ``side_streams``.
+    """
+
+    def __init__(self, device: torch.device, use: str):
+        self.stream = self.main = None
+        if use in side_streams and device.type == "cuda":
+            device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+            if device not in _SIDE_STREAMS:
+                _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+            self.stream, self.main = _SIDE_STREAMS[device], torch.cuda.current_stream(device)
+            self.stream.wait_stream(self.main)
+
+    @contextlib.contextmanager
+    def side(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+        else:
+            with torch.cuda.stream(self.stream):
+                yield
+
+    def mark(self) -> "Optional[torch.cuda.Event]":
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def join(self, *tensors: "torch.Tensor | torch.cuda.Event | None") -> None:
+        """The current stream waits for the side work (up to the first argument when it is a ``mark()``); the
+        tensors made on the side stream are recorded as used by the current one, so that the allocator does
+        not hand their memory to later side work before the current stream is done with them."""
+        if self.stream is None:
+            return
+        if tensors and isinstance(tensors[0], torch.cuda.Event):
+            self.main.wait_event(tensors[0])
+            tensors = tensors[1:]
+        else:
+            self.main.wait_stream(self.stream)
+        for t in tensors:
+            t.record_stream(self.main)
+
+
 def _mlp_forward(mlp: torch.nn.Module, x: torch.Tensor):
-    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    # The up projection beside the gate projection: two grids of output tiles on the GPU at once.
+    fork = Fork(x.device, "mlp")
+    with fork.side():
+        up = mlp.up_proj(x)
+    gate = mlp.gate_proj(x)
+    fork.join(up)
     if gate.shape != up.shape or not ops_apply(gate, up):
         return mlp.down_proj(mlp.act_fn(gate) * up)
     return mlp.down_proj(ops.silu_mul(gate, up))

@@ -52,7 +52,7 @@ from transformers import DynamicCache
 from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
-from ddtree_ext.fused import OP_DTYPES, LayerFusion, ops_apply, swapped_forwards
+from ddtree_ext.fused import OP_DTYPES, Fork, LayerFusion, ops_apply, swapped_forwards
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
 
@@ -528,8 +528,14 @@ def _gdn_tree_forward(
     if recurrent_state.dtype != torch.float32:
         raise ValueError(f"TargetAdapter.verify: GDN recurrent state must be float32, got {recurrent_state.dtype}")
     batch, num_nodes, _ = hidden_states.shape
+    # The gates and the z projection (needed only by the delta rule and the output norm) on a side stream, beside
+    # the qkv projection, the conv and the delta rule: small latency-bound kernels overlap a GEMM.
+    fork = Fork(hidden_states.device, "gdn")
+    with fork.side():
+        g, beta = _gdn_gates(gdn, hidden_states)
+        gates_done = fork.mark()
+        z = gdn.in_proj_z(hidden_states).reshape(batch, num_nodes, -1, gdn.head_v_dim)
     mixed_qkv = gdn.in_proj_qkv(hidden_states)
-    z = gdn.in_proj_z(hidden_states).reshape(batch, num_nodes, -1, gdn.head_v_dim)
 
     # HF's torch conv (causal_conv1d_fn / causal_conv1d_update fallbacks) rounds the conv to the model
     # dtype before the activation; doing the same keeps bf16 tree logits equal to the chain's.
@@ -540,9 +546,10 @@ def _gdn_tree_forward(
     key = key.reshape(batch, num_nodes, -1, gdn.head_k_dim)
     value = value.reshape(batch, num_nodes, -1, gdn.head_v_dim)
 
-    g, beta = _gdn_gates(gdn, hidden_states)
+    fork.join(gates_done, g, beta)
     delta = _ops.tree_gated_delta_rule(query, key, value, g, beta, recurrent_state, parent, use_qk_l2norm=True)
 
+    fork.join(z)
     core = gdn.norm(delta.out.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
     return gdn.out_proj(core.reshape(batch, num_nodes, -1)), mixed_qkv, delta
 
