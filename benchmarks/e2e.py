@@ -537,9 +537,9 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-length", type=int, default=32768, help="the length the static caches are sized for")
-    parser.add_argument("--side-streams", type=lambda s: [] if s == "none" else s.split(","), default=["gdn", "mlp"],
+    parser.add_argument("--side-streams", type=lambda s: [] if s == "none" else s.split(","), default=["gdn", "attn"],
                         help="where layers overlap work on a second stream (ddtree_ext.fused.Fork): a comma list of "
-                             "gdn, mlp, or none")
+                             "gdn, attn, or none")
     parser.add_argument("--profile", action="store_true", help="add the top kernels of eager rounds (torch profiler)")
     parser.add_argument("--profile-top", type=int, default=15, help="how many kernels each profile table lists")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

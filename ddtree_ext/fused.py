@@ -20,6 +20,8 @@ module                     fused forward
 
 and, for the attention layers:
 
+* the forwards of ``q_proj``, ``k_proj`` and ``v_proj`` (plain Linear layers): on a GPU the q_proj call
+  starts the K and V projections on a side stream (:class:`Fork`) and their calls take the results;
 * the modeling modules' ``apply_rotary_pos_emb`` (a module global the layers look up at call time) for
   two ``ops.rope`` launches that round where it rounds, so its results are HF's bit for bit;
 * the "sdpa" entry of HF's attention registry for :func:`gqa_attention`, which folds a KV head's query
@@ -105,10 +107,11 @@ def _gated_norm_forward(norm: torch.nn.Module, hidden_states: torch.Tensor, gate
 
 # ---- overlap on a second stream ----------------------------------------------------------------------
 
-# Where Forks use a side stream ("gdn": a GDN layer's gates and z projection beside its conv and delta rule; "mlp":
-# the up projection beside the gate projection); the others run inline. ``benchmarks/e2e.py --side-streams``
-# sets it for A/B runs.
-side_streams = {"gdn", "mlp"}
+# Where Forks use a side stream ("gdn": a GDN layer's gates and z projection beside its qkv projection, conv and
+# delta rule; "attn": an attention layer's K and V projections beside its Q projection); the others run inline.
+# ``benchmarks/e2e.py --side-streams`` sets it for A/B runs. (An MLP's up projection beside its gate projection
+# was measured slower on the H200: two large GEMMs only contend; benchmarks/results/2026-11-29-h200-e2e-side-streams.md.)
+side_streams = {"gdn", "attn"}
 _SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
 
 
@@ -119,11 +122,11 @@ class Fork:
     projection whose output tiles do not fill the SMs, the small latency-bound kernels of a GDN layer. Issued on
     a side stream they overlap; under CUDA graph capture the fork and the joins become graph edges::
 
-        fork = Fork(x.device, "mlp")   # the side stream first waits for everything issued so far
+        fork = Fork(x.device, "gdn")   # the side stream first waits for everything issued so far
         with fork.side():
-            up = mlp.up_proj(x)        # issued on the side stream
-        gate = mlp.gate_proj(x)        # meanwhile, on the current stream
-        fork.join(up)                  # the current stream waits for the side work; up is now safe to use
+            z = in_proj_z(x)           # issued on the side stream
+        qkv = in_proj_qkv(x)           # meanwhile, on the current stream
+        fork.join(z)                   # the current stream waits for the side work; z is now safe to use
 
     ``mark()`` records a point on the side stream that ``join(mark, ...)`` waits for alone (work issued on the
     side after it may still run). Results are the same bits either way: each kernel computes the same thing,
@@ -170,13 +173,58 @@ class Fork:
             t.record_stream(self.main)
 
 
+class _KVPrefetch:
+    """An attention layer's q_proj, k_proj and v_proj read the same hidden states, and HF calls them one after
+    another. The K and V projections have small output grids (Hkv heads: 16 of the H200's 132 SMs busy for the
+    27B shape's 1024 outputs), so when q_proj is called they start on a side stream, and their own calls then
+    take the results. Any other call order or input computes as usual."""
+
+    def __init__(self, attn: torch.nn.Module):
+        self.attn = attn
+        self.pending = None  # (x, fork, k, k_done, v) of the last q_proj call
+
+    @staticmethod
+    def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return type(module).forward(module, x)  # the class forward: the instance's is swapped
+
+    def q_forward(self, x: torch.Tensor) -> torch.Tensor:
+        attn, self.pending = self.attn, None
+        fork = Fork(x.device, "attn")
+        if fork.stream is not None and not any("_hf_hook" in m.__dict__ for m in (attn.k_proj, attn.v_proj)):
+            with fork.side():
+                k = self._linear(attn.k_proj, x)
+                k_done = fork.mark()
+                v = self._linear(attn.v_proj, x)
+            self.pending = (x, fork, k, k_done, v)
+        return self._linear(attn.q_proj, x)
+
+    def k_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pending is None or self.pending[0] is not x:
+            return self._linear(self.attn.k_proj, x)
+        _, fork, k, k_done, _ = self.pending
+        fork.join(k_done, k)
+        return k
+
+    def v_forward(self, x: torch.Tensor) -> torch.Tensor:
+        pending, self.pending = self.pending, None
+        if pending is None or pending[0] is not x:
+            return self._linear(self.attn.v_proj, x)
+        _, fork, _, _, v = pending
+        fork.join(v)
+        return v
+
+
+def _kv_prefetch_swaps(attn: torch.nn.Module) -> Optional[List[Tuple[torch.nn.Module, Callable]]]:
+    """The forward swaps of an attention layer's three projections (plain Linear layers only)."""
+    projections = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    if not all(type(p) is torch.nn.Linear for p in projections):
+        return None
+    prefetch = _KVPrefetch(attn)
+    return list(zip(projections, (prefetch.q_forward, prefetch.k_forward, prefetch.v_forward)))
+
+
 def _mlp_forward(mlp: torch.nn.Module, x: torch.Tensor):
-    # The up projection beside the gate projection: two grids of output tiles on the GPU at once.
-    fork = Fork(x.device, "mlp")
-    with fork.side():
-        up = mlp.up_proj(x)
-    gate = mlp.gate_proj(x)
-    fork.join(up)
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     if gate.shape != up.shape or not ops_apply(gate, up):
         return mlp.down_proj(mlp.act_fn(gate) * up)
     return mlp.down_proj(ops.silu_mul(gate, up))
@@ -321,13 +369,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _recognised_classes() -> dict:
-    """Class -> factory of a module's fused forward (None where the op does not apply), for the HF
-    classes this transformers install has."""
+    """Class -> factory of a module's fused forward (None where the op does not apply; a list of (child, forward)
+    swaps for an attention layer's projections), for the HF classes this transformers install has."""
     from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
     table = {
         qwen3.Qwen3RMSNorm: lambda m: functools.partial(_norm_forward, m, m.variance_epsilon, False),
         qwen3.Qwen3MLP: lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
+        qwen3.Qwen3Attention: _kv_prefetch_swaps,
     }
     try:
         from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
@@ -339,6 +388,7 @@ def _recognised_classes() -> dict:
             functools.partial(_gated_norm_forward, m) if getattr(m, "activation", "silu") == "silu" else None
         ),
         qwen3_5.Qwen3_5MLP: lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
+        qwen3_5.Qwen3_5Attention: _kv_prefetch_swaps,
     })
     return table
 
@@ -376,7 +426,9 @@ class LayerFusion:
         for module in root.modules():
             factory = table.get(type(module))
             forward = factory(module) if factory is not None else None
-            if forward is not None:
+            if isinstance(forward, list):  # swaps of the module's children
+                self.swaps.extend(forward)
+            elif forward is not None:
                 self.swaps.append((module, forward))
 
     def active(self) -> contextlib.AbstractContextManager:

@@ -1187,3 +1187,30 @@ def test_all_ops_small():
     q = torch.randn(1, 5, 3, 16, generator=gen).transpose(1, 2)
     cos, sin = torch.randn(1, 5, 8, generator=gen), torch.randn(1, 5, 8, generator=gen)
     assert torch.equal(ops.rope(*to([q, cos, sin], DEV)).cpu(), ops.rope(q, cos, sin))
+
+
+# ---- side streams --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["qkv", "kqv", "qvk", "q"])
+def test_kv_prefetch_any_call_order(order):
+    """Under LayerFusion an attention layer's q_proj call starts K and V on a side stream; whatever order (or
+    subset) of the three projections HF calls, each returns exactly what the plain Linear gives."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
+
+    from ddtree_ext import tiny
+    from ddtree_ext.fused import LayerFusion
+
+    config = tiny.tiny_qwen3_5_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        attn = Qwen3_5Attention(config, layer_idx=3).to(device=DEV, dtype=torch.bfloat16).eval()
+    projections = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj}
+    x = torch.randn(1, 65, 256, device=DEV, dtype=torch.bfloat16)
+    expected = {name: F.linear(x, p.weight, p.bias) for name, p in projections.items()}
+    with torch.no_grad(), LayerFusion(attn).active():
+        for _ in range(2):  # a second round after a q_proj call whose K and V were never taken
+            got = {name: projections[name](x) for name in order}
+            torch.cuda.synchronize()
+            for name, out in got.items():
+                assert torch.equal(out, expected[name]), name

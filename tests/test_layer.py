@@ -282,11 +282,12 @@ def test_fusion_swaps_the_norms_and_mlps_and_restores_them(family):
     fusion = LayerFusion(model.model)
     layers = model.config.num_hidden_layers
     if family == "qwen3":
-        # input + post norms and q/k norms per layer, the final norm; one MLP per layer.
-        assert _swapped_types(fusion) == ["Qwen3MLP", "Qwen3RMSNorm"]
-        assert len(fusion.swaps) == 5 * layers + 1
+        # input + post norms and q/k norms per layer, the final norm; one MLP per layer; the q, k and v
+        # projections of each attention layer (K and V started beside Q on a GPU).
+        assert _swapped_types(fusion) == ["Linear", "Qwen3MLP", "Qwen3RMSNorm"]
+        assert len(fusion.swaps) == 8 * layers + 1
     else:
-        assert _swapped_types(fusion) == ["Qwen3_5MLP", "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"]
+        assert _swapped_types(fusion) == ["Linear", "Qwen3_5MLP", "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"]
     marker = lambda *a, **k: None  # an instance forward of the user's own (an accelerate hook, say)
     stock_rope = qwen3.apply_rotary_pos_emb
     first = fusion.swaps[0][0]
