@@ -370,7 +370,9 @@ def gdn_gates(
     x [..., F] (last dim contiguous), weight_a, weight_b [HV, F] in x's dtype (the projections' weights,
     no bias), A_log, dt_bias [HV] (any float dtype) -> (g, beta), both [..., HV] float32. With
     a = round(x W_a^T) and b = round(x W_b^T) (float32 dot products rounded to x's dtype):
-    g = -exp(A_log) * softplus(a + dt_bias) in float32, beta = sigmoid(b) rounded to x's dtype.
+    g = -exp(A_log) * softplus(a + dt_bias) in float32, beta = sigmoid(b) rounded to x's dtype. On CUDA, more
+    than 8 rows of bfloat16/float16 take tensor cores (products split over the features, added in a fixed
+    order): the same values, their float32 sums in another order than for fewer rows.
     """
     heads = weight_a.shape[0]
     g = torch.empty(*x.shape[:-1], heads, dtype=torch.float32, device=x.device)
