@@ -36,21 +36,32 @@ struct AttnLayout {
   static constexpr size_t kTotal = kKV + STAGES * kStage;
 };
 
+// The launcher runs these kernels only on builds whose code for the GPU targets compute capability >= 8.0
+// (tensor_cores_built); older targets get traps in place of the instructions they lack.
 template <typename T>
 __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
-  uint32_t r;
+  uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   } else {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   }
+#else
+  __trap();
+#endif
   return r;
 }
 
 // Two 8x8 tiles of 16-bit values, transposed: for B fragments of P V from V stored [key][d].
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t& r0, uint32_t& r1, const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
+#else
+  r0 = r1 = 0;
+  __trap();
+#endif
 }
 
 struct AttnShapes {
@@ -229,7 +240,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) gqa_attention_kernel(
     if (fr >= rows) continue;
     const int g = fr / sh.n, n = fr % sh.n;
     if (sh.splits == 1) {
-      const float inv = 1.f / l_run[h];  // a row with every key masked: 0/0, as SDPA gives
+      const float inv = l_run[h] > 0.f ? 1.f / l_run[h] : 0.f;  // a row with no key to attend: zeros
       T* dst = out + b * o_sb + (kvh * sh.group + g) * o_sh + n * o_sn + 2 * tig;
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
@@ -288,7 +299,9 @@ __global__ void __launch_bounds__(kCombineWarps * kWarp) gqa_attention_combine_k
   const int g = fr / sh.n, n = fr % sh.n;
   T* dst = out + b * o_sb + (kvh * sh.group + g) * o_sh + n * o_sn + lane * kPerLane;
 #pragma unroll
-  for (int e = 0; e < kPerLane; e += 2) *reinterpret_cast<uint32_t*>(dst + e) = pack_pair<T>(acc[e] / l, acc[e + 1] / l);
+  for (int e = 0; e < kPerLane; e += 2) {  // a row with no key to attend (l = 0): zeros
+    *reinterpret_cast<uint32_t*>(dst + e) = pack_pair<T>(l > 0.f ? acc[e] / l : 0.f, l > 0.f ? acc[e + 1] / l : 0.f);
+  }
 }
 
 // Whether this build's code for the current GPU has the tensor-core instructions (compute capability >= 8.0).
@@ -302,7 +315,7 @@ bool tensor_cores_built(at::ScalarType dtype) {
 // instead, e.g. D = 256 on the H200), else 0: the CTA does not fit at all.
 template <int D>
 int attention_stages(const cudaDeviceProp& prop) {
-  if (2 * (AttnLayout<D, 2>::kTotal + 1024) <= prop.sharedMemPerMultiprocessor) return 2;
+  if (2 * (AttnLayout<D, 2>::kTotal + prop.reservedSharedMemPerBlock) <= prop.sharedMemPerMultiprocessor) return 2;
   return AttnLayout<D, 1>::kTotal <= prop.sharedMemPerBlockOptin ? 1 : 0;
 }
 
@@ -317,7 +330,8 @@ void launch_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int row_tiles = static_cast<int>(cuda::ceil_div(rows, kAttnRows));
   const int base_ctas = batch * kv_heads * row_tiles;
   // Splits until the CTAs fill the GPU once (as many per SM as shared memory allows, up to 2).
-  const int per_sm = static_cast<int>(std::clamp<size_t>(prop->sharedMemPerMultiprocessor / (L::kTotal + 1024), 1, 2));
+  const size_t cta_smem = L::kTotal + prop->reservedSharedMemPerBlock;
+  const int per_sm = static_cast<int>(std::clamp<size_t>(prop->sharedMemPerMultiprocessor / cta_smem, 1, 2));
   const int chunks = static_cast<int>(cuda::ceil_div(s, kAttnKeys));
   const int want = static_cast<int>(
       std::clamp<int64_t>(cuda::ceil_div(static_cast<int64_t>(per_sm) * prop->multiProcessorCount, base_ctas), 1,
@@ -374,6 +388,10 @@ void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
   check_gqa_attention(q, k, v, mask, out);
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
+  if (k.size(2) == 0) {  // no keys: every row attends to nothing
+    out.zero_();
+    return;
+  }
   const int64_t dim = q.size(3);
   auto rows_aligned = [](const at::Tensor& t, int64_t elems, size_t bytes) {
     return t.stride(0) % elems == 0 && t.stride(1) % elems == 0 && t.stride(2) % elems == 0 &&

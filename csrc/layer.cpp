@@ -332,11 +332,17 @@ void gqa_attention_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const at::Tensor kr = group == 1 ? k : k.repeat_interleave(group, 1);
   const at::Tensor vr = group == 1 ? v : v.repeat_interleave(group, 1);
   out.copy_(at::scaled_dot_product_attention(q, kr, vr, mask, 0.0, false, scale));
+  // A row with no key to attend: zeros (what SDPA's math path gives since torch 2.5, whatever this torch does).
+  out.masked_fill_(mask.logical_not().all(-1, /*keepdim=*/true), 0);
 }
 
 void gqa_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                        double scale, at::Tensor& out) {
   check_gqa_attention(q, k, v, mask, out);
+  if (k.size(2) == 0) {  // no keys: every row attends to nothing
+    out.zero_();
+    return;
+  }
   if (out.numel() == 0) return;
   gqa_attention_sdpa(q, k, v, mask, scale, out);
 }

@@ -140,8 +140,10 @@ class Fork:
             device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
             if device not in _SIDE_STREAMS:
                 _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-            self.stream, self.main = _SIDE_STREAMS[device], torch.cuda.current_stream(device)
-            self.stream.wait_stream(self.main)
+            side, main = _SIDE_STREAMS[device], torch.cuda.current_stream(device)
+            if side != main:  # streams come from a small pool: the current one may be it (then run inline)
+                self.stream, self.main = side, main
+                self.stream.wait_stream(self.main)
 
     @contextlib.contextmanager
     def side(self) -> Iterator[None]:
@@ -150,6 +152,12 @@ class Fork:
         else:
             with torch.cuda.stream(self.stream):
                 yield
+
+    def follow(self) -> None:
+        """The side stream waits again for everything issued on the current stream so far: side work issued next
+        starts only after it (to overlap what comes after, not what came before)."""
+        if self.stream is not None:
+            self.stream.wait_stream(self.main)
 
     def mark(self) -> "Optional[torch.cuda.Event]":
         if self.stream is None:
@@ -188,14 +196,17 @@ class _KVPrefetch:
         return type(module).forward(module, x)  # the class forward: the instance's is swapped
 
     def q_forward(self, x: torch.Tensor) -> torch.Tensor:
-        attn, self.pending = self.attn, None
-        fork = Fork(x.device, "attn")
-        if fork.stream is not None and not any("_hf_hook" in m.__dict__ for m in (attn.k_proj, attn.v_proj)):
-            with fork.side():
-                k = self._linear(attn.k_proj, x)
-                k_done = fork.mark()
-                v = self._linear(attn.v_proj, x)
-            self.pending = (x, fork, k, k_done, v)
+        attn = self.attn
+        self.flush()
+        if (x.device.type == "cuda" and "attn" in side_streams
+                and not any("_hf_hook" in m.__dict__ for m in (attn.k_proj, attn.v_proj))):
+            fork = Fork(x.device, "attn")
+            if fork.stream is not None:
+                with fork.side():
+                    k = self._linear(attn.k_proj, x)
+                    k_done = fork.mark()
+                    v = self._linear(attn.v_proj, x)
+                self.pending = (x, fork, k, k_done, v)
         return self._linear(attn.q_proj, x)
 
     def k_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,12 +217,19 @@ class _KVPrefetch:
         return k
 
     def v_forward(self, x: torch.Tensor) -> torch.Tensor:
-        pending, self.pending = self.pending, None
-        if pending is None or pending[0] is not x:
+        if self.pending is None or self.pending[0] is not x:
             return self._linear(self.attn.v_proj, x)
-        _, fork, _, _, v = pending
+        _, fork, _, _, v = self.pending
+        self.pending = None
         fork.join(v)
         return v
+
+    def flush(self) -> None:
+        """Joins and drops side work nobody took (a call order other than HF's), so that none is left behind
+        on the side stream (under graph capture, work not joined back fails the capture)."""
+        if self.pending is not None:
+            self.pending[1].join()
+            self.pending = None
 
 
 def _kv_prefetch_swaps(attn: torch.nn.Module) -> Optional[List[Tuple[torch.nn.Module, Callable]]]:
@@ -443,5 +461,11 @@ class LayerFusion:
         # A module with an accelerate hook keeps its forward: the hook (which moves inputs, loads offloaded
         # weights) lives in that instance forward, and a swap would skip it.
         swaps = [(m, "forward", f) for m, f in self.swaps if "_hf_hook" not in m.__dict__]
-        with _PROCESS_PATCHES.held(), swapped_attributes(swaps):
-            yield
+        try:
+            with _PROCESS_PATCHES.held(), swapped_attributes(swaps):
+                yield
+        finally:
+            for _, forward in self.swaps:  # K/V prefetches that no k_proj / v_proj call took
+                owner = getattr(forward, "__self__", None)
+                if isinstance(owner, _KVPrefetch):
+                    owner.flush()

@@ -352,7 +352,7 @@ def gqa_attention(
     q [B, H, N, D], k and v [B, Hkv, S, D] (Hkv dividing H), float (last dims contiguous, any other strides),
     mask [B or 1, 1, N or 1, S] bool (True: attend) -> out [B, H, N, D] (contiguous unless given):
     out[b, h, n] = softmax(scale q[b, h, n] . k[b, h // G, s] over the unmasked s) . v[b, h // G, s], float32
-    sums. A row with no unmasked key gives NaN, as SDPA does. On CUDA, bfloat16/float16 with D in {64, 128, 256}
+    sums. A row with no unmasked key gives zeros (as SDPA's math path does since torch 2.5). On CUDA, bfloat16/float16 with D in {64, 128, 256}
     run a split-KV tensor-core kernel; other inputs, and the CPU op, run SDPA over K/V repeated per query head.
     """
     if out is None:

@@ -286,7 +286,8 @@ def gqa_attention(q, k, v, mask, scale) -> torch.Tensor:
     k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
     scores = (q.float() @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~mask.any(-1, keepdim=True), 0.0)  # no key: zeros
+    return (probs @ v).to(q.dtype)
 
 
 def gdn_gates(x, weight_a, weight_b, A_log, dt_bias):

@@ -873,6 +873,8 @@ def test_gqa_attention_op(bsz, heads, kv_heads, n, slots, mask_rows, dim, dtype)
     k, v = k_cache[:, :, :slots], v_cache[:, :, :slots]
     mask = torch.rand(bsz, 1, mask_rows, slots, generator=gen) > 0.3
     mask[..., 0] = True
+    if mask_rows > 1:
+        mask[:, :, 1] = False  # a row with no key to attend: zeros
     expected_cpu = ops.gqa_attention(q, k, v, mask, dim**-0.5)
     expected_ref = reference.gqa_attention(q, k, v, mask, dim**-0.5)
     out = poison(torch.empty(bsz, n, heads, dim, dtype=dtype, device=DEV)).transpose(1, 2)
@@ -1214,3 +1216,15 @@ def test_kv_prefetch_any_call_order(order):
             torch.cuda.synchronize()
             for name, out in got.items():
                 assert torch.equal(out, expected[name]), name
+    # Captured: side work nobody took is joined when the fusion context closes, or the capture would fail.
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream), LayerFusion(attn).active():  # warm-up on the capture stream
+        [projections[name](x) for name in order]
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.no_grad(), torch.cuda.graph(graph, stream=stream), LayerFusion(attn).active():
+        got = {name: projections[name](x) for name in order}
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, out in got.items():
+        assert torch.equal(out, expected[name]), name

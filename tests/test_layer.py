@@ -237,6 +237,23 @@ def test_gqa_attention_op_equals_sdpa_and_the_reference(heads, kv_heads, n, mask
     assert_close(got, reference.gqa_attention(q, k, v, mask, 0.3), dtype, "vs reference")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_attention_rows_with_no_key_give_zeros(dtype, gen):
+    """A row whose mask is all False (e.g. a padded query) gives zeros, on every path and in the reference,
+    whatever this torch's SDPA does with it; no keys at all likewise."""
+    q = torch.randn(1, 4, 3, 8, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, 9, 8, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.rand(1, 1, 3, 9, generator=gen) > 0.4
+    mask[..., 0] = True
+    mask[:, :, 1] = False
+    for got in (ops.gqa_attention(q, k, v, mask, 0.3), reference.gqa_attention(q, k, v, mask, 0.3)):
+        assert torch.equal(got[:, :, 1], torch.zeros_like(got[:, :, 1]))
+        assert torch.isfinite(got).all()
+    assert_close(ops.gqa_attention(q, k, v, mask, 0.3), reference.gqa_attention(q, k, v, mask, 0.3), dtype, "vs ref")
+    empty = ops.gqa_attention(q, k[:, :, :0], v[:, :, :0], mask[..., :0], 0.3, out=poison(torch.empty(q.shape, dtype=dtype)))
+    assert torch.equal(empty, torch.zeros_like(empty))
+
+
 def test_gqa_attention_bad_inputs():
     q, k, mask = torch.randn(1, 6, 5, 8), torch.randn(1, 2, 9, 8), torch.ones(1, 1, 5, 9, dtype=torch.bool)
     with pytest.raises(ValueError, match="gqa_attention: k must have shape"):
