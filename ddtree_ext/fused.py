@@ -153,12 +153,6 @@ class Fork:
             with torch.cuda.stream(self.stream):
                 yield
 
-    def follow(self) -> None:
-        """The side stream waits again for everything issued on the current stream so far: side work issued next
-        starts only after it (to overlap what comes after, not what came before)."""
-        if self.stream is not None:
-            self.stream.wait_stream(self.main)
-
     def mark(self) -> "Optional[torch.cuda.Event]":
         if self.stream is None:
             return None

@@ -52,7 +52,6 @@ from transformers import DynamicCache
 from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
-from ddtree_ext import fused
 from ddtree_ext.fused import OP_DTYPES, Fork, LayerFusion, ops_apply, swapped_forwards
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
@@ -529,20 +528,15 @@ def _gdn_tree_forward(
     if recurrent_state.dtype != torch.float32:
         raise ValueError(f"TargetAdapter.verify: GDN recurrent state must be float32, got {recurrent_state.dtype}")
     batch, num_nodes, _ = hidden_states.shape
-    # On a side stream: the gates beside the qkv projection (small kernels beside a GEMM), then the z projection
-    # (needed only by the output norm) beside the conv and the delta rule, whose small latency-bound kernels
-    # leave most of the GPU's bandwidth to it.
+    # The gates and the z projection (needed only by the delta rule and the output norm) on a side stream, beside
+    # the qkv projection, the conv and the delta rule: small latency-bound kernels and an under-filled GEMM overlap
+    # a GEMM. (Starting z only after the qkv projection, beside the conv and delta rule alone, measured no better.)
     fork = Fork(hidden_states.device, "gdn")
     with fork.side():
         g, beta = _gdn_gates(gdn, hidden_states)
         gates_done = fork.mark()
-        if "gdn-z-early" in fused.side_streams:  # A/B: z beside the qkv projection instead
-            z = gdn.in_proj_z(hidden_states).reshape(batch, num_nodes, -1, gdn.head_v_dim)
+        z = gdn.in_proj_z(hidden_states).reshape(batch, num_nodes, -1, gdn.head_v_dim)
     mixed_qkv = gdn.in_proj_qkv(hidden_states)
-    if "gdn-z-early" not in fused.side_streams:
-        fork.follow()
-        with fork.side():
-            z = gdn.in_proj_z(hidden_states).reshape(batch, num_nodes, -1, gdn.head_v_dim)
 
     # HF's torch conv (causal_conv1d_fn / causal_conv1d_update fallbacks) rounds the conv to the model
     # dtype before the activation; doing the same keeps bf16 tree logits equal to the chain's.
