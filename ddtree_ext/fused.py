@@ -109,8 +109,9 @@ def _gated_norm_forward(norm: torch.nn.Module, hidden_states: torch.Tensor, gate
 
 # Where Forks use a side stream ("gdn": a GDN layer's gates and z projection beside its qkv projection, conv and
 # delta rule; "attn": an attention layer's K and V projections beside its Q projection); the others run inline.
-# ``benchmarks/e2e.py --side-streams`` sets it for A/B runs. (An MLP's up projection beside its gate projection
-# was measured slower on the H200: two large GEMMs only contend; benchmarks/results/2026-11-29-h200-e2e-side-streams.md.)
+# ``benchmarks/e2e.py --side-streams`` sets it for A/B runs. An MLP's up projection beside its gate projection was
+# measured slower on the H200 (two large GEMMs only contend):
+# benchmarks/results/2026-11-29-h200-e2e-27b-qwen3-8b-side-streams.md.
 side_streams = {"gdn", "attn"}
 _SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
 
@@ -177,8 +178,8 @@ class Fork:
 
 class _KVPrefetch:
     """An attention layer's q_proj, k_proj and v_proj read the same hidden states, and HF calls them one after
-    another. The K and V projections have small output grids (Hkv heads: 16 of the H200's 132 SMs busy for the
-    27B shape's 1024 outputs), so when q_proj is called they start on a side stream, and their own calls then
+    another. The K and V projections have few outputs (Hkv heads; 1024 on the 27B shape, which cuBLAS ran at
+    1.9 TB/s in the e2e profile), so when q_proj is called they start on a side stream, and their own calls then
     take the results. Any other call order or input computes as usual."""
 
     def __init__(self, attn: torch.nn.Module):
