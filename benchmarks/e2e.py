@@ -540,11 +540,15 @@ def main(argv=None) -> None:
     parser.add_argument("--side-streams", type=lambda s: [] if s == "none" else s.split(","), default=["gdn", "attn"],
                         help="where layers overlap work on a second stream (ddtree_ext.fused.Fork): a comma list of "
                              "gdn, attn, or none")
+    parser.add_argument("--linear", choices=["ops", "torch"], default="ops" if fused.linear_kernel else "torch",
+                        help="the bias-free projections of a round: ops.linear (the weight-streaming kernel) or "
+                             "torch's F.linear (cuBLAS, the default), for A/B runs (ddtree_ext.fused.linear_kernel)")
     parser.add_argument("--profile", action="store_true", help="add the top kernels of eager rounds (torch profiler)")
     parser.add_argument("--profile-top", type=int, default=15, help="how many kernels each profile table lists")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     fused.side_streams = set(args.side_streams)
+    fused.linear_kernel = args.linear == "ops"
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
     if bool(args.target) != bool(args.draft):

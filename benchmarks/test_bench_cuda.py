@@ -430,3 +430,30 @@ def test_gqa_attention(benchmark, ceilings, rows, kv_len):
     bench(benchmark, ceilings, "gqa_attention", f"[1, {heads}, {rows}, {HEAD_DIM}] over {kv_len} keys bf16", calls,
           2 * KV_HEADS * kv_len * HEAD_DIM * BF16 + 2 * rows * heads * HEAD_DIM * BF16 + rows * kv_len,
           baseline=[lambda q=q, k=k, v=v: sdpa(q, k, v) for q, k, v in inputs])
+
+
+# ---- projections ---------------------------------------------------------------------------------
+
+# (name, N, K) of the bias-free projections a round runs: Qwen3.6-27B, then Qwen3-8B (hidden 4096, 32 / 8 heads of
+# 128, MLP 12288).
+PROJECTIONS = [
+    ("27b gdn qkv", 10240, 5120), ("27b gdn z", 6144, 5120), ("27b out_proj / o_proj", 5120, 6144),
+    ("27b q_proj", 12288, 5120), ("27b k_proj / v_proj", 1024, 5120), ("27b gate / up", 17408, 5120),
+    ("27b down", 5120, 17408),
+    ("8b q / o", 4096, 4096), ("8b k / v", 1024, 4096), ("8b gate / up", 12288, 4096), ("8b down", 4096, 12288),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 16, 65])
+@pytest.mark.parametrize("name,n,k", PROJECTIONS, ids=[p[0].replace(" / ", "-").replace(" ", "-") for p in PROJECTIONS])
+def test_linear(benchmark, ceilings, name, n, k, rows):
+    """One projection (the weight-streaming kernel) against torch's F.linear (cuBLAS) on the same inputs; the
+    weights rotate over enough copies (>= 200 MB) that they stream from memory, as the layers of a forward do."""
+    bf16 = dict(dtype=torch.bfloat16, device=DEV)
+    copies = max(2, -(-200_000_000 // (n * k * BF16)))
+    weights = [torch.randn(n, k, **bf16) * k**-0.5 for _ in range(copies)]
+    x = torch.randn(rows, k, **bf16)
+    out = torch.empty(rows, n, **bf16)
+    bench(benchmark, ceilings, "linear", f"{name}: [{rows}, {k}] x [{n}, {k}]^T bf16",
+          [lambda w=w: ops.linear(x, w, out=out) for w in weights], (n * k + rows * k + rows * n) * BF16,
+          baseline=[lambda w=w: torch.nn.functional.linear(x, w) for w in weights])

@@ -55,6 +55,14 @@ inline void allow_dynamic_smem(Kernel kernel, size_t bytes) {
   }
 }
 
+// Asks for the largest shared-memory carveout: with no preference the driver may size the carveout for one CTA per
+// SM, and a kernel sized for two large CTAs per SM then runs one.
+template <typename Kernel>
+inline void prefer_max_shared_memory(Kernel kernel) {
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+}
+
 inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // ---- device side -----------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 //   silu_mul     the SwiGLU of Qwen3MLP / Qwen3_5MLP: round(round(silu(gate)) * up)
 //   rope         rotate-half rotary embedding of q or k (apply_rotary_pos_emb, partial rotary included):
 //                round(round(x * cos) + round(rotate_half(x) * sin)) on the first R features, the rest copied
+//   linear       a bias-free projection x W^T (at::mm here; on CUDA a weight-streaming kernel for a round's few rows)
 //   gdn_gates    the Gated DeltaNet gates from the layer input: a = round(x W_a^T), b = round(x W_b^T),
 //                g = -exp(A_log) * softplus(a + dt_bias), beta = round(sigmoid(b)) (two projections and
 //                seven elementwise kernels in HF)
@@ -274,6 +275,23 @@ void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::
   }
 }
 
+void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  constexpr const char* op = "linear";
+  check_input_rows(op, x);
+  const int64_t rows = x.size(0), features = x.size(1);
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == features, op, ": weight must have shape [N, ", features,
+                    "] (K = x's features), got ", shape_str(weight.sizes()));
+  check_like_x(op, "weight", x, weight);
+  TORCH_CHECK_VALUE(weight.stride(1) == 1 || features == 1, op,
+                    ": weight must be contiguous in its last dim, got strides ", shape_str(weight.strides()));
+  check_rows(op, "out", x, out, rows, weight.size(0));
+  for (const auto* t : {&x, &weight}) {
+    const auto overlap = at::get_overlap_status(*t, out);
+    DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+                 "out must not overlap ", t == &x ? "x" : "weight");
+  }
+}
+
 // ---- CPU implementations ---------------------------------------------------------------------------
 
 void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
@@ -291,6 +309,20 @@ void silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out)
   check_silu_mul(gate, up, out);
   if (gate.numel() == 0) return;
   DDTREE_DISPATCH_FLOAT(gate.scalar_type(), "silu_mul", [&] { silu_mul_kernel<scalar_t>(gate, up, out); });
+}
+
+void linear_mm(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+  if (x.size(1) == 0) {
+    out.zero_();
+    return;
+  }
+  at::mm_out(out, x, weight.t());
+}
+
+void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+  check_linear(x, weight, out);
+  if (out.numel() == 0) return;
+  linear_mm(x, weight, out);
 }
 
 void check_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,

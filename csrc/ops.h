@@ -51,7 +51,7 @@ void tree_gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const a
                                double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,
                                at::Tensor& stash_k, at::Tensor& stash_cumg);
 
-// ---- layer bodies: fused norms, SwiGLU, RoPE, GDN gates, GQA attention (csrc/layer.cpp) ----------------------
+// ---- layer bodies: fused norms, SwiGLU, RoPE, projections, GDN gates, GQA attention (csrc/layer.cpp) ----------
 void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                     bool zero_centered, const at::Tensor& out);
 void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
@@ -64,6 +64,10 @@ void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::
                      const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& g, const at::Tensor& beta);
 void gdn_gates_cpu(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
                    const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta);
+void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
+// out = x weight^T through at::mm: the CPU op, and the CUDA op's path for what its kernel does not take.
+void linear_mm(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out);
+void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out);
 void check_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                          const at::Tensor& out);
 // The same attention through ATen's SDPA over K/V repeated per query head: the CPU op, and the CUDA op's path for
@@ -124,6 +128,7 @@ void rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::opt
                    bool zero_centered, at::Tensor& out);
 void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);
+void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out);
 void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                         double scale, at::Tensor& out);
 void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,

@@ -12,6 +12,7 @@ _OPS = (
     "rms_norm",
     "silu_mul",
     "rope",
+    "linear",
     "gqa_attention",
     "gdn_gates",
     "walk_greedy",

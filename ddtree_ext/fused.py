@@ -18,7 +18,9 @@ module                     fused forward
 ``Qwen3MLP``/``Qwen3_5MLP``  ``down_proj(ops.silu_mul(gate_proj(x), up_proj(x)))`` (SiLU models)
 =========================  ===================================================
 
-and, for the attention layers:
+and every bias-free ``torch.nn.Linear`` (the projections: ``ops.linear`` on a GPU when ``linear_kernel`` is on, which
+it is not by default, since cuBLAS is faster at every projection shape measured; torch's ``F.linear`` otherwise).
+For the attention layers:
 
 * the forwards of ``q_proj``, ``k_proj`` and ``v_proj`` (plain Linear layers): on a GPU the q_proj call
   starts the K and V projections on a side stream (:class:`Fork`) and their calls take the results;
@@ -105,6 +107,23 @@ def _gated_norm_forward(norm: torch.nn.Module, hidden_states: torch.Tensor, gate
     return ops.rms_norm(hidden_states, norm.weight, norm.variance_epsilon, gate=gate)
 
 
+# ---- projections ----------------------------------------------------------------------------------------
+
+# Whether bias-free Linear layers on a GPU run ``ops.linear`` (else torch's F.linear: cuBLAS). Off: on the H200 the
+# kernel streams the weights at 1.3-3.7 TB/s against cuBLAS's 3.3-3.9 (a 27B budget-64 round 20.3 -> 30.7 ms with it,
+# benchmarks/results/2026-12-01-h200-linear-kernel.md). ``benchmarks/e2e.py --linear ops`` turns it on for A/B runs.
+linear_kernel = False
+
+
+def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A plain Linear's forward: ``ops.linear`` for a bias-free projection of CUDA rows the ops take (the op itself
+    runs torch.mm where its kernel does not apply: more than 72 rows, other sizes, older GPUs), F.linear otherwise."""
+    weight = module.weight
+    if linear_kernel and module.bias is None and x.is_cuda and x.shape[-1] == weight.shape[1] and ops_apply(x, weight):
+        return ops.linear(x, weight)
+    return torch.nn.functional.linear(x, weight, module.bias)
+
+
 # ---- overlap on a second stream ----------------------------------------------------------------------
 
 # Where Forks use a side stream ("gdn": a GDN layer's gates and z projection beside its qkv projection, conv and
@@ -188,7 +207,7 @@ class _KVPrefetch:
 
     @staticmethod
     def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return type(module).forward(module, x)  # the class forward: the instance's is swapped
+        return linear(module, x)  # not the module's call: its instance forward is swapped for this prefetch
 
     def q_forward(self, x: torch.Tensor) -> torch.Tensor:
         attn = self.attn
@@ -387,6 +406,7 @@ def _recognised_classes() -> dict:
     from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
     table = {
+        torch.nn.Linear: lambda m: functools.partial(linear, m) if m.bias is None else None,
         qwen3.Qwen3RMSNorm: lambda m: functools.partial(_norm_forward, m, m.variance_epsilon, False),
         qwen3.Qwen3MLP: lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
         qwen3.Qwen3Attention: _kv_prefetch_swaps,
@@ -436,13 +456,14 @@ class LayerFusion:
     def __init__(self, root: torch.nn.Module):
         table = _recognised_classes()
         self.swaps: List[Tuple[torch.nn.Module, Callable]] = []
+        swapped = set()  # a module's parent may have swapped it already (an attention layer's projections)
         for module in root.modules():
             factory = table.get(type(module))
-            forward = factory(module) if factory is not None else None
-            if isinstance(forward, list):  # swaps of the module's children
-                self.swaps.extend(forward)
-            elif forward is not None:
-                self.swaps.append((module, forward))
+            forward = factory(module) if factory is not None and id(module) not in swapped else None
+            for child, child_forward in forward if isinstance(forward, list) else [(module, forward)]:
+                if child_forward is not None:
+                    self.swaps.append((child, child_forward))
+                    swapped.add(id(child))
 
     def active(self) -> contextlib.AbstractContextManager:
         """A context in which the recognised modules run their fused forwards. The ops have no backward:

@@ -343,6 +343,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: Optional
     return out
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A bias-free projection: x [..., K] (last dim contiguous), weight [N, K] (an ``nn.Linear``'s, last dim
+    contiguous) in x's dtype -> out [..., N] = x weight^T (contiguous unless given as [rows, N]), float32 sums.
+
+    On CUDA, bfloat16/float16 with at most 72 rows, N a multiple of 32 and K of 64 (every projection of a round on
+    the Qwen shapes) run a weight-streaming tensor-core kernel on GPUs of compute capability >= 9.0: K split over a
+    thread-block cluster and summed in a fixed order, the split chosen from (N, K) alone, so a row's result does
+    not depend on the other rows in the call. Everything else, and the CPU op, is ``torch.mm``.
+    """
+    rows = _rows(x)
+    if out is None:
+        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    load_ops().linear(rows, weight, out.view(-1, weight.shape[0]) if out.dim() != 2 else out)
+    return out
+
+
 def gqa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, *,
     out: Optional[torch.Tensor] = None,

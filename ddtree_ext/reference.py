@@ -280,6 +280,11 @@ def rope(x, cos, sin) -> torch.Tensor:
     return torch.cat([x_rot * c + rotated * s, x_pass], dim=-1)
 
 
+def linear(x, weight) -> torch.Tensor:
+    """ops.linear in float64 math, rounded to x's dtype."""
+    return (x.double() @ weight.double().T).to(x.dtype)
+
+
 def gqa_attention(q, k, v, mask, scale) -> torch.Tensor:
     """ops.gqa_attention in float32 math: query head h reads KV head h // (H / Hkv); mask True = attend."""
     group = q.shape[1] // k.shape[1]

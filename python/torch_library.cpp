@@ -28,6 +28,7 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("rms_norm(Tensor x, Tensor weight, Tensor? gate, float eps, bool zero_centered, Tensor(a!) out) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
+  m.def("linear(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
   m.def("gqa_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor(a!) out) -> ()");
   m.def(
       "gdn_gates(Tensor x, Tensor weight_a, Tensor weight_b, Tensor A_log, Tensor dt_bias, Tensor(a!) g, "
@@ -58,6 +59,7 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("rms_norm", &ddtree::rms_norm_cpu);
   m.impl("silu_mul", &ddtree::silu_mul_cpu);
   m.impl("rope", &ddtree::rope_cpu);
+  m.impl("linear", &ddtree::linear_cpu);
   m.impl("gqa_attention", &ddtree::gqa_attention_cpu);
   m.impl("gdn_gates", &ddtree::gdn_gates_cpu);
   m.impl("walk_greedy", &ddtree::walk_greedy_cpu);

@@ -2,9 +2,10 @@
 # Build, test, sanitize and benchmark ddtree_ext's CUDA kernels on a GPU machine (made for the H200:
 # torch with CUDA 13, nvcc, compute-sanitizer; no package registry needed).
 #
-#   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] scripts/h200.sh [build] [test] [gputest] [gdn] [sanitize] [bench] [e2e]
+#   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] scripts/h200.sh [build] [test] [gputest] [gdn] [linear] [sanitize] [bench] [e2e]
 #   (default: build test sanitize bench e2e, in order; gputest = only the GPU test files, for quick runs;
-#   gdn = the GDN and commit CUDA tests, then the tree GDN op's per-layer timing at 27B shapes, for A/B runs)
+#   gdn = the GDN and commit CUDA tests, then the tree GDN op's per-layer timing at 27B shapes, for A/B runs;
+#   linear = the projection kernel's CUDA tests, memcheck over them, and its benchmarks against F.linear)
 #
 # Stages can run in separate calls (the in-place build stays in the worktree). Every log goes to $OUT:
 # build.log (with ptxas register/spill lines), tests.log, gdn.log, memcheck.log, racecheck.log, bench.log,
@@ -79,13 +80,24 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cu
       run gdn.log "$PY" -m pytest tests/test_cuda.py -q -n "${PYTEST_WORKERS:-8}" -k "gated_delta or gdn or commit or all_ops"
       run gdn.log "$PY" scripts/profile_gdn.py --nodes 1 17 65 129 257 --time
       ;;
+    linear)
+      : > "$OUT/linear.log"
+      run linear.log "$PY" -m pytest tests/test_cuda.py -q -rs -n "${PYTEST_WORKERS:-8}" \
+        -k "linear or all_ops_small or graph_replay or deterministic or kv_prefetch"
+      run linear.log compute-sanitizer --tool memcheck --error-exitcode 99 "$PY" -m pytest tests/test_cuda.py -q -x \
+        -k "test_linear_op and 65"
+      run linear.log "$PY" -m pytest benchmarks/test_bench_cuda.py -q -k test_linear --benchmark-only \
+        --benchmark-json "$OUT/bench_linear.json"
+      run linear.log "$PY" scripts/summarize_bench.py "$OUT/bench_linear.json" --out "$OUT/bench_linear.md"
+      [ -f "$OUT/bench_linear.md" ] && cat "$OUT/bench_linear.md"
+      ;;
     e2e)
       : > "$OUT/e2e.log"
       # shellcheck disable=SC2086
       run e2e.log "$PY" benchmarks/e2e.py --out "$OUT/results" ${E2E_ARGS:-}
       ;;
     *)
-      echo "unknown stage: $stage (build, test, gputest, sanitize, bench, e2e)"
+      echo "unknown stage: $stage (build, test, gputest, gdn, linear, sanitize, bench, e2e)"
       status=1
       ;;
   esac

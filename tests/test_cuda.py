@@ -884,6 +884,68 @@ def test_gqa_attention_op(bsz, heads, kv_heads, n, slots, mask_rows, dim, dtype)
     assert_close(got, expected_ref, dtype, "vs reference")
 
 
+# ---- projections ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(
+    "rows,n,k",
+    [
+        (1, 5120, 6144),    # 27B decode step, the GDN out_proj: 40 tiles, K split over 6 CTAs of a cluster
+        (65, 1024, 5120),   # 27B verify at budget 64, k_proj: 8 tiles, splits of 8 (a whole cluster)
+        (16, 4096, 4096),   # a DFlash block through Qwen3-8B-sized projections: 32 tiles, 8 splits
+        (72, 17408, 64),    # the most rows the kernel takes, a single chunk of K (one split)
+        (9, 160, 832),      # N not a multiple of the 128-feature CTA (the last CTA's last warps idle); 13 chunks
+                            # over 7 splits (the last split shorter)
+        (33, 96, 17408),    # the down_proj's K: 272 chunks
+        (73, 256, 512),     # more rows than the kernel takes: torch.mm
+        (5, 100, 64),       # N not a multiple of 32: torch.mm
+        (5, 128, 100),      # K not a multiple of 64: torch.mm
+    ],
+)
+def test_linear_op(rows, n, k, dtype):
+    """The CUDA op (weight-streaming kernel for 16-bit inputs that fit it, torch.mm otherwise) against the CPU op
+    and the float64 reference; x rows taken from a wider buffer, out poisoned and written as a strided view."""
+    gen = make_gen(rows * 7 + n + k)
+    x_wide = torch.randn(rows, k + 64, generator=gen).to(dtype)
+    x = x_wide[:, 32:32 + k]  # rows 16-byte aligned, a row stride that is not K
+    weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    expected_cpu = ops.linear(x, weight)
+    expected_ref = reference.linear(x, weight)
+    out_wide = poison(torch.empty(rows, n + 32, dtype=dtype, device=DEV))
+    got = ops.linear(x_wide.to(DEV)[:, 32:32 + k], weight.to(DEV), out=out_wide[:, :n])
+    assert torch.isnan(out_wide[:, n:]).all(), "wrote past the output view"
+    assert_close(got, expected_cpu, dtype, "vs CPU op")
+    assert_close(got, expected_ref, dtype, "vs reference")
+
+
+def test_linear_rows_do_not_depend_on_the_other_rows():
+    """The split of K depends on (N, K) alone and each output column on its own x row: a row gives the same bits
+    alone (a decode step), in a DFlash block or in a 65-node verify, at any position among the rows."""
+    gen = make_gen(31)
+    for n, k in ((5120, 6144), (1024, 5120), (256, 832)):
+        x = torch.randn(72, k, generator=gen).to(torch.bfloat16).to(DEV)
+        weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16).to(DEV)
+        full = ops.linear(x, weight)
+        for lo, hi in ((0, 1), (5, 6), (0, 16), (7, 72), (0, 65), (64, 65)):
+            assert torch.equal(ops.linear(x[lo:hi], weight), full[lo:hi]), (n, k, lo, hi)
+
+
+def test_linear_rows_with_infinities_stay_in_their_rows():
+    """A row of infinities gives inf/NaN in its own output row only (the columns of the tensor-core products are
+    independent, and rows past M read zeros)."""
+    gen = make_gen(32)
+    x = torch.randn(11, 512, generator=gen).to(torch.bfloat16).to(DEV)
+    x[4] = float("inf")
+    weight = (torch.randn(256, 512, generator=gen) * 0.05).to(torch.bfloat16).to(DEV)
+    got = ops.linear(x, weight)
+    finite = torch.ones(11, dtype=torch.bool)
+    finite[4] = False
+    assert torch.isfinite(got[finite.to(DEV)]).all()
+    assert not torch.isfinite(got[4]).any()
+    assert_close(got[finite.to(DEV)], reference.linear(x[finite.to(DEV)], weight), torch.bfloat16)
+
+
 # ---- CUDA graphs and determinism ---------------------------------------------------------------
 
 
@@ -1015,6 +1077,15 @@ def _case_attention():
     return OpCase(inputs, lambda x: [ops.gqa_attention(x["q"], x["k"], x["v"], x["mask"], 0.0625)])
 
 
+def _case_linear():
+    def inputs(gen):
+        x = torch.randn(65, 5120, generator=gen).to(torch.bfloat16)
+        weight = (torch.randn(1024, 5120, generator=gen) * 0.02).to(torch.bfloat16)
+        return dict(x=x.to(DEV), weight=weight.to(DEV))
+
+    return OpCase(inputs, lambda x: [ops.linear(x["x"], x["weight"]), ops.linear(x["x"][:1], x["weight"])])
+
+
 OP_CASES = {
     "topk_logprobs": _case_topk,
     "build_tree+mask": _case_build,
@@ -1027,6 +1098,7 @@ OP_CASES = {
     "commit": _case_commit,
     "layer": _case_layer,
     "gqa_attention": _case_attention,
+    "linear": _case_linear,
 }
 
 
@@ -1189,6 +1261,9 @@ def test_all_ops_small():
     q = torch.randn(1, 5, 3, 16, generator=gen).transpose(1, 2)
     cos, sin = torch.randn(1, 5, 8, generator=gen), torch.randn(1, 5, 8, generator=gen)
     assert torch.equal(ops.rope(*to([q, cos, sin], DEV)).cpu(), ops.rope(q, cos, sin))
+    # The projection kernel: two splits in a cluster, a partial last row tile.
+    x, weight = torch.randn(3, 128, generator=gen).half(), torch.randn(64, 128, generator=gen).half()
+    assert_close(ops.linear(*to([x, weight], DEV)), ops.linear(x, weight), torch.float16)
 
 
 # ---- side streams --------------------------------------------------------------------------------
@@ -1197,10 +1272,10 @@ def test_all_ops_small():
 @pytest.mark.parametrize("order", ["qkv", "kqv", "qvk", "q"])
 def test_kv_prefetch_any_call_order(order):
     """Under LayerFusion an attention layer's q_proj call starts K and V on a side stream; whatever order (or
-    subset) of the three projections HF calls, each returns exactly what the plain Linear gives."""
+    subset) of the three projections HF calls, each returns exactly what its projection gives when called alone."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
 
-    from ddtree_ext import tiny
+    from ddtree_ext import fused, tiny
     from ddtree_ext.fused import LayerFusion
 
     config = tiny.tiny_qwen3_5_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -1209,7 +1284,8 @@ def test_kv_prefetch_any_call_order(order):
         attn = Qwen3_5Attention(config, layer_idx=3).to(device=DEV, dtype=torch.bfloat16).eval()
     projections = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj}
     x = torch.randn(1, 65, 256, device=DEV, dtype=torch.bfloat16)
-    expected = {name: F.linear(x, p.weight, p.bias) for name, p in projections.items()}
+    with torch.no_grad():
+        expected = {name: fused.linear(p, x) for name, p in projections.items()}  # each projection on its own
     with torch.no_grad(), LayerFusion(attn).active():
         for _ in range(2):  # a second round after a q_proj call whose K and V were never taken
             got = {name: projections[name](x) for name in order}

@@ -132,3 +132,24 @@ def test_side_streams_do_not_change_the_output(cuda_graph, monkeypatch):
         runs[bool(uses)] = generate(target, draft, prompt, 200, method="ddtree", tree_budget=64, cuda_graph=cuda_graph)
     diff = (runs[True] != runs[False])[0].nonzero()
     assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"
+
+
+def test_projection_kernel_in_rounds_replays_exactly(monkeypatch):
+    """With the projection kernel switched on (fused.linear_kernel; off by default) the rounds run it, through
+    captured graphs too (its weight tensor maps and cluster launches replay): the same tokens as eager."""
+    from ddtree_ext import fused, ops
+
+    monkeypatch.setattr(fused, "linear_kernel", True)
+    calls = [0]
+    stock = ops.linear
+    monkeypatch.setattr(ops, "linear", lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or stock(*a, **k))
+    target, draft = small_real_shaped_hybrid(torch.bfloat16)
+    prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    for method, budget in (("ddtree", 64), ("autoregressive", 1)):
+        eager = generate(target, draft, prompt, 300, method=method, tree_budget=budget, cuda_graph=False)
+        graphed, stats = generate(target, draft, prompt, 300, method=method, tree_budget=budget, cuda_graph=True,
+                                  return_stats=True)
+        diff = (eager != graphed)[0].nonzero()
+        assert diff.numel() == 0, f"{method}: first mismatch at position {int(diff[0])}"
+        assert sum(stats.round_replayed) > stats.rounds // 2
+    assert calls[0] > 0

@@ -272,6 +272,42 @@ def test_gqa_attention_bad_inputs():
         ops.gqa_attention(q, k, k, mask, 1.0, out=q)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n,k", [(1, 32, 64), (7, 96, 200), (65, 48, 128)])
+def test_linear_op_equals_torch(rows, n, k, dtype, gen):
+    """The CPU op is torch.mm; x with a row stride that is not K, out written as a strided view."""
+    x = torch.randn(rows, k + 8, generator=gen).to(dtype)[:, 3:3 + k]
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    out = poison(torch.empty(rows, n + 5, dtype=dtype))[:, :n]
+    assert torch.equal(ops.linear(x, weight, out=out), torch.nn.functional.linear(x, weight))
+    assert_close(out, reference.linear(x, weight), dtype)
+    x3 = torch.randn(2, 3, k, generator=gen).to(dtype)
+    assert torch.equal(ops.linear(x3, weight), torch.nn.functional.linear(x3, weight))
+
+
+def test_linear_bad_inputs():
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="linear: weight must have shape"):
+        ops.linear(x, torch.randn(8, 15))
+    with pytest.raises(ValueError, match="linear: weight must have dtype"):
+        ops.linear(x, w.double())
+    with pytest.raises(ValueError, match="linear: out must have shape"):
+        ops.linear(x, w, out=torch.empty(3, 7))
+    with pytest.raises(ValueError, match="linear: out must have dtype"):
+        ops.linear(x, w, out=torch.empty(3, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="linear: x must be float32, float16 or bfloat16"):
+        ops.linear(x.double(), w.double())
+    with pytest.raises(ValueError, match="linear: weight must be contiguous in its last dim"):
+        ops.linear(x, torch.randn(16, 8).t())
+    buffer = torch.randn(3, 16)
+    with pytest.raises(ValueError, match="linear: out must not overlap x"):
+        ops.linear(buffer, torch.randn(16, 16), out=buffer)
+    out = torch.full((3, 8), 5.0)
+    with pytest.raises(ValueError):
+        ops.linear(x, torch.randn(8, 17), out=out)
+    assert (out == 5.0).all()
+
+
 def test_layer_ops_opcheck(gen):
     lib = load_ops()
     x = torch.randn(3, 16, generator=gen)
@@ -281,6 +317,7 @@ def test_layer_ops_opcheck(gen):
     torch.library.opcheck(lib.gdn_gates.default, (x, w, w.clone(), torch.randn(6), torch.randn(6), torch.empty(3, 6), torch.empty(3, 6)))
     q = torch.randn(1, 2, 5, 8, generator=gen)
     torch.library.opcheck(lib.rope.default, (q, torch.randn(1, 5, 8), torch.randn(1, 5, 8), torch.empty(1, 2, 5, 8)))
+    torch.library.opcheck(lib.linear.default, (x, w, torch.empty(3, 6)))
     kv = torch.randn(1, 1, 7, 8, generator=gen)
     torch.library.opcheck(lib.gqa_attention.default,
                           (q, kv, kv.clone(), torch.ones(1, 1, 5, 7, dtype=torch.bool), 0.5, torch.empty(1, 2, 5, 8)))
@@ -299,10 +336,11 @@ def test_fusion_swaps_the_norms_and_mlps_and_restores_them(family):
     fusion = LayerFusion(model.model)
     layers = model.config.num_hidden_layers
     if family == "qwen3":
-        # input + post norms and q/k norms per layer, the final norm; one MLP per layer; the q, k and v
-        # projections of each attention layer (K and V started beside Q on a GPU).
+        # input + post norms and q/k norms per layer, the final norm; one MLP per layer; the seven projections
+        # of a layer (q, k and v once, for the K/V prefetch; o and the MLP's three as plain projections).
         assert _swapped_types(fusion) == ["Linear", "Qwen3MLP", "Qwen3RMSNorm"]
-        assert len(fusion.swaps) == 8 * layers + 1
+        assert len(fusion.swaps) == 12 * layers + 1
+        assert len({id(m) for m, _ in fusion.swaps}) == len(fusion.swaps)  # no module swapped twice
     else:
         assert _swapped_types(fusion) == ["Linear", "Qwen3_5MLP", "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"]
     marker = lambda *a, **k: None  # an instance forward of the user's own (an accelerate hook, say)
