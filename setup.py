@@ -17,7 +17,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
 VERSION = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
-RELEASE_CUDA_ARCHS = "8.0;8.6;8.9;9.0;10.0;12.0+PTX"
+RELEASE_CUDA_ARCHS = "8.0;8.6;8.9;9.0a;10.0;12.0+PTX"
 
 
 def _flag(name):

@@ -26,6 +26,9 @@
 
 #include "cuda_common.cuh"
 #include "ops.h"
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "wgmma.cuh"
+#endif
 
 namespace ddtree {
 namespace {
@@ -63,7 +66,7 @@ struct LinearShapes {
   int chunks_per_split;
 };
 
-__device__ __forceinline__ int swizzled(int row, int piece) { return row * 8 + (piece ^ (row & 7)); }
+[[maybe_unused]] __device__ __forceinline__ int swizzled(int row, int piece) { return row * 8 + (piece ^ (row & 7)); }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -99,11 +102,22 @@ __device__ __forceinline__ void load_tile(void* dst, const CUtensorMap* map, int
       : "memory");
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A wgmma matrix descriptor of a K-major tile in the 128-byte swizzle (TMA's SWIZZLE_128B layout): 8-row groups
+// 1024 bytes apart; the start moves 32 bytes per k16 step inside the swizzled rows.
+__device__ __forceinline__ uint64_t sw128_descriptor(uint32_t smem_address) {
+  return uint64_t{(smem_address & 0x3FFFF) >> 4} | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+#endif
+
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+#endif
 #endif
 
 template <typename T, int NT>
@@ -119,7 +133,9 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
   const cg::cluster_group cluster = cg::this_cluster();
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const int n0 = blockIdx.x * kCtaFeatures;
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const bool active = n0 + warp * kWarpFeatures < sh.n;  // n is a multiple of 32: all of a warp's features or none
+#endif
   const int split = static_cast<int>(cluster.block_rank()), splits = static_cast<int>(cluster.num_blocks());
   const int chunk0 = split * sh.chunks_per_split;
   const int chunks = std::max(0, std::min(sh.chunks_per_split, sh.k / kChunk - chunk0));
@@ -150,18 +166,19 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
     const int rest = e % (pad * 8);
     xs[swizzled(sh.rows + rest / 8, rest % 8)] = make_uint4(0, 0, 0, 0);
   }
-  __syncthreads();
-
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the zeros, for the tensor cores' reads
+  float acc[2][4 * NT];  // per 64-feature half: wgmma's accumulator layout (csrc/wgmma.cuh)
+#else
   float acc[2][NT][4];
+#endif
+  __syncthreads();
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int m = 0; m < 2; ++m) {
+    float* a = reinterpret_cast<float*>(acc[m]);
 #pragma unroll
-    for (int j = 0; j < NT; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+    for (int q = 0; q < 4 * NT; ++q) a[q] = 0.f;
   }
-  // ldmatrix addresses: A (weights) row warp * 32 + 16 mt + lane % 16, pieces 2 s + lane / 16; B (x) row 8 j + lane % 8,
-  // pieces 4 h + lane / 8. Every row a lane names is congruent to lane % 8 mod 8: one swizzle per lane.
-  const int sw = lane & 7;
-  const uint32_t a_off = (warp * kWarpFeatures + lane % 16) * 128, b_off = (lane % 8) * 128;
 
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
@@ -170,12 +187,37 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
   }
   for (int i = 0; i < chunks; ++i) {
     cuda::wait_async_copies_but<STAGES - 2>();  // this thread's x pieces of chunk i
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // ... visible to the tensor cores' reads
+#endif
     mbarrier_wait(&full[i % STAGES], (i / STAGES) & 1);  // the weight tile of chunk i
     __syncthreads();  // every thread's x pieces are in; every warp is done with the stage refilled next
     if (i + STAGES - 1 < chunks) issue(i + STAGES - 1);
     cuda::commit_async_copies();
-    if (!active) continue;
     const uint32_t w_base = smem_addr(stage_at(i)), x_base = w_base + L::kWeightBytes;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    // The 4 warps are one warpgroup: each k16 step, D[64 features, 8 NT rows] += W[64, 16] X[16, 8 NT] for both
+    // halves of the CTA's features, from the swizzled tiles (features past N are zeros).
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks) {
+      const uint64_t b = sw128_descriptor(x_base + 32 * ks);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) cuda::wgmma_m64k16<T, NT>(acc[m], sw128_descriptor(w_base + m * 64 * 128 + 32 * ks), b);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // the stage may be refilled after the next barrier
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+      for (int q = 0; q < 4 * NT; ++q) asm volatile("" : "+f"(acc[m][q])::"memory");  // no read before the wait
+    }
+#else  // mma.sync from ldmatrix, per warp
+    if (!active) continue;
+    // ldmatrix addresses: A (weights) row warp * 32 + 16 mt + lane % 16, pieces 2 s + lane / 16; B (x) row
+    // 8 j + lane % 8, pieces 4 h + lane / 8. Every row a lane names is congruent to lane % 8 mod 8: one swizzle.
+    const int sw = lane & 7;
+    const uint32_t a_off = (warp * kWarpFeatures + lane % 16) * 128, b_off = (lane % 8) * 128;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // k 32 h .. 32 h + 31 of the chunk: two k16 steps
       uint32_t b[NT][4];
@@ -195,12 +237,30 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
         }
       }
     }
+#endif
   }
 
   // ---- the partial tile [row][feature] in shared memory, then the cluster's sum in split order ----
   cuda::wait_async_copies_but<0>();
   __syncthreads();  // the stages are free
   float* part = reinterpret_cast<float*>(smem);  // [row][feature]
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  {
+    const int gid = lane / 4, tig = lane % 4;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int f = 64 * m + 16 * warp + gid;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int r = 8 * j + 2 * tig;
+        part[r * kPartStride + f] = acc[m][4 * j];
+        part[(r + 1) * kPartStride + f] = acc[m][4 * j + 1];
+        part[r * kPartStride + f + 8] = acc[m][4 * j + 2];
+        part[(r + 1) * kPartStride + f + 8] = acc[m][4 * j + 3];
+      }
+    }
+  }
+#else
   if (active) {
     const int gid = lane / 4, tig = lane % 4;
 #pragma unroll
@@ -216,6 +276,7 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
       }
     }
   }
+#endif
   cluster.sync();  // every split's partial tile is visible to the cluster
   constexpr int kQuads = kCtaFeatures / 4;
   for (int e = split * kLinearThreads + tid; e < sh.rows * kQuads; e += splits * kLinearThreads) {

@@ -43,7 +43,7 @@ for stage in "${STAGES[@]}"; do
       # Compile and link with the system compiler: the image's Python was built with a toolchain whose g++
       # links libstdc++ statically into extensions, and a second libstdc++ in the process crashes the
       # first time an error message formats a number (seen on the H200 image, 2026-11-29).
-      run build.log env CC=gcc CXX=g++ LDSHARED="g++ -shared" DDTREE_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 NVCC_APPEND_FLAGS="-Xptxas -v" \
+      run build.log env CC=gcc CXX=g++ LDSHARED="g++ -shared" DDTREE_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS=16 NVCC_APPEND_FLAGS="-Xptxas -v" \
         "$PY" setup.py build_ext --inplace
       run build.log "$PY" -c "import torch, ddtree_ext; print('build_info', ddtree_ext.build_info()); \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name())"
