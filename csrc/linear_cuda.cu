@@ -4,17 +4,21 @@
 // projections at 2.1 TB/s, Qwen3-8B's K/V projections at 1.3 TB/s, plus a split-K reduce kernel after many of them).
 //
 // Layout of the work ("swap AB": the weights are the tensor cores' A operand, the x rows their B columns):
-// - A CTA of 4 warps takes 128 output features; each warp 32 of them (two m16 tiles) against all M rows (NT
-//   n8 column tiles), so every weight byte is read once.
+// - A CTA of 4 warps takes 128 output features against all M rows (NT n8 column tiles), so every weight byte is
+//   read once.
 // - K goes through shared memory in chunks of 64, STAGES deep: the weight tile [128 rows][64] by the bulk tensor
 //   copy engine (TMA, 128-byte swizzle, completing on an mbarrier), the x rows of the chunk by cp.async. Per-thread
 //   cp.async copies alone kept too few bytes in flight: 2.4 TB/s at one row, against the 4.2 TB/s copy rate.
-// - Fragments by ldmatrix from the swizzled tiles (conflict-free), products on tensor cores (mma m16n8k16, float32).
+// - The products on tensor cores, float32 sums: on sm_90a builds the 4 warps are one warpgroup issuing wgmma
+//   m64nNk16 (N = 8 NT) on both 64-feature halves straight from the swizzled tiles (csrc/wgmma.cuh); other builds
+//   take mma m16n8k16 per warp (32 features each) from ldmatrix fragments (conflict-free on the swizzle).
 // - K is split over the CTAs of a thread-block cluster (up to 8); the partial tiles are summed in split order
 //   through distributed shared memory, with no workspace, no second kernel and no atomics. The split depends only
 //   on (N, K) and the GPU, never on M, so a row's output bits do not depend on how many rows came with it.
 //
-// Needs compute capability 9.0 (clusters) and 16-bit inputs; the op falls back to at::mm otherwise.
+// Needs compute capability 9.0 (clusters, TMA) and 16-bit inputs; the op falls back to at::mm otherwise. Measured
+// slower than cuBLAS at most round shapes (benchmarks/results/2026-12-01-h200-linear-kernel.md, with what bounds
+// it), so rounds use it only when ddtree_ext.fused.linear_kernel is on.
 #include <cooperative_groups.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>

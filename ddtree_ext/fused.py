@@ -109,9 +109,10 @@ def _gated_norm_forward(norm: torch.nn.Module, hidden_states: torch.Tensor, gate
 
 # ---- projections ----------------------------------------------------------------------------------------
 
-# Whether bias-free Linear layers on a GPU run ``ops.linear`` (else torch's F.linear: cuBLAS). Off: on the H200 the
-# kernel streams the weights at 1.3-3.7 TB/s against cuBLAS's 3.3-3.9 (a 27B budget-64 round 20.3 -> 30.7 ms with it,
-# benchmarks/results/2026-12-01-h200-linear-kernel.md). ``benchmarks/e2e.py --linear ops`` turns it on for A/B runs.
+# Whether bias-free Linear layers on a GPU run ``ops.linear`` (else torch's F.linear: cuBLAS). Off: on the H200
+# cuBLAS is faster at almost every round shape (a 65-row 27B qkv projection 32 us against the kernel's 54; a 27B
+# budget-64 round 20.6 against 24.4 ms: benchmarks/results/2026-12-01-h200-linear-kernel.md).
+# ``benchmarks/e2e.py --linear ops`` turns it on for A/B runs.
 linear_kernel = False
 
 

@@ -2,13 +2,14 @@
 # Build, test, sanitize and benchmark ddtree_ext's CUDA kernels on a GPU machine (made for the H200:
 # torch with CUDA 13, nvcc, compute-sanitizer; no package registry needed).
 #
-#   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] scripts/h200.sh [build] [test] [gputest] [gdn] [linear] [sanitize] [bench] [e2e]
+#   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] [TORCH_CUDA_ARCH_LIST=9.0a] scripts/h200.sh [build] [test] [gputest] [gdn] [linear] [sanitize] [bench] [e2e]
 #   (default: build test sanitize bench e2e, in order; gputest = only the GPU test files, for quick runs;
 #   gdn = the GDN and commit CUDA tests, then the tree GDN op's per-layer timing at 27B shapes, for A/B runs;
 #   linear = the projection kernel's CUDA tests, memcheck over them, and its benchmarks against F.linear)
 #
+# The build targets 9.0a (Hopper's own instructions: the projection kernel's wgmma); 9.0 builds its mma.sync path.
 # Stages can run in separate calls (the in-place build stays in the worktree). Every log goes to $OUT:
-# build.log (with ptxas register/spill lines), tests.log, gdn.log, memcheck.log, racecheck.log, bench.log,
+# build.log (with ptxas register/spill lines), tests.log, gdn.log, linear.log, memcheck.log, racecheck.log, bench.log,
 # bench.json and bench.md, e2e.log and results/ (benchmarks/e2e.py's JSON and Markdown). The exit status is
 # nonzero when any stage failed; later stages still run.
 set -uo pipefail
