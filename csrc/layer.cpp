@@ -311,13 +311,7 @@ void silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out)
   DDTREE_DISPATCH_FLOAT(gate.scalar_type(), "silu_mul", [&] { silu_mul_kernel<scalar_t>(gate, up, out); });
 }
 
-void linear_mm(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
-  if (x.size(1) == 0) {
-    out.zero_();
-    return;
-  }
-  at::mm_out(out, x, weight.t());
-}
+void linear_mm(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) { at::mm_out(out, x, weight.t()); }
 
 void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
   check_linear(x, weight, out);

@@ -57,7 +57,7 @@ struct LinearLayout {
   static constexpr int kWeightBytes = kCtaFeatures * kChunk * 2;
   static constexpr int kXBytes = NT * 8 * kChunk * 2;
   static constexpr int kStage = kWeightBytes + kXBytes;
-  // Deeper pipelines where the x rows are few: about 110 KB of stages, two CTAs per SM at NT = 9.
+  // Deeper pipelines where the x rows are few: up to 110 KB of stages (100 KB at NT = 9), two CTAs per SM.
   static constexpr int kStages = std::clamp((110 * 1024) / kStage, 3, 6);
   static constexpr int kPartBytes = NT * 8 * kPartStride * 4;
   static constexpr int kBarriers = std::max(kStages * kStage, kPartBytes);  // offset of the stages' mbarriers
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
     for (int s = 0; s < STAGES; ++s) mbarrier_init(&full[s], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the copy engine
   }
-  // Rows past M read zeros (they only feed output columns nobody stores).
+  // Rows past M read zeros: they only feed output columns nobody stores, but no product reads uninitialised memory.
   const int pad = NT * 8 - sh.rows;
   for (int e = tid; e < STAGES * pad * 8; e += kLinearThreads) {
     uint4* xs = reinterpret_cast<uint4*>(smem + (e / (pad * 8)) * L::kStage + L::kWeightBytes);
@@ -346,6 +346,10 @@ template <typename T, int NT>
 void launch_linear_rows(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, int splits,
                         int chunks_per_split) {
   using L = LinearLayout<NT>;
+  if (static_cast<size_t>(L::kTotal) > cuda::max_dynamic_smem()) {  // GPUs with less shared memory per block
+    linear_mm(x, weight, out);
+    return;
+  }
   const int n = static_cast<int>(weight.size(0));
   const LinearShapes sh{static_cast<int>(x.size(0)), n, static_cast<int>(x.size(1)), x.stride(0), out.stride(0),
                         chunks_per_split};
@@ -406,7 +410,7 @@ void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out)
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   const bool kernel_applies =
       (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) && rows <= kMaxLinearRows &&
-      n % kWarpFeatures == 0 && k % kChunk == 0 && k > 0 && weight.is_contiguous() &&
+      n % kWarpFeatures == 0 && k % kChunk == 0 && weight.is_contiguous() &&
       x.stride(0) % 8 == 0 && cuda::is_aligned(x.data_ptr(), 16) && cuda::is_aligned(weight.data_ptr(), 16) &&
       out.stride(0) % 4 == 0 && cuda::is_aligned(out.data_ptr(), 8) && prop->major >= 9 &&
       cluster_kernels_built(x.scalar_type());
@@ -414,7 +418,7 @@ void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out)
     linear_mm(x, weight, out);
     return;
   }
-  // Split K until the CTAs fill the GPU once (kSplitCtasPerSm per SM, as at M = 72), each split whole chunks.
+  // Split K until the CTAs fill the SMs once (kSplitCtasPerSm per SM, whatever M), each split whole chunks.
   const int64_t tiles = cuda::ceil_div(n, kCtaFeatures), total_chunks = k / kChunk;
   const int64_t want = std::clamp<int64_t>(kSplitCtasPerSm * prop->multiProcessorCount / tiles, 1,
                                            std::min<int64_t>(kMaxSplits, total_chunks));

@@ -6,8 +6,10 @@
 // (r + 8, c + 1): the mma.sync m16n8 layout, one 16-row block per warp.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cstdint>
-#include <type_traits>
 
 namespace ddtree {
 namespace cuda {

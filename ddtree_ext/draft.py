@@ -238,7 +238,8 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        # Norms and SwiGLUs as fused ops during propose (ddtree_ext.fused); RoPE and attention call them directly.
+        # Norms, SwiGLUs and projections as fused ops during propose (ddtree_ext.fused); RoPE and attention call them
+        # directly.
         self._fusion = LayerFusion(self)
 
     @property

@@ -19,7 +19,7 @@ module                     fused forward
 =========================  ===================================================
 
 and every bias-free ``torch.nn.Linear`` (the projections: ``ops.linear`` on a GPU when ``linear_kernel`` is on, which
-it is not by default, since cuBLAS is faster at every projection shape measured; torch's ``F.linear`` otherwise).
+it is not by default, since cuBLAS is faster at almost every round shape measured; torch's ``F.linear`` otherwise).
 For the attention layers:
 
 * the forwards of ``q_proj``, ``k_proj`` and ``v_proj`` (plain Linear layers): on a GPU the q_proj call
@@ -116,13 +116,14 @@ def _gated_norm_forward(norm: torch.nn.Module, hidden_states: torch.Tensor, gate
 linear_kernel = False
 
 
-def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear(module: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's argument name)
     """A plain Linear's forward: ``ops.linear`` for a bias-free projection of CUDA rows the ops take (the op itself
     runs torch.mm where its kernel does not apply: more than 72 rows, other sizes, older GPUs), F.linear otherwise."""
     weight = module.weight
-    if linear_kernel and module.bias is None and x.is_cuda and x.shape[-1] == weight.shape[1] and ops_apply(x, weight):
-        return ops.linear(x, weight)
-    return torch.nn.functional.linear(x, weight, module.bias)
+    if (linear_kernel and module.bias is None and input.is_cuda and input.shape[-1] == weight.shape[1]
+            and ops_apply(input, weight)):
+        return ops.linear(input, weight)
+    return torch.nn.functional.linear(input, weight, module.bias)
 
 
 # ---- overlap on a second stream ----------------------------------------------------------------------

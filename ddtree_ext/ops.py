@@ -353,9 +353,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor]
     not depend on the other rows in the call. Everything else, and the CPU op, is ``torch.mm``.
     """
     rows = _rows(x)
+    shape = (*x.shape[:-1], weight.shape[0])
     if out is None:
-        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
-    load_ops().linear(rows, weight, out.view(-1, weight.shape[0]) if out.dim() != 2 else out)
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    elif out.dim() != 2 and tuple(out.shape) != shape:
+        raise ValueError(f"linear: out must have shape {list(shape)}, got {list(out.shape)}")
+    load_ops().linear(rows, weight, out.view(-1, out.shape[-1]) if out.dim() != 2 else out)
     return out
 
 

@@ -887,13 +887,21 @@ def test_gqa_attention_op(bsz, heads, kv_heads, n, slots, mask_rows, dim, dtype)
 # ---- projections ------------------------------------------------------------------------------------
 
 
+def linear_kernel_applies(rows: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether ops.linear takes its kernel on this GPU and build (the conditions of csrc/linear_cuda.cu for
+    aligned inputs): 16-bit, <= 72 rows, N % 32 == 0, K % 64 == 0, compute capability >= 9.0 in device and build."""
+    built = any(float(a.split("+")[0].rstrip("a")) >= 9.0 for a in build_info()["cuda_archs"].split(";") if a)
+    return (dtype != torch.float32 and rows <= 72 and n % 32 == 0 and k % 64 == 0
+            and torch.cuda.get_device_capability()[0] >= 9 and built)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize(
     "rows,n,k",
     [
-        (1, 5120, 6144),    # 27B decode step, the GDN out_proj: 40 tiles, K split over 6 CTAs of a cluster
+        (1, 5120, 6144),    # 27B decode step, the GDN out_proj: 40 tiles, K split over 3 CTAs of a cluster (132 SMs)
         (65, 1024, 5120),   # 27B verify at budget 64, k_proj: 8 tiles, splits of 8 (a whole cluster)
-        (16, 4096, 4096),   # a DFlash block through Qwen3-8B-sized projections: 32 tiles, 8 splits
+        (16, 4096, 4096),   # a DFlash block through Qwen3-8B-sized projections: 32 tiles, 4 splits
         (72, 17408, 64),    # the most rows the kernel takes, a single chunk of K (one split)
         (9, 160, 832),      # N not a multiple of the 128-feature CTA (the last CTA's last warps idle); 13 chunks
                             # over 7 splits (the last split shorter)
@@ -913,10 +921,31 @@ def test_linear_op(rows, n, k, dtype):
     expected_cpu = ops.linear(x, weight)
     expected_ref = reference.linear(x, weight)
     out_wide = poison(torch.empty(rows, n + 32, dtype=dtype, device=DEV))
-    got = ops.linear(x_wide.to(DEV)[:, 32:32 + k], weight.to(DEV), out=out_wide[:, :n])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = ops.linear(x_wide.to(DEV)[:, 32:32 + k], weight.to(DEV), out=out_wide[:, :n])
+        torch.cuda.synchronize()
+    ran_kernel = any("linear_rows_kernel" in e.name for e in prof.events())
+    assert ran_kernel == linear_kernel_applies(rows, n, k, dtype), "kernel versus torch.mm path"
     assert torch.isnan(out_wide[:, n:]).all(), "wrote past the output view"
     assert_close(got, expected_cpu, dtype, "vs CPU op")
     assert_close(got, expected_ref, dtype, "vs reference")
+
+
+def test_linear_unaligned_inputs_take_torch_mm():
+    """x rows not 16-byte aligned, a weight whose rows are not contiguous with each other, out rows not 8-byte
+    aligned: each takes torch.mm (no kernel launch), with the same results."""
+    gen = make_gen(33)
+    x_wide = torch.randn(5, 520, generator=gen).to(torch.bfloat16).to(DEV)
+    w_wide = (torch.randn(256, 576, generator=gen) * 0.05).to(torch.bfloat16).to(DEV)
+    out_wide = torch.empty(5, 260, dtype=torch.bfloat16, device=DEV)
+    aligned_x, aligned_w = x_wide[:, :512], w_wide[:, :512].contiguous()
+    for x, w, out in ((x_wide[:, 1:513], aligned_w, None), (aligned_x, w_wide[:, :512], None),
+                      (aligned_x, aligned_w, out_wide[:, 1:257])):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = ops.linear(x, w, out=out)
+            torch.cuda.synchronize()
+        assert not any("linear_rows_kernel" in e.name for e in prof.events())
+        assert_close(got, reference.linear(x, w), torch.bfloat16)
 
 
 def test_linear_rows_do_not_depend_on_the_other_rows():
@@ -927,7 +956,9 @@ def test_linear_rows_do_not_depend_on_the_other_rows():
         x = torch.randn(72, k, generator=gen).to(torch.bfloat16).to(DEV)
         weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16).to(DEV)
         full = ops.linear(x, weight)
-        for lo, hi in ((0, 1), (5, 6), (0, 16), (7, 72), (0, 65), (64, 65)):
+        # every column-tile count 1..9 (17, 25, 41, 49 and 57 rows among them)
+        for lo, hi in ((0, 1), (5, 6), (0, 16), (0, 17), (3, 28), (0, 33), (0, 41), (8, 57), (0, 57), (7, 72), (0, 65),
+                       (64, 65)):
             assert torch.equal(ops.linear(x[lo:hi], weight), full[lo:hi]), (n, k, lo, hi)
 
 

@@ -302,6 +302,8 @@ def test_linear_bad_inputs():
     buffer = torch.randn(3, 16)
     with pytest.raises(ValueError, match="linear: out must not overlap x"):
         ops.linear(buffer, torch.randn(16, 16), out=buffer)
+    with pytest.raises(ValueError, match=r"linear: out must have shape \[2, 3, 8\]"):
+        ops.linear(torch.randn(2, 3, 16), w, out=torch.empty(3, 2, 8))
     out = torch.full((3, 8), 5.0)
     with pytest.raises(ValueError):
         ops.linear(x, torch.randn(8, 17), out=out)
