@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import ddtree_ext  # noqa: E402
 from ddtree_ext import fused, generate  # noqa: E402
 from ddtree_ext.draft import DFlashDraftModel  # noqa: E402
 from ddtree_ext.target import TargetAdapter, record_layer_outputs  # noqa: E402
@@ -465,6 +466,8 @@ def markdown(report: dict) -> str:
         f"- Commit `{report['commit']}`; torch {report['torch']}, transformers {report['transformers']}, "
         f"fla importable: {report['fla']}.",
         f"- Command: `{report['command']}`",
+        f"- Projections: {report.get('projections', 'cuBLAS (F.linear)')}; the core built for CUDA architectures "
+        f"{report.get('cuda_archs', 'unknown')}.",
         f"- Device copy rate {report['copy_gb_s']:.0f} GB/s (read + write), measured in this run. Floor = weight "
         "bytes one forward reads / that rate. Times are medians over rounds replayed from CUDA graphs (graphs) or "
         "over eager rounds after 3 warm-up rounds (eager); a round's time is host wall time including its one "
@@ -570,6 +573,8 @@ def main(argv=None) -> None:
         command="python benchmarks/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         torch=torch.__version__, transformers=transformers.__version__, fla=has_fla, copy_gb_s=bandwidth / 1e9,
         gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9, presets=[],
+        projections="ops.linear (the weight-streaming kernel)" if fused.linear_kernel else "cuBLAS (F.linear)",
+        cuda_archs=ddtree_ext.build_info().get("cuda_archs", "unknown"),
     )
     print(f"device copy {bandwidth / 1e9:.0f} GB/s; {report['gpu']}; commit {commit}", flush=True)
     for name in presets:

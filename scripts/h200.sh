@@ -7,6 +7,7 @@
 #   gdn = the GDN and commit CUDA tests, then the tree GDN op's per-layer timing at 27B shapes, for A/B runs;
 #   linear = the projection kernel's CUDA tests, memcheck over them, and its benchmarks against F.linear)
 #
+# Set DDTREE_COMMIT to the tree's commit: a copy of the tree may carry a stale .git, and the reports name the commit.
 # The build targets 9.0a (Hopper's own instructions: the projection kernel's wgmma); 9.0 builds its mma.sync path.
 # Stages can run in separate calls (the in-place build stays in the worktree). Every log goes to $OUT:
 # build.log (with ptxas register/spill lines), tests.log, gdn.log, linear.log, memcheck.log, racecheck.log, bench.log,

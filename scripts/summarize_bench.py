@@ -2,7 +2,8 @@
 
     python scripts/summarize_bench.py bench.json [--out benchmarks/results/h200.md]
 
-One row per benchmark: op, shape, median time per op call (CUDA-event median of graph replays, divided
+The commit is DDTREE_COMMIT when set (a copy of the tree whose .git is stale, as on the device machines), else
+pytest-benchmark's. One row per benchmark: op, shape, median time per op call (CUDA-event median of graph replays, divided
 by the calls captured per replay), its floor (bytes / measured copy bandwidth or FLOPs / measured
 float32 rate, whichever is larger), the ratio of the two, and the baseline where the benchmark has one
 (the stock Hugging Face computation the op replaces, timed the same way). Then issue #4's kernel targets
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -69,7 +71,8 @@ def table(data: dict) -> str:
     lines += [f"| {' | '.join(r)} |" for r in rows]
     first = next((b["extra_info"] for b in data["benchmarks"] if "copy_GBps" in b.get("extra_info", {})), None)
     machine = data.get("machine_info", {})
-    head = [f"Benchmarks of {data.get('commit_info', {}).get('id', 'unknown commit')[:12]} "
+    commit = os.environ.get("DDTREE_COMMIT") or data.get("commit_info", {}).get("id", "unknown commit")
+    head = [f"Benchmarks of {commit[:12]} "
             f"on {machine.get('node', 'unknown host')}, {data.get('datetime', '')}."]
     if first:
         head.append(f"Ceilings measured in the same session: copy {first['copy_GBps']:.0f} GB/s (read + write), "
