@@ -55,8 +55,8 @@ inline void allow_dynamic_smem(Kernel kernel, size_t bytes) {
   }
 }
 
-// Asks for the largest shared-memory carveout: with no preference the driver may size the carveout for one CTA per
-// SM, and a kernel sized for two large CTAs per SM then runs one.
+// Asks for the largest shared-memory carveout, so that two CTAs of a kernel with large shared memory fit on an SM
+// (without a preference the driver picks the carveout itself).
 template <typename Kernel>
 inline void prefer_max_shared_memory(Kernel kernel) {
   C10_CUDA_CHECK(

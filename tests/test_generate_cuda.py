@@ -101,16 +101,25 @@ def small_real_shaped_hybrid(dtype):
     return model, draft
 
 
+def assert_graphs_equal_eager(target, draft, prompt, new_tokens: int) -> dict:
+    """DDTree (budget 64) and autoregressive generations replayed from graphs give the eager ones' tokens.
+    Returns {method: (graphed ids, stats)}."""
+    runs = {}
+    for method, budget in (("ddtree", 64), ("autoregressive", 1)):
+        eager = generate(target, draft, prompt, new_tokens, method=method, tree_budget=budget, cuda_graph=False)
+        graphed, stats = generate(target, draft, prompt, new_tokens, method=method, tree_budget=budget,
+                                  cuda_graph=True, return_stats=True)
+        diff = (eager != graphed)[0].nonzero()
+        assert diff.numel() == 0, f"{method}: first mismatch at position {int(diff[0])}"
+        runs[method] = graphed, stats
+    return runs
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_graph_equals_eager_over_500_tokens_on_a_real_shaped_model(dtype):
     target, draft = small_real_shaped_hybrid(dtype)
     prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(1)).cuda()
-    for method, budget in (("ddtree", 64), ("autoregressive", 1)):
-        eager = generate(target, draft, prompt, 520, method=method, tree_budget=budget, cuda_graph=False)
-        graphed, stats = generate(target, draft, prompt, 520, method=method, tree_budget=budget, cuda_graph=True,
-                                  return_stats=True)
-        diff = (eager != graphed)[0].nonzero()
-        assert diff.numel() == 0, f"{method}: first mismatch at position {int(diff[0])}"
+    for method, (graphed, stats) in assert_graphs_equal_eager(target, draft, prompt, 520).items():
         assert stats.graph_captures >= 2
         if dtype == torch.float32:
             ref = tiny.hf_greedy(target, prompt, 520)
@@ -145,11 +154,6 @@ def test_projection_kernel_in_rounds_replays_exactly(monkeypatch):
     monkeypatch.setattr(ops, "linear", lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or stock(*a, **k))
     target, draft = small_real_shaped_hybrid(torch.bfloat16)
     prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
-    for method, budget in (("ddtree", 64), ("autoregressive", 1)):
-        eager = generate(target, draft, prompt, 300, method=method, tree_budget=budget, cuda_graph=False)
-        graphed, stats = generate(target, draft, prompt, 300, method=method, tree_budget=budget, cuda_graph=True,
-                                  return_stats=True)
-        diff = (eager != graphed)[0].nonzero()
-        assert diff.numel() == 0, f"{method}: first mismatch at position {int(diff[0])}"
+    for _, stats in assert_graphs_equal_eager(target, draft, prompt, 300).values():
         assert sum(stats.round_replayed) > stats.rounds // 2
     assert calls[0] > 0
