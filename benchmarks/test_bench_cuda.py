@@ -455,5 +455,6 @@ def test_linear(benchmark, ceilings, name, n, k, rows):
     x = torch.randn(rows, k, **bf16)
     out = torch.empty(rows, n, **bf16)
     bench(benchmark, ceilings, "linear", f"{name}: [{rows}, {k}] x [{n}, {k}]^T bf16",
-          [lambda w=w: ops.linear(x, w, out=out) for w in weights], (n * k + rows * k + rows * n) * BF16,
+          [lambda w=w: ops.linear(x, w, out=out, prefetch_weight=True) for w in weights],
+          (n * k + rows * k + rows * n) * BF16,
           baseline=[lambda w=w: torch.nn.functional.linear(x, w) for w in weights])

@@ -313,7 +313,7 @@ void silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out)
 
 void linear_mm(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) { at::mm_out(out, x, weight.t()); }
 
-void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool /*prefetch_weight*/) {
   check_linear(x, weight, out);
   if (out.numel() == 0) return;
   linear_mm(x, weight, out);

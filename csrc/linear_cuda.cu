@@ -4,21 +4,31 @@
 // projections at 2.1 TB/s, Qwen3-8B's K/V projections at 1.3 TB/s, plus a split-K reduce kernel after many of them).
 //
 // Layout of the work ("swap AB": the weights are the tensor cores' A operand, the x rows their B columns):
-// - A CTA of 4 warps takes 128 output features against all M rows (NT n8 column tiles), so every weight byte is
-//   read once.
-// - K goes through shared memory in chunks of 64, STAGES deep: the weight tile [128 rows][64] by the bulk tensor
-//   copy engine (TMA, 128-byte swizzle, completing on an mbarrier), the x rows of the chunk by cp.async. Per-thread
-//   cp.async copies alone kept too few bytes in flight: 2.4 TB/s at one row, against the 4.2 TB/s copy rate.
-// - The products on tensor cores, float32 sums: on sm_90a builds the 4 warps are one warpgroup issuing wgmma
-//   m64nNk16 (N = 8 NT) on both 64-feature halves straight from the swizzled tiles (csrc/wgmma.cuh); other builds
-//   take mma m16n8k16 per warp (32 features each) from ldmatrix fragments (conflict-free on the swizzle).
+// - A CTA takes 128 output features against all M rows (NT n8 column tiles), so every weight byte is read once.
+//   Its 5 warps are specialised: one producer warp keeps the pipeline full, one warpgroup of 4 consumer warps
+//   multiplies.
+// - K goes through shared memory in chunks of 64 (128 bytes of a weight row), `boxes` consecutive chunks per stage and
+//   `stages` stages deep, both chosen per call from the shared memory the SM can give (pipeline_for). The producer
+//   loads each chunk's weight tile [128 rows][64] and x rows [8 NT][64] with the bulk tensor copy engine (TMA,
+//   128-byte swizzle, completing on the stage's full mbarrier) and refills a stage once the consumers release it
+//   on its empty mbarrier. Per-thread cp.async copies (v1) kept too few bytes in flight, one barrier per chunk (v4)
+//   kept the copies waiting on the products, and one chunk per stage kept too little of each weight row in flight
+//   together (benchmarks/results/2026-12-01-h200-linear-kernel.md).
+// - The products on tensor cores, float32 sums: on sm_90a builds the consumer warpgroup issues wgmma m64nNk16
+//   (N = 8 NT) on both 64-feature halves straight from the swizzled tiles (csrc/wgmma.cuh), one stage's products in
+//   flight while the next stage's are issued; other builds take mma m16n8k16 per warp (32 features each) from
+//   ldmatrix fragments (conflict-free on the swizzle).
 // - K is split over the CTAs of a thread-block cluster (up to 8); the partial tiles are summed in split order
 //   through distributed shared memory, with no workspace, no second kernel and no atomics. The split depends only
-//   on (N, K) and the GPU, never on M, so a row's output bits do not depend on how many rows came with it.
+//   on (N, K) and the GPU, never on M or the pipeline, so a row's output bits do not depend on how many rows came
+//   with it.
+// - Launched as a programmatic dependent (PDL) of the kernel before it: barrier set-up overlaps that kernel's end,
+//   and with prefetch_weight the first stages' weight tiles stream before it is done (x, and every store, wait for
+//   it). Each CTA lets the next kernel launch as soon as it starts.
 //
-// Needs compute capability 9.0 (clusters, TMA) and 16-bit inputs; the op falls back to at::mm otherwise. Measured
-// slower than cuBLAS at most round shapes (benchmarks/results/2026-12-01-h200-linear-kernel.md, with what bounds
-// it), so rounds use it only when ddtree_ext.fused.linear_kernel is on.
+// Needs compute capability 9.0 (clusters, TMA, PDL) and 16-bit inputs; the op falls back to at::mm otherwise.
+// Measured slower than cuBLAS at most round shapes (benchmarks/results/2026-12-01-h200-linear-kernel.md, with what
+// bounds it), so rounds use it only when ddtree_ext.fused.linear_kernel is on.
 #include <cooperative_groups.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -40,37 +50,37 @@ namespace {
 namespace cg = cooperative_groups;
 using cuda::kWarp;
 
-constexpr int kLinearWarps = 4;
-constexpr int kLinearThreads = kLinearWarps * kWarp;
+constexpr int kConsumerWarps = 4;                             // one warpgroup: the tensor-core products
+constexpr int kLinearThreads = (kConsumerWarps + 1) * kWarp;  // + the producer warp (the bulk copies)
 constexpr int kWarpFeatures = 32;                             // two 16-row tensor-core tiles per warp
-constexpr int kCtaFeatures = kLinearWarps * kWarpFeatures;    // 128
+constexpr int kCtaFeatures = kConsumerWarps * kWarpFeatures;  // 128
 constexpr int kChunk = 64;                                    // k per pipeline stage: 128 bytes of a row
 constexpr int kMaxLinearRows = 72;                            // 9 column tiles of 8
 constexpr int kMaxSplits = 8;                                 // the portable cluster size
+constexpr int kMaxStages = 16;
 constexpr int kPartStride = kCtaFeatures + 4;                 // floats per partial row: conflict-free stores
-constexpr int kSplitCtasPerSm = 1;  // the CTAs the split of K fills, per SM (M-independent; 2 measured slower)
+constexpr int kSplitCtasPerSm = 2;  // the CTAs the split of K aims for, per SM (M-independent; 1 measured mixed)
 
-template <int NT>
-struct LinearLayout {
-  // Per stage: the weight tile [128 rows][128 bytes], then the x rows [NT * 8][128 bytes], both with the 128-byte
-  // swizzle (16-byte piece c of row r at c ^ (r % 8)); stages 1024-byte aligned, as the swizzle wants.
-  static constexpr int kWeightBytes = kCtaFeatures * kChunk * 2;
-  static constexpr int kXBytes = NT * 8 * kChunk * 2;
-  static constexpr int kStage = kWeightBytes + kXBytes;
-  // Deeper pipelines where the x rows are few: up to 110 KB of stages (100 KB at NT = 9), two CTAs per SM.
-  static constexpr int kStages = std::clamp((110 * 1024) / kStage, 3, 6);
-  static constexpr int kPartBytes = NT * 8 * kPartStride * 4;
-  static constexpr int kBarriers = std::max(kStages * kStage, kPartBytes);  // offset of the stages' mbarriers
-  static constexpr int kTotal = 1024 + kBarriers + 8 * kStages;            // + slack to align the base
-};
+// Per stage: the weight tile [128 rows][128 bytes], then the x rows [NT * 8][128 bytes], both as the copy engine
+// writes them with the 128-byte swizzle (16-byte piece c of row r at c ^ (r % 8)); stages 1024-byte aligned.
+constexpr int kWeightTileBytes = kCtaFeatures * kChunk * 2;
+constexpr int x_tile_bytes(int nt) { return nt * 8 * kChunk * 2; }
+constexpr int stage_bytes(int nt) { return kWeightTileBytes + x_tile_bytes(nt); }
+constexpr int part_bytes(int nt) { return nt * 8 * kPartStride * 4; }
+// Shared memory of a CTA with `stages` stages: the stages (the partial tile reuses them), 2 mbarriers per stage,
+// and slack to align the base to 1024 bytes.
+constexpr int linear_smem_bytes(int nt, int boxes, int stages) {
+  return 1024 + std::max(stages * boxes * stage_bytes(nt), part_bytes(nt)) + 16 * stages;
+}
 
 struct LinearShapes {
   int rows, n, k;
-  int64_t x_stride, out_stride;
+  int64_t out_stride;
   int chunks_per_split;
+  int boxes;  // 64-k chunks per pipeline stage (consecutive k: a row's bytes in flight together)
+  int stages;
+  bool prefetch_weight;  // the weight may be read before the preceding kernels complete (nothing in flight writes it)
 };
-
-[[maybe_unused]] __device__ __forceinline__ int swizzled(int row, int piece) { return row * 8 + (piece ^ (row & 7)); }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -85,6 +95,15 @@ __device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* bar, uint32_t by
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Programmatic dependent launch: wait until the kernels this one depends on have completed and their writes are
+// visible (a no-op when launched without the attribute); let the next kernel on the stream launch early.
+__device__ __forceinline__ void wait_for_preceding_kernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void allow_next_kernel_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -97,7 +116,8 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// The [128 rows][64] tile at (k0, row0) of the tensor map into shared memory, completing on `bar`.
+// The box at (k0, row0) of a tensor map (a [128 rows][64] weight tile, or [NT * 8][64] of x) into shared memory,
+// completing on `bar`.
 __device__ __forceinline__ void load_tile(void* dst, const CUtensorMap* map, int k0, int row0, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
@@ -126,57 +146,38 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 
 template <typename T, int NT>
 __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __grid_constant__ CUtensorMap weight_map,
-                                                                     LinearShapes sh, const T* __restrict__ x,
-                                                                     T* __restrict__ out) {
+                                                                     const __grid_constant__ CUtensorMap x_map,
+                                                                     LinearShapes sh, T* __restrict__ out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using L = LinearLayout<NT>;
-  constexpr int STAGES = L::kStages;
+  constexpr int kBox = stage_bytes(NT);  // one chunk: [weight tile][x rows]
+  const int stages = sh.stages, boxes = sh.boxes, kStage = boxes * kBox;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + std::max(stages * kStage, part_bytes(NT)));
+  uint64_t* empty = full + stages;
   const cg::cluster_group cluster = cg::this_cluster();
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const int n0 = blockIdx.x * kCtaFeatures;
-#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const bool active = n0 + warp * kWarpFeatures < sh.n;  // n is a multiple of 32: all of a warp's features or none
-#endif
   const int split = static_cast<int>(cluster.block_rank()), splits = static_cast<int>(cluster.num_blocks());
   const int chunk0 = split * sh.chunks_per_split;
-  const int chunks = std::max(0, std::min(sh.chunks_per_split, sh.k / kChunk - chunk0));
-
-  auto stage_at = [&](int i) { return smem + (i % STAGES) * L::kStage; };
-  auto issue = [&](int i) {  // chunk i of this split into its stage: the weight tile (thread 0), the x rows (all)
-    unsigned char* st = stage_at(i);
-    const int k0 = (chunk0 + i) * kChunk;
-    if (tid == 0) {
-      mbarrier_expect_bytes(&full[i % STAGES], L::kWeightBytes);  // rows past N arrive as zeros, counted too
-      load_tile(st, &weight_map, k0, n0, &full[i % STAGES]);
-    }
-    uint4* xs = reinterpret_cast<uint4*>(st + L::kWeightBytes);
-    for (int e = tid; e < sh.rows * 8; e += kLinearThreads) {
-      const int row = e / 8, piece = e % 8;
-      cuda::copy_async<16>(xs + swizzled(row, piece), x + row * sh.x_stride + k0 + 8 * piece);
-    }
-  };
+  // Pipeline steps of `boxes` chunks each (the split's chunks are a multiple of it).
+  const int steps = std::max(0, std::min(sh.chunks_per_split, sh.k / kChunk - chunk0)) / boxes;
 
   if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) mbarrier_init(&full[s], 1);
+    for (int s = 0; s < stages; ++s) {
+      mbarrier_init(&full[s], 1);                 // the producer's expect_tx; the copies complete it
+      mbarrier_init(&empty[s], kConsumerWarps);   // one arrive per consumer warp once it is done with the stage
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the copy engine
+    allow_next_kernel_launch();  // its CTAs take SMs as ours leave (and stream their own weights meanwhile)
   }
-  // Rows past M read zeros: they only feed output columns nobody stores, but no product reads uninitialised memory.
-  const int pad = NT * 8 - sh.rows;
-  for (int e = tid; e < STAGES * pad * 8; e += kLinearThreads) {
-    uint4* xs = reinterpret_cast<uint4*>(smem + (e / (pad * 8)) * L::kStage + L::kWeightBytes);
-    const int rest = e % (pad * 8);
-    xs[swizzled(sh.rows + rest / 8, rest % 8)] = make_uint4(0, 0, 0, 0);
-  }
+  __syncthreads();
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the zeros, for the tensor cores' reads
   float acc[2][4 * NT];  // per 64-feature half: wgmma's accumulator layout (csrc/wgmma.cuh)
 #else
   float acc[2][NT][4];
 #endif
-  __syncthreads();
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
     float* a = reinterpret_cast<float*>(acc[m]);
@@ -184,72 +185,119 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
     for (int q = 0; q < 4 * NT; ++q) a[q] = 0.f;
   }
 
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < chunks) issue(i);
-    cuda::commit_async_copies();
-  }
-  for (int i = 0; i < chunks; ++i) {
-    cuda::wait_async_copies_but<STAGES - 2>();  // this thread's x pieces of chunk i
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // ... visible to the tensor cores' reads
-#endif
-    mbarrier_wait(&full[i % STAGES], (i / STAGES) & 1);  // the weight tile of chunk i
-    __syncthreads();  // every thread's x pieces are in; every warp is done with the stage refilled next
-    if (i + STAGES - 1 < chunks) issue(i + STAGES - 1);
-    cuda::commit_async_copies();
-    const uint32_t w_base = smem_addr(stage_at(i)), x_base = w_base + L::kWeightBytes;
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    // The 4 warps are one warpgroup: each k16 step, D[64 features, 8 NT rows] += W[64, 16] X[16, 8 NT] for both
-    // halves of the CTA's features, from the swizzled tiles (features past N are zeros).
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-    for (int ks = 0; ks < kChunk / 16; ++ks) {
-      const uint64_t b = sw128_descriptor(x_base + 32 * ks);
-#pragma unroll
-      for (int m = 0; m < 2; ++m) cuda::wgmma_m64k16<T, NT>(acc[m], sw128_descriptor(w_base + m * 64 * 128 + 32 * ks), b);
+  // Warp specialisation: the producer warp keeps up to `stages` steps in flight (weights and x rows by the copy
+  // engine: rows past N or M arrive as zeros and are counted too), refilling a stage as soon as the consumers
+  // release it; the consumers never wait on anything but the data of the step they are on.
+  // Under a programmatic launch the first stages' weight tiles may be in flight before the preceding kernels are
+  // done (prefetch_weight); everything else, the x rows and every store, waits for them.
+  if (warp == kConsumerWarps) {
+    if (lane == 0) {
+      const int first = std::min(steps, stages);
+      auto load_weight = [&](int i) {
+        mbarrier_expect_bytes(&full[i % stages], kStage);
+        for (int b = 0; b < boxes; ++b)
+          load_tile(smem + (i % stages) * kStage + b * kBox, &weight_map, (chunk0 + i * boxes + b) * kChunk, n0,
+                    &full[i % stages]);
+      };
+      auto load_x = [&](int i) {
+        for (int b = 0; b < boxes; ++b)
+          load_tile(smem + (i % stages) * kStage + b * kBox + kWeightTileBytes, &x_map,
+                    (chunk0 + i * boxes + b) * kChunk, 0, &full[i % stages]);
+      };
+      if (sh.prefetch_weight) {
+        for (int i = 0; i < first; ++i) load_weight(i);
+        wait_for_preceding_kernels();
+        for (int i = 0; i < first; ++i) load_x(i);
+      } else {
+        wait_for_preceding_kernels();
+        for (int i = 0; i < first; ++i) {
+          load_weight(i);
+          load_x(i);
+        }
+      }
+      for (int i = first; i < steps; ++i) {
+        mbarrier_wait(&empty[i % stages], (i / stages - 1) & 1);
+        load_weight(i);
+        load_x(i);
+      }
+    } else {
+      wait_for_preceding_kernels();
     }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // the stage may be refilled after the next barrier
+  } else {
+    wait_for_preceding_kernels();
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const bool active = n0 + warp * kWarpFeatures < sh.n;  // n is a multiple of 32: all of a warp's features or none
+#endif
+    for (int i = 0; i < steps; ++i) {
+      const int s = i % stages;
+      mbarrier_wait(&full[s], (i / stages) & 1);
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+      // The 4 warps are one warpgroup: each k16 step, D[64 features, 8 NT rows] += W[64, 16] X[16, 8 NT] for both
+      // halves of the CTA's features, from the swizzled tiles (features past N are zeros). The products of a step
+      // stay in flight while the next step's are issued; a stage is released once its products are done.
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll 1
+      for (int bx = 0; bx < boxes; ++bx) {
+        const uint32_t w_base = smem_addr(smem + s * kStage + bx * kBox), x_base = w_base + kWeightTileBytes;
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 16; ++ks) {
+          const uint64_t b = sw128_descriptor(x_base + 32 * ks);
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+            cuda::wgmma_m64k16<T, NT>(acc[m], sw128_descriptor(w_base + m * 64 * 128 + 32 * ks), b);
+        }
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // step i - 1's products are done
+      if (i > 0 && lane == 0) mbarrier_arrive(&empty[(i - 1) % stages]);
+#else  // mma.sync from ldmatrix, per warp
+#pragma unroll 1
+      for (int bx = 0; bx < boxes && active; ++bx) {
+        const uint32_t w_base = smem_addr(smem + s * kStage + bx * kBox), x_base = w_base + kWeightTileBytes;
+        // ldmatrix addresses: A (weights) row warp * 32 + 16 mt + lane % 16, pieces 2 s + lane / 16; B (x) row
+        // 8 j + lane % 8, pieces 4 h + lane / 8. Every row a lane names is congruent to lane % 8 mod 8: one swizzle.
+        const int sw = lane & 7;
+        const uint32_t a_off = (warp * kWarpFeatures + lane % 16) * 128, b_off = (lane % 8) * 128;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // k 32 h .. 32 h + 31 of the chunk: two k16 steps
+          uint32_t b[NT][4];
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+            ldmatrix_x4(b[j], x_base + j * 8 * 128 + b_off + (((4 * h + lane / 8) ^ sw) << 4));
+#pragma unroll
+          for (int ds = 0; ds < 2; ++ds) {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+              uint32_t a[4];
+              ldmatrix_x4(a, w_base + mt * 16 * 128 + a_off + (((4 * h + 2 * ds + lane / 16) ^ sw) << 4));
+#pragma unroll
+              for (int j = 0; j < NT; ++j) {
+                const uint32_t bb[2] = {b[j][2 * ds], b[j][2 * ds + 1]};
+                cuda::mma_16x8x16<T>(acc[mt][j], a, bb);
+              }
+            }
+          }
+        }
+      }
+      __syncwarp();  // every lane's fragments are in registers: the stage may be refilled
+      if (lane == 0) mbarrier_arrive(&empty[s]);
+#endif
+    }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
 #pragma unroll
       for (int q = 0; q < 4 * NT; ++q) asm volatile("" : "+f"(acc[m][q])::"memory");  // no read before the wait
     }
-#else  // mma.sync from ldmatrix, per warp
-    if (!active) continue;
-    // ldmatrix addresses: A (weights) row warp * 32 + 16 mt + lane % 16, pieces 2 s + lane / 16; B (x) row
-    // 8 j + lane % 8, pieces 4 h + lane / 8. Every row a lane names is congruent to lane % 8 mod 8: one swizzle.
-    const int sw = lane & 7;
-    const uint32_t a_off = (warp * kWarpFeatures + lane % 16) * 128, b_off = (lane % 8) * 128;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // k 32 h .. 32 h + 31 of the chunk: two k16 steps
-      uint32_t b[NT][4];
-#pragma unroll
-      for (int j = 0; j < NT; ++j) ldmatrix_x4(b[j], x_base + j * 8 * 128 + b_off + (((4 * h + lane / 8) ^ sw) << 4));
-#pragma unroll
-      for (int ds = 0; ds < 2; ++ds) {
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          uint32_t a[4];
-          ldmatrix_x4(a, w_base + mt * 16 * 128 + a_off + (((4 * h + 2 * ds + lane / 16) ^ sw) << 4));
-#pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            const uint32_t bb[2] = {b[j][2 * ds], b[j][2 * ds + 1]};
-            cuda::mma_16x8x16<T>(acc[mt][j], a, bb);
-          }
-        }
-      }
-    }
 #endif
   }
 
   // ---- the partial tile [row][feature] in shared memory, then the cluster's sum in split order ----
-  cuda::wait_async_copies_but<0>();
-  __syncthreads();  // the stages are free
+  __syncthreads();  // every step arrived and was consumed: the stages are free
   float* part = reinterpret_cast<float*>(smem);  // [row][feature]
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  {
+  if (warp < kConsumerWarps) {
     const int gid = lane / 4, tig = lane % 4;
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
@@ -265,7 +313,7 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
     }
   }
 #else
-  if (active) {
+  if (warp < kConsumerWarps && n0 + warp * kWarpFeatures < sh.n) {
     const int gid = lane / 4, tig = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -302,8 +350,35 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
 #endif
 }
 
+// A tensor map of a row-major [rows, cols] 16-bit matrix (rows `row_stride` elements apart) whose boxes are
+// [box_rows][64] with the 128-byte swizzle the kernel's tiles use.
+CUtensorMap encode_tensor_map(const void* data, at::ScalarType dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                              int box_rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    cudaDriverEntryPointQueryResult found{};
+    void* fn = nullptr;
+#if CUDART_VERSION >= 12050
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+#else
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found));
+#endif
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr, "linear: the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * 2};
+  const cuuint32_t box[2] = {kChunk, static_cast<cuuint32_t>(box_rows)}, unit[2] = {1, 1};
+  const CUresult status = encode(
+      &map, dtype == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+      const_cast<void*>(data), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(status == CUDA_SUCCESS, "linear: cuTensorMapEncodeTiled failed with error ", static_cast<int>(status));
+  return map;
+}
+
 // The weight's tensor map for the kernel's [128 rows][64] tiles, encoded once per (address, shape, dtype): the
-// weights of a model stay where they are, so a round finds them all here.
+// weights of a model stay where they are, so a round finds them all here. (The x rows get theirs per call.)
 CUtensorMap weight_tensor_map(const at::Tensor& weight) {
   using Key = std::tuple<const void*, int64_t, int64_t, int>;
   struct KeyHash {
@@ -314,77 +389,94 @@ CUtensorMap weight_tensor_map(const at::Tensor& weight) {
   };
   static std::mutex mutex;
   static std::unordered_map<Key, CUtensorMap, KeyHash> maps;
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   const Key key{weight.data_ptr(), weight.size(0), weight.size(1), static_cast<int>(weight.scalar_type())};
   const std::lock_guard<std::mutex> lock(mutex);
   if (auto it = maps.find(key); it != maps.end()) return it->second;
-  if (encode == nullptr) {
-    cudaDriverEntryPointQueryResult found{};
-    void* fn = nullptr;
-#if CUDART_VERSION >= 12050
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-#else
-    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found));
-#endif
-    TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr, "linear: the driver has no cuTensorMapEncodeTiled");
-    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(weight.size(1)), static_cast<cuuint64_t>(weight.size(0))};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(weight.size(1)) * 2};
-  const cuuint32_t box[2] = {kChunk, kCtaFeatures}, unit[2] = {1, 1};
-  const CUresult status = encode(
-      &map, weight.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      2, weight.data_ptr(), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(status == CUDA_SUCCESS, "linear: cuTensorMapEncodeTiled failed with error ", static_cast<int>(status));
+  const CUtensorMap map = encode_tensor_map(weight.data_ptr(), weight.scalar_type(), weight.size(0), weight.size(1),
+                                            weight.size(1), kCtaFeatures);
   maps.emplace(key, map);
   return map;
 }
 
+// The pipeline: `boxes` chunks per stage (consecutive k: 128 bytes of a weight row per chunk) and `stages` stages,
+// as many as fit beside the other CTAs an SM holds (projections with at most one CTA per SM get an SM's shared
+// memory each). More chunks per stage keep more of each weight row in flight together, which the H200 streamed
+// faster (boxes 4 at 3 stages beat 1 at 11 at one row: benchmarks/results/2026-12-01-h200-linear-kernel.md), as long
+// as at least kMinStages stages fit. {0, 0} where not even two stages of one chunk fit (GPUs with less shared
+// memory per SM: at::mm then). `group` (a multiple of every boxes tried) divides the split's chunks.
+struct Pipeline {
+  int boxes, stages;
+};
+constexpr int kMinStages = 3;
+
+Pipeline pipeline_for(int nt, int group, int64_t ctas, int chunks_per_split) {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  const int64_t per_sm = std::clamp<int64_t>(cuda::ceil_div(ctas, prop->multiProcessorCount), 1, 2);
+  const int64_t budget = std::min<int64_t>(static_cast<int64_t>(prop->sharedMemPerMultiprocessor) / per_sm -
+                                               static_cast<int64_t>(prop->reservedSharedMemPerBlock),
+                                           static_cast<int64_t>(cuda::max_dynamic_smem()));
+  auto stages_for = [&](int boxes) {
+    int stages = std::min(kMaxStages, std::max(2, chunks_per_split / boxes));
+    while (stages >= 2 && linear_smem_bytes(nt, boxes, stages) > budget) --stages;
+    return stages;
+  };
+  for (int boxes = group; boxes > 1; boxes /= 2) {
+    const int stages = stages_for(boxes);
+    if (stages >= std::max(2, std::min(kMinStages, chunks_per_split / boxes))) return {boxes, stages};
+  }
+  const int stages = stages_for(1);
+  return stages >= 2 ? Pipeline{1, stages} : Pipeline{0, 0};
+}
+
 template <typename T, int NT>
 void launch_linear_rows(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, int splits,
-                        int chunks_per_split) {
-  using L = LinearLayout<NT>;
-  if (static_cast<size_t>(L::kTotal) > cuda::max_dynamic_smem()) {  // GPUs with less shared memory per block
+                        int chunks_per_split, int group, bool prefetch_weight) {
+  const int n = static_cast<int>(weight.size(0));
+  const int64_t tiles = cuda::ceil_div(n, kCtaFeatures);
+  const auto [boxes, stages] = pipeline_for(NT, group, tiles * splits, chunks_per_split);
+  if (stages == 0) {
     linear_mm(x, weight, out);
     return;
   }
-  const int n = static_cast<int>(weight.size(0));
-  const LinearShapes sh{static_cast<int>(x.size(0)), n, static_cast<int>(x.size(1)), x.stride(0), out.stride(0),
-                        chunks_per_split};
-  const CUtensorMap map = weight_tensor_map(weight);
+  const LinearShapes sh{static_cast<int>(x.size(0)), n, static_cast<int>(x.size(1)), out.stride(0), chunks_per_split,
+                        boxes, stages, prefetch_weight};
+  const CUtensorMap weight_map = weight_tensor_map(weight);
+  const CUtensorMap x_map =
+      encode_tensor_map(x.data_ptr(), x.scalar_type(), x.size(0), x.size(1), x.stride(0), NT * 8);
   auto kernel = linear_rows_kernel<T, NT>;
-  cuda::allow_dynamic_smem(kernel, L::kTotal);
+  const int smem = linear_smem_bytes(NT, boxes, stages);
+  cuda::allow_dynamic_smem(kernel, smem);
   cuda::prefer_max_shared_memory(kernel);  // two CTAs per SM
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(cuda::ceil_div(n, kCtaFeatures)), static_cast<unsigned>(splits), 1);
+  config.gridDim = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), 1);
   config.blockDim = dim3(kLinearThreads, 1, 1);
-  config.dynamicSmemBytes = L::kTotal;
+  config.dynamicSmemBytes = smem;
   config.stream = cuda::current_stream();
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = 1;
-  attribute.val.clusterDim.y = static_cast<unsigned>(splits);
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map, sh, x.data_ptr<T>(), out.data_ptr<T>()));
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = 1;
+  attributes[0].val.clusterDim.y = static_cast<unsigned>(splits);
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attributes;
+  config.numAttrs = 2;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, weight_map, x_map, sh, out.data_ptr<T>()));
 }
 
 template <typename T>
 void launch_linear_rows(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, int splits,
-                        int chunks_per_split) {
+                        int chunks_per_split, int group, bool prefetch_weight) {
   switch (cuda::ceil_div(x.size(0), 8)) {
-    case 1: launch_linear_rows<T, 1>(x, weight, out, splits, chunks_per_split); break;
-    case 2: launch_linear_rows<T, 2>(x, weight, out, splits, chunks_per_split); break;
-    case 3: launch_linear_rows<T, 3>(x, weight, out, splits, chunks_per_split); break;
-    case 4: launch_linear_rows<T, 4>(x, weight, out, splits, chunks_per_split); break;
-    case 5: launch_linear_rows<T, 5>(x, weight, out, splits, chunks_per_split); break;
-    case 6: launch_linear_rows<T, 6>(x, weight, out, splits, chunks_per_split); break;
-    case 7: launch_linear_rows<T, 7>(x, weight, out, splits, chunks_per_split); break;
-    case 8: launch_linear_rows<T, 8>(x, weight, out, splits, chunks_per_split); break;
-    default: launch_linear_rows<T, 9>(x, weight, out, splits, chunks_per_split); break;
+    case 1: launch_linear_rows<T, 1>(x, weight, out, splits, chunks_per_split, group, prefetch_weight); break;
+    case 2: launch_linear_rows<T, 2>(x, weight, out, splits, chunks_per_split, group, prefetch_weight); break;
+    case 3: launch_linear_rows<T, 3>(x, weight, out, splits, chunks_per_split, group, prefetch_weight); break;
+    case 4: launch_linear_rows<T, 4>(x, weight, out, splits, chunks_per_split, group, prefetch_weight); break;
+    case 5: launch_linear_rows<T, 5>(x, weight, out, splits, chunks_per_split, group, prefetch_weight); break;
+    case 6: launch_linear_rows<T, 6>(x, weight, out, splits, chunks_per_split, group, prefetch_weight); break;
+    case 7: launch_linear_rows<T, 7>(x, weight, out, splits, chunks_per_split, group, prefetch_weight); break;
+    case 8: launch_linear_rows<T, 8>(x, weight, out, splits, chunks_per_split, group, prefetch_weight); break;
+    default: launch_linear_rows<T, 9>(x, weight, out, splits, chunks_per_split, group, prefetch_weight); break;
   }
 }
 
@@ -402,7 +494,7 @@ bool cluster_kernels_built(at::ScalarType dtype) {
 // The kernel takes bfloat16/float16 with M <= 72, N a multiple of 32, K a multiple of 64, a contiguous weight,
 // x rows 16-byte aligned and out rows 8-byte aligned, on GPUs (and builds) of compute capability >= 9.0; anything
 // else runs at::mm (cuBLAS), as the CPU op does.
-void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight) {
   check_linear(x, weight, out);
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -410,7 +502,7 @@ void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out)
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   const bool kernel_applies =
       (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) && rows <= kMaxLinearRows &&
-      n % kWarpFeatures == 0 && k % kChunk == 0 && weight.is_contiguous() &&
+      n % kWarpFeatures == 0 && k > 0 && k % kChunk == 0 && weight.is_contiguous() &&
       x.stride(0) % 8 == 0 && cuda::is_aligned(x.data_ptr(), 16) && cuda::is_aligned(weight.data_ptr(), 16) &&
       out.stride(0) % 4 == 0 && cuda::is_aligned(out.data_ptr(), 8) && prop->major >= 9 &&
       cluster_kernels_built(x.scalar_type());
@@ -418,17 +510,20 @@ void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out)
     linear_mm(x, weight, out);
     return;
   }
-  // Split K until the CTAs fill the SMs once (kSplitCtasPerSm per SM, whatever M), each split whole chunks.
+  // Split K until the CTAs fill the SMs kSplitCtasPerSm times, each split whole groups of 4 chunks (of 2 or 1 where
+  // K has no such groups): the split depends on (N, K) and the GPU alone, whatever M and the pipeline.
   const int64_t tiles = cuda::ceil_div(n, kCtaFeatures), total_chunks = k / kChunk;
+  const int group = total_chunks % 4 == 0 ? 4 : total_chunks % 2 == 0 ? 2 : 1;
+  const int64_t groups = total_chunks / group;
   const int64_t want = std::clamp<int64_t>(kSplitCtasPerSm * prop->multiProcessorCount / tiles, 1,
-                                           std::min<int64_t>(kMaxSplits, total_chunks));
-  const int chunks_per_split = static_cast<int>(cuda::ceil_div(total_chunks, want));
+                                           std::min<int64_t>(kMaxSplits, groups));
+  const int chunks_per_split = static_cast<int>(cuda::ceil_div(groups, want)) * group;
   const int splits = static_cast<int>(cuda::ceil_div(total_chunks, chunks_per_split));
   AT_DISPATCH_SWITCH(x.scalar_type(), "linear",
                      AT_DISPATCH_CASE(at::kHalf,
-                                      [&] { launch_linear_rows<scalar_t>(x, weight, out, splits, chunks_per_split); })
+                                      [&] { launch_linear_rows<scalar_t>(x, weight, out, splits, chunks_per_split, group, prefetch_weight); })
                          AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                           launch_linear_rows<scalar_t>(x, weight, out, splits, chunks_per_split);
+                           launch_linear_rows<scalar_t>(x, weight, out, splits, chunks_per_split, group, prefetch_weight);
                          }));
 }
 

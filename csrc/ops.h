@@ -67,7 +67,7 @@ void gdn_gates_cpu(const at::Tensor& x, const at::Tensor& weight_a, const at::Te
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
 // out = x weight^T through at::mm: the CPU op, and the CUDA op's path for what its kernel does not take.
 void linear_mm(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out);
-void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out);
+void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
 void check_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                          const at::Tensor& out);
 // The same attention through ATen's SDPA over K/V repeated per query head: the CPU op, and the CUDA op's path for
@@ -128,7 +128,7 @@ void rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::opt
                    bool zero_centered, at::Tensor& out);
 void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);
-void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out);
+void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
 void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                         double scale, at::Tensor& out);
 void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,

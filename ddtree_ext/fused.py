@@ -122,7 +122,7 @@ def linear(module: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noq
     weight = module.weight
     if (linear_kernel and module.bias is None and input.is_cuda and input.shape[-1] == weight.shape[1]
             and ops_apply(input, weight)):
-        return ops.linear(input, weight)
+        return ops.linear(input, weight, prefetch_weight=True)  # a model's weight: nothing writes it meanwhile
     return torch.nn.functional.linear(input, weight, module.bias)
 
 

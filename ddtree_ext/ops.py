@@ -343,7 +343,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: Optional
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+           prefetch_weight: bool = False) -> torch.Tensor:
     """A bias-free projection: x [..., K] (last dim contiguous), weight [N, K] (an ``nn.Linear``'s, last dim
     contiguous) in x's dtype -> out [..., N] = x weight^T (contiguous unless given as [rows, N]), float32 sums.
 
@@ -351,6 +352,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor]
     the Qwen shapes) run a weight-streaming tensor-core kernel on GPUs of compute capability >= 9.0: K split over a
     thread-block cluster and summed in a fixed order, the split chosen from (N, K) alone, so a row's result does
     not depend on the other rows in the call. Everything else, and the CPU op, is ``torch.mm``.
+
+    The kernel launches as a programmatic dependent of the kernel before it on the stream: its set-up overlaps that
+    kernel's end, and it reads x and writes out only once that kernel is done. ``prefetch_weight=True`` lets it start
+    streaming the weight before then too; only for weights that no kernel in flight writes (a model's projections
+    during generation), since nothing orders those reads after the preceding kernels.
     """
     rows = _rows(x)
     shape = (*x.shape[:-1], weight.shape[0])
@@ -358,7 +364,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor]
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     elif out.dim() != 2 and tuple(out.shape) != shape:
         raise ValueError(f"linear: out must have shape {list(shape)}, got {list(out.shape)}")
-    load_ops().linear(rows, weight, out.view(-1, out.shape[-1]) if out.dim() != 2 else out)
+    load_ops().linear(rows, weight, out.view(-1, out.shape[-1]) if out.dim() != 2 else out, bool(prefetch_weight))
     return out
 
 

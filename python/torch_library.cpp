@@ -28,7 +28,7 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("rms_norm(Tensor x, Tensor weight, Tensor? gate, float eps, bool zero_centered, Tensor(a!) out) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
-  m.def("linear(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
+  m.def("linear(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False) -> ()");
   m.def("gqa_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor(a!) out) -> ()");
   m.def(
       "gdn_gates(Tensor x, Tensor weight_a, Tensor weight_b, Tensor A_log, Tensor dt_bias, Tensor(a!) g, "

@@ -36,7 +36,7 @@ def main():
     for rows in args.rows:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         if args.time:
-            ours = replay_us([lambda w=w: ops.linear(x, w) for w in weights])
+            ours = replay_us([lambda w=w: ops.linear(x, w, prefetch_weight=True) for w in weights])
             cublas = replay_us([lambda w=w: torch.nn.functional.linear(x, w) for w in weights])
             gbps = 2 * n * k / ours / 1e3
             print(f"rows {rows:3d} [{n}, {k}]: ops.linear {ours:7.2f} us ({gbps:5.0f} GB/s), F.linear {cublas:7.2f} us")

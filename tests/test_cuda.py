@@ -899,13 +899,13 @@ def linear_kernel_applies(rows: int, n: int, k: int, dtype: torch.dtype) -> bool
 @pytest.mark.parametrize(
     "rows,n,k",
     [
-        (1, 5120, 6144),    # 27B decode step, the GDN out_proj: 40 tiles, K split over 3 CTAs of a cluster (132 SMs)
-        (65, 1024, 5120),   # 27B verify at budget 64, k_proj: 8 tiles, splits of 8 (a whole cluster)
-        (16, 4096, 4096),   # a DFlash block through Qwen3-8B-sized projections: 32 tiles, 4 splits
+        (1, 5120, 6144),    # 27B decode step, the GDN out_proj: 40 tiles, K split over 6 CTAs of a cluster (132 SMs)
+        (65, 1024, 5120),   # 27B verify at budget 64, k_proj: 8 tiles, 7 splits of 12 chunks (the last 8)
+        (16, 4096, 4096),   # a DFlash block through Qwen3-8B-sized projections: 32 tiles, 8 splits
         (72, 17408, 64),    # the most rows the kernel takes, a single chunk of K (one split)
         (9, 160, 832),      # N not a multiple of the 128-feature CTA (the last CTA's last warps idle); 13 chunks
-                            # over 7 splits (the last split shorter)
-        (33, 96, 17408),    # the down_proj's K: 272 chunks
+                            # (no groups of 2 or 4) over 7 splits (the last split shorter)
+        (33, 96, 17408),    # the down_proj's K: 272 chunks, 8 splits of 36 (the last 20)
         (73, 256, 512),     # more rows than the kernel takes: torch.mm
         (5, 100, 64),       # N not a multiple of 32: torch.mm
         (5, 128, 100),      # K not a multiple of 64: torch.mm
@@ -960,6 +960,25 @@ def test_linear_rows_do_not_depend_on_the_other_rows():
         for lo, hi in ((0, 1), (5, 6), (0, 16), (0, 17), (3, 28), (0, 33), (0, 41), (8, 57), (0, 57), (7, 72), (0, 65),
                        (64, 65)):
             assert torch.equal(ops.linear(x[lo:hi], weight), full[lo:hi]), (n, k, lo, hi)
+
+
+def test_linear_prefetch_weight_gives_the_same_bits():
+    """prefetch_weight only moves the first weight reads before the preceding kernel's end: the same bits, eagerly
+    and replayed from a graph right after the kernel that writes x."""
+    gen = make_gen(34)
+    for rows, n, k in ((1, 1024, 5120), (65, 4096, 4096), (16, 160, 832)):
+        x0 = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(DEV)
+        weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16).to(DEV)
+        expected = ops.linear(x0 * 2, weight)
+        x = torch.empty_like(x0)
+        assert torch.equal(ops.linear(torch.mul(x0, 2, out=x), weight, prefetch_weight=True), expected)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.mul(x0, 2, out=x)
+            got = ops.linear(x, weight, prefetch_weight=True)
+        x.zero_()
+        graph.replay()
+        assert torch.equal(got, expected), (rows, n, k)
 
 
 def test_linear_rows_with_infinities_stay_in_their_rows():

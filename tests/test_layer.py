@@ -283,6 +283,8 @@ def test_linear_op_equals_torch(rows, n, k, dtype, gen):
     assert_close(out, reference.linear(x, weight), dtype)
     x3 = torch.randn(2, 3, k, generator=gen).to(dtype)
     assert torch.equal(ops.linear(x3, weight), torch.nn.functional.linear(x3, weight))
+    # prefetch_weight only concerns the CUDA kernel's launch order
+    assert torch.equal(ops.linear(x3, weight, prefetch_weight=True), torch.nn.functional.linear(x3, weight))
 
 
 def test_linear_bad_inputs():
