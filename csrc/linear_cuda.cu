@@ -403,7 +403,8 @@ CUtensorMap weight_tensor_map(const at::Tensor& weight) {
 // memory each). More chunks per stage keep more of each weight row in flight together, which the H200 streamed
 // faster (boxes 4 at 3 stages beat 1 at 11 at one row: benchmarks/results/2026-12-01-h200-linear-kernel.md), as long
 // as at least kMinStages stages fit. {0, 0} where not even two stages of one chunk fit (GPUs with less shared
-// memory per SM: at::mm then). `group` (a multiple of every boxes tried) divides the split's chunks.
+// memory per SM: linear_cuda checks that at 9 column tiles, the most shared memory per stage, before any launch).
+// `group` (a multiple of every boxes tried) divides the split's chunks.
 struct Pipeline {
   int boxes, stages;
 };
@@ -434,10 +435,7 @@ void launch_linear_rows(const at::Tensor& x, const at::Tensor& weight, at::Tenso
   const int n = static_cast<int>(weight.size(0));
   const int64_t tiles = cuda::ceil_div(n, kCtaFeatures);
   const auto [boxes, stages] = pipeline_for(NT, group, tiles * splits, chunks_per_split);
-  if (stages == 0) {
-    linear_mm(x, weight, out);
-    return;
-  }
+  TORCH_CHECK(stages >= 2 && group % boxes == 0, "linear: internal error: no pipeline for ", NT, " column tiles");
   const LinearShapes sh{static_cast<int>(x.size(0)), n, static_cast<int>(x.size(1)), out.stride(0), chunks_per_split,
                         boxes, stages, prefetch_weight};
   const CUtensorMap weight_map = weight_tensor_map(weight);
@@ -445,7 +443,9 @@ void launch_linear_rows(const at::Tensor& x, const at::Tensor& weight, at::Tenso
       encode_tensor_map(x.data_ptr(), x.scalar_type(), x.size(0), x.size(1), x.stride(0), NT * 8);
   auto kernel = linear_rows_kernel<T, NT>;
   const int smem = linear_smem_bytes(NT, boxes, stages);
-  cuda::allow_dynamic_smem(kernel, smem);
+  // The function's limit at the largest a CTA may ask for (a per-call size could lower it under another thread's
+  // launch of the same kernel); each launch still asks for its own size.
+  cuda::allow_dynamic_smem(kernel, cuda::max_dynamic_smem());
   cuda::prefer_max_shared_memory(kernel);  // two CTAs per SM
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(splits), 1);
@@ -460,7 +460,11 @@ void launch_linear_rows(const at::Tensor& x, const at::Tensor& weight, at::Tenso
   attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attributes;
+#if CUDART_VERSION >= 12030
   config.numAttrs = 2;
+#else
+  config.numAttrs = 1;  // stream capture takes programmatic launches from CUDA 12.3 on
+#endif
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, weight_map, x_map, sh, out.data_ptr<T>()));
 }
 
@@ -492,7 +496,8 @@ bool cluster_kernels_built(at::ScalarType dtype) {
 }  // namespace
 
 // The kernel takes bfloat16/float16 with M <= 72, N a multiple of 32, K a multiple of 64, a contiguous weight,
-// x rows 16-byte aligned and out rows 8-byte aligned, on GPUs (and builds) of compute capability >= 9.0; anything
+// x rows 16-byte aligned and at least K apart (the copy engine reads them as a matrix), out rows 8-byte aligned, on
+// GPUs (and builds) of compute capability >= 9.0 with the shared memory for its deepest stages; anything
 // else runs at::mm (cuBLAS), as the CPU op does.
 void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight) {
   check_linear(x, weight, out);
@@ -503,7 +508,7 @@ void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
   const bool kernel_applies =
       (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) && rows <= kMaxLinearRows &&
       n % kWarpFeatures == 0 && k > 0 && k % kChunk == 0 && weight.is_contiguous() &&
-      x.stride(0) % 8 == 0 && cuda::is_aligned(x.data_ptr(), 16) && cuda::is_aligned(weight.data_ptr(), 16) &&
+      x.stride(0) % 8 == 0 && (x.stride(0) >= k || rows == 1) && cuda::is_aligned(x.data_ptr(), 16) && cuda::is_aligned(weight.data_ptr(), 16) &&
       out.stride(0) % 4 == 0 && cuda::is_aligned(out.data_ptr(), 8) && prop->major >= 9 &&
       cluster_kernels_built(x.scalar_type());
   if (!kernel_applies) {
@@ -519,6 +524,12 @@ void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
                                            std::min<int64_t>(kMaxSplits, groups));
   const int chunks_per_split = static_cast<int>(cuda::ceil_div(groups, want)) * group;
   const int splits = static_cast<int>(cuda::ceil_div(total_chunks, chunks_per_split));
+  // Whether the kernel runs must not depend on M either: it runs only where the most rows (9 column tiles, the
+  // most shared memory per stage) get a pipeline too (not so on GPUs with about 100 KB per SM: at::mm then).
+  if (pipeline_for(kMaxLinearRows / 8, group, tiles * splits, chunks_per_split).stages == 0) {
+    linear_mm(x, weight, out);
+    return;
+  }
   AT_DISPATCH_SWITCH(x.scalar_type(), "linear",
                      AT_DISPATCH_CASE(at::kHalf,
                                       [&] { launch_linear_rows<scalar_t>(x, weight, out, splits, chunks_per_split, group, prefetch_weight); })

@@ -932,15 +932,15 @@ def test_linear_op(rows, n, k, dtype):
 
 
 def test_linear_unaligned_inputs_take_torch_mm():
-    """x rows not 16-byte aligned, a weight whose rows are not contiguous with each other, out rows not 8-byte
-    aligned: each takes torch.mm (no kernel launch), with the same results."""
+    """x rows not 16-byte aligned, x rows less than K apart (one row expanded), a weight whose rows are not contiguous
+    with each other, out rows not 8-byte aligned: each takes torch.mm (no kernel launch), with the same results."""
     gen = make_gen(33)
     x_wide = torch.randn(5, 520, generator=gen).to(torch.bfloat16).to(DEV)
     w_wide = (torch.randn(256, 576, generator=gen) * 0.05).to(torch.bfloat16).to(DEV)
     out_wide = torch.empty(5, 260, dtype=torch.bfloat16, device=DEV)
     aligned_x, aligned_w = x_wide[:, :512], w_wide[:, :512].contiguous()
-    for x, w, out in ((x_wide[:, 1:513], aligned_w, None), (aligned_x, w_wide[:, :512], None),
-                      (aligned_x, aligned_w, out_wide[:, 1:257])):
+    for x, w, out in ((x_wide[:, 1:513], aligned_w, None), (aligned_x[:1].expand(5, 512), aligned_w, None),
+                      (aligned_x, w_wide[:, :512], None), (aligned_x, aligned_w, out_wide[:, 1:257])):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             got = ops.linear(x, w, out=out)
             torch.cuda.synchronize()
