@@ -981,6 +981,33 @@ def test_linear_prefetch_weight_gives_the_same_bits():
         assert torch.equal(got, expected), (rows, n, k)
 
 
+def test_linear_after_a_side_stream_kernel():
+    """A programmatic launch waits for everything before it, also for x written on another stream and joined by an
+    event (eagerly, and replayed from a graph where the join is an edge), and for a memset before it."""
+    gen = make_gen(35)
+    x0 = torch.randn(16, 4096, generator=gen).to(torch.bfloat16).to(DEV)
+    weight = (torch.randn(1024, 4096, generator=gen) * 4096**-0.5).to(torch.bfloat16).to(DEV)
+    expected = ops.linear(x0 * 3, weight)
+    x = torch.empty_like(x0)
+    side = torch.cuda.Stream()
+
+    def run():
+        x.zero_()  # a memset, then the side stream's kernel writes x
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.mul(x0, 3, out=x)
+        torch.cuda.current_stream().wait_stream(side)
+        return ops.linear(x, weight, prefetch_weight=True)
+
+    assert torch.equal(run(), expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = run()
+    x.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(got, expected)
+
+
 def test_linear_rows_with_infinities_stay_in_their_rows():
     """A row of infinities gives inf/NaN in its own output row only (the columns of the tensor-core products are
     independent, and rows past M read zeros)."""
