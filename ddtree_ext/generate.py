@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the runtime imports are lazy: importing ddtree_ext must not
 
 METHODS = ("ddtree", "dflash", "autoregressive")
 MAX_TREE_BUDGET = 256  # the largest tree the compiled ops support (nodes besides the root)
+MIN_TEMPERATURE = 1e-5  # below it (but above 0), logits / temperature can overflow float32
 STAGES = ("prefill", "draft", "build", "verify", "walk", "commit")
 
 
@@ -164,18 +165,25 @@ def generate(
 
     Raises:
         ValueError naming the argument, before any model forward, for: an unknown method, a
-        budget outside 1..256, a negative temperature, top_p outside (0, 1], a negative top_k, a bool
-        where a number is expected, a non-bool spine, a non-integer/empty/out-of-vocabulary prompt or
+        budget outside 1..256, a negative temperature or one in (0, 1e-5) (logits / temperature would
+        overflow float32), top_p outside (0, 1], a negative top_k (one beyond the vocabulary keeps every
+        token), a bool where a number is expected, a non-bool spine or return_stats, an EOS id outside the
+        vocabulary, a streamer without put() and end(), a draft that is not a DFlashDraftModel, a non-integer/empty/out-of-vocabulary prompt or
         one that is not [1, T] (batch > 1 is not supported yet), an attention_mask with padding, a
         prompt plus max_new_tokens (plus ``block_size - 1`` for the draft methods, see
         :func:`_check_prompt`) beyond the target's max_position_embeddings, a draft that does not match
-        the target (shapes, dtype or device), an unsupported target architecture, or
+        the target (shapes, or the dtype or device of any of its weights), an unsupported target architecture, or
         ``cuda_graph=True`` for a target not on one CUDA device.
     """
-    _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine)
+    _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine,
+                   return_stats, streamer)
     eos = _eos_set(eos_token_id)
     speculative = method != "autoregressive"
     adapter = _as_adapter(target, draft if speculative else None)
+    if any(i >= adapter.vocab_size for i in eos):
+        raise ValueError(f"generate: eos_token_id must lie in [0, {adapter.vocab_size}), got {sorted(eos)}")
+    if top_k is not None:
+        top_k = min(top_k, adapter.vocab_size)  # more than the vocabulary keeps every token, as HF's top-k does
     if speculative:
         _check_draft(draft, adapter)
     use_graphs = _use_graphs(cuda_graph, adapter)
@@ -376,7 +384,8 @@ def _is_number(x) -> bool:
 
 
 def _check_options(
-    method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine
+    method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine, return_stats,
+    streamer,
 ) -> None:
     if method not in METHODS:
         raise ValueError(f"generate: method must be one of {METHODS}, got {method!r}")
@@ -389,6 +398,9 @@ def _check_options(
             raise ValueError(f"generate: draft_top_k must be an int >= 1, got {draft_top_k!r}")
     if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"generate: temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise ValueError(f"generate: top_k must be None or an int >= 0, got {top_k!r}")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
@@ -397,8 +409,19 @@ def _check_options(
         raise ValueError(f"generate: seed must be None or an int in [0, 2**64), got {seed!r}")
     if not isinstance(spine, bool):
         raise ValueError(f"generate: spine must be a bool, got {spine!r}")
+    if not isinstance(return_stats, bool):
+        raise ValueError(f"generate: return_stats must be a bool, got {return_stats!r}")
+    if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
+        raise ValueError(f"generate: streamer must have put() and end() (an HF streamer), got {type(streamer).__name__}")
     if method != "autoregressive" and draft is None:
         raise ValueError(f"generate: draft is required for method={method!r} (only 'autoregressive' runs without)")
+    if method != "autoregressive":
+        from ddtree_ext.draft import DFlashDraftModel
+
+        if not isinstance(draft, DFlashDraftModel):
+            raise ValueError(
+                f"generate: draft must be a ddtree_ext.draft.DFlashDraftModel (e.g. DFlashDraftModel.from_pretrained), "
+                f"got {type(draft).__name__}")
 
 
 def _as_adapter(target, draft) -> "TargetAdapter":
@@ -427,12 +450,13 @@ def _check_draft(draft: "DFlashDraftModel", adapter: "TargetAdapter") -> None:
     except ValueError as e:
         raise ValueError(f"generate: draft does not match the target: {e}") from e
     expected = adapter.embed_tokens.weight
-    actual = draft.fc.weight
-    if actual.dtype != expected.dtype or actual.device != expected.device:
-        raise ValueError(
-            f"generate: draft: weights are {actual.dtype} on {actual.device}, expected the target's "
-            f"{expected.dtype} on {expected.device} (the draft runs on the target's embeddings and LM head)"
-        )
+    for name, actual in draft.named_parameters():
+        if actual.dtype != expected.dtype or actual.device != expected.device:
+            raise ValueError(
+                f"generate: draft: weights are {actual.dtype} on {actual.device}, expected the target's "
+                f"{expected.dtype} on {expected.device} (the draft runs on the target's embeddings and LM head; "
+                f"the first that is not: {name})"
+            )
 
 
 def _check_prompt(
@@ -482,6 +506,8 @@ def _eos_set(eos_token_id) -> frozenset:
     ids = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
     if isinstance(ids, torch.Tensor):
         ids = ids.flatten().tolist()
-    if not isinstance(ids, Iterable) or not all(_is_int(i) and i >= 0 for i in ids):
+    if isinstance(ids, Iterable) and not isinstance(ids, (str, bytes)):
+        ids = list(ids)  # a one-shot iterable is read once, here
+    if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids):
         raise ValueError(f"generate: eos_token_id must be an int >= 0 or a list of them, got {eos_token_id!r}")
     return frozenset(ids)

@@ -118,7 +118,18 @@ def chain_tree(tokens: torch.Tensor, prefix_len: torch.Tensor, *, out: Optional[
     host reads: a root-only tree (N = 1) is what an autoregressive step verifies. ``out`` (an
     :func:`empty_tree` of N nodes) is written in place.
     """
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64 or tokens.shape[1] < 1:
+        got = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"chain_tree: tokens must be int64 [B, N] with N >= 1, got {got}")
     bsz, n = tokens.shape
+    if (not isinstance(prefix_len, torch.Tensor) or prefix_len.shape != (bsz,) or prefix_len.dtype != torch.int64
+            or prefix_len.device != tokens.device):
+        got = (f"{prefix_len.dtype} {list(prefix_len.shape)} on {prefix_len.device}" if isinstance(prefix_len, torch.Tensor)
+               else type(prefix_len).__name__)
+        raise ValueError(f"chain_tree: prefix_len must be int64 [{bsz}] on {tokens.device}, got {got}")
+    if out is not None and (tuple(out.token.shape) != (bsz, n) or out.token.device != tokens.device):
+        raise ValueError(f"chain_tree: out must be an empty_tree of {n} nodes for batch {bsz} on {tokens.device}, "
+                         f"got one of token shape {list(out.token.shape)} on {out.token.device}")
     if out is None:
         out = empty_tree(bsz, n - 1, tokens.device)
     nodes = torch.arange(n, device=tokens.device)
@@ -312,6 +323,8 @@ def rms_norm(
     * otherwise (Qwen3RMSNorm): round(weight * round(x_hat));
     * with ``gate`` (Qwen3_5RMSNormGated): round(round(weight * round(x_hat)) * silu(gate)).
     """
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"rms_norm: gate must have shape {list(x.shape)} (x's), got {list(gate.shape)}")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     gate_rows = _rows(gate) if gate is not None else None
@@ -324,6 +337,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: Optional[torch.Tensor
 
     gate, up [..., D] one float dtype, last dim contiguous -> out like gate (contiguous unless given).
     """
+    if up.shape != gate.shape:
+        raise ValueError(f"silu_mul: up must have shape {list(gate.shape)} (gate's), got {list(up.shape)}")
     if out is None:
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     load_ops().silu_mul(_rows(gate), _rows(up), out.view(-1, out.shape[-1]))

@@ -380,6 +380,25 @@ def test_chain_tree_matches_reference(n):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
 
 
+def test_chain_tree_bad_inputs_write_nothing():
+    """Wrong tokens, prefix_len or out: a ValueError naming the argument, before anything is written to out."""
+    out = ops.empty_tree(1, 3)
+    out.token.fill_(-7)
+    prefix = torch.tensor([5])
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    cases = [
+        (lambda: ops.chain_tree(tokens[0], prefix, out=out), "tokens must be int64 \\[B, N\\]"),
+        (lambda: ops.chain_tree(tokens.float(), prefix, out=out), "tokens must be int64"),
+        (lambda: ops.chain_tree(tokens, 5, out=out), "prefix_len must be int64 \\[1\\]"),
+        (lambda: ops.chain_tree(tokens, prefix.int(), out=out), "prefix_len must be int64"),
+        (lambda: ops.chain_tree(tokens[:, :1], prefix, out=out), "out must be an empty_tree of 1 nodes"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert (out.token == -7).all(), message
+
+
 def test_kv_bucket_widths():
     """Attention widths: never below what is needed, at most 256 slots or 25% above it (whichever is
     more), non-decreasing, and few: a quarter octave apart."""

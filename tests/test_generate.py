@@ -488,7 +488,23 @@ BAD_INPUTS = [
     ("target", dict(target=lambda: TargetAdapter(pair(RANDOM, HYBRID)[0], (0,)))),  # taps != the draft's
     ("cuda_graph=True needs the whole target on one CUDA device", dict(cuda_graph=True)),  # a CPU target
     ("cuda_graph must be None, True or False", dict(cuda_graph=1)),
+    # logits / 1e-38 overflow float32: the sampler would see infinities
+    (r"temperature must be 0 \(greedy\) or >= 1e-05", dict(temperature=1e-38)),
+    ("eos_token_id must lie in", dict(eos_token_id=256)),
+    ("return_stats must be a bool", dict(return_stats="no")),
+    ("streamer must have put", dict(streamer=object())),
+    ("draft must be a ddtree_ext.draft.DFlashDraftModel", dict(draft=lambda: pair(RANDOM, HYBRID)[0])),
+    ("draft must be a ddtree_ext.draft.DFlashDraftModel", dict(draft="z-lab/some-draft")),
+    # one module in another dtype: named, before any forward
+    (r"draft: weights are torch.float64 on cpu.*the first that is not: layers\.0\.",
+     dict(draft=lambda: _draft_with_one_float64_layer())),
 ]
+
+
+def _draft_with_one_float64_layer():
+    draft = make_tiny_draft(pair(RANDOM, HYBRID)[0], seed=1)
+    draft.layers[0].double()
+    return draft
 
 
 @pytest.mark.parametrize("argument,override", BAD_INPUTS, ids=[f"{a}-{i}" for i, (a, _) in enumerate(BAD_INPUTS)])
@@ -499,6 +515,21 @@ def test_bad_input_raises_before_any_forward(forward_counter, argument, override
     with pytest.raises(ValueError, match=argument):
         generate(kw.pop("target"), kw.pop("draft"), kw.pop("input_ids"), kw.pop("max_new_tokens"), **kw)
     assert not calls, f"{len(calls)} module forwards ran before the error"
+
+
+def test_eos_ids_from_a_one_shot_iterable_and_top_k_beyond_the_vocabulary():
+    """An iterator of EOS ids is read once (and still stops generation); a top_k larger than the vocabulary keeps
+    every token, as top_k = vocabulary does."""
+    target, draft = pair(RANDOM, HYBRID)
+    ids = pair_prompt(RANDOM, HYBRID, 31)
+    full = generate(target, draft, ids, 12)
+    eos = int(full[0, ids.shape[1] + 2])
+    assert torch.equal(generate(target, draft, ids, 12, eos_token_id=iter([eos])),
+                       generate(target, draft, ids, 12, eos_token_id=[eos]))
+    assert generate(target, draft, ids, 12, eos_token_id=(t for t in [eos])).shape[1] <= ids.shape[1] + 3
+    vocab = target.config.vocab_size
+    sampled = [generate(target, draft, ids, 12, temperature=0.8, top_k=k, seed=5) for k in (vocab, 2**70)]
+    assert torch.equal(sampled[0], sampled[1])
 
 
 def test_all_ones_attention_mask_and_int32_prompt_accepted():

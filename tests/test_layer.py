@@ -201,6 +201,11 @@ def test_silu_mul_and_gdn_gating_bad_inputs():
         ops.silu_mul(g, torch.randn(4, 9))
     with pytest.raises(ValueError, match="silu_mul: up must have dtype"):
         ops.silu_mul(g, torch.randn(4, 8).half())
+    # the same rows once flattened, but not the same shape: refused, as torch's broadcasting would
+    with pytest.raises(ValueError, match=r"silu_mul: up must have shape \[2, 3, 8\]"):
+        ops.silu_mul(torch.randn(2, 3, 8), torch.randn(3, 2, 8))
+    with pytest.raises(ValueError, match=r"rms_norm: gate must have shape \[2, 3, 8\]"):
+        ops.rms_norm(torch.randn(2, 3, 8), torch.ones(8), 1e-6, gate=torch.randn(6, 8))
     x, w = torch.randn(3, 16), torch.randn(6, 16)
     with pytest.raises(ValueError, match=r"gdn_gates: A_log must have shape \[6\]"):
         ops.gdn_gates(x, w, w, torch.randn(5), torch.randn(6))
