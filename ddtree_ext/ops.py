@@ -17,6 +17,7 @@ Conventions (all ops take a batch dimension B, each row with its own tree):
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -85,9 +86,23 @@ def tree_num_words(num_nodes: int) -> int:
     return (num_nodes + 63) // 64
 
 
+def _check_count(op: str, name: str, value, low: int, high: Optional[int] = None) -> int:
+    """``value`` as an int in [low, high] (an int, not a bool), else a ValueError naming the argument: the sizes the
+    wrappers allocate with are checked before torch's allocator sees them."""
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)  # numpy and 0-dim integer tensors too
+    except TypeError:
+        count = None
+    if count is None or count < low or (high is not None and count > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{op}: {name} must be an int {bound}, got {value!r}")
+    return count
+
+
 def empty_tree(batch: int, budget: int, device: torch.device | str = "cpu") -> Tree:
     """Uninitialised buffers for a batch of trees with ``budget`` nodes plus the root."""
-    n = budget + 1
+    batch = _check_count("empty_tree", "batch", batch, 1)
+    n = _check_count("empty_tree", "budget", budget, 0) + 1
     i32 = dict(dtype=torch.int32, device=device)
     i64 = dict(dtype=torch.int64, device=device)
     return Tree(
@@ -104,6 +119,8 @@ def empty_tree(batch: int, budget: int, device: torch.device | str = "cpu") -> T
 
 def empty_walk(batch: int, max_accept: int, device: torch.device | str = "cpu") -> Walk:
     """Uninitialised buffers for a walk over paths of at most ``max_accept`` nodes."""
+    batch = _check_count("empty_walk", "batch", batch, 1)
+    max_accept = _check_count("empty_walk", "max_accept", max_accept, 1)
     return Walk(
         accepted=torch.empty(batch, max_accept, dtype=torch.int32, device=device),
         accept_len=torch.empty(batch, dtype=torch.int32, device=device),
@@ -161,7 +178,8 @@ def topk_logprobs(logits: torch.Tensor, k: int, *, out: Optional[TopK] = None) -
     if out is None:
         if logits.dim() != 3:
             raise ValueError(f"topk_logprobs: logits must have 3 dims [B, L, V], got shape {list(logits.shape)}")
-        b, l, _ = logits.shape
+        b, l, vocab = logits.shape
+        k = _check_count("topk_logprobs", "k", k, 1, vocab)
         out = TopK(
             torch.empty(b, l, k, dtype=torch.float32, device=logits.device),
             torch.empty(b, l, k, dtype=torch.int64, device=logits.device),
@@ -194,10 +212,10 @@ def build_tree(
     rest is padding (see the module docstring).
     """
     if out is None:
-        if root_token.dim() != 1:
-            raise ValueError(f"build_tree: root_token must have 1 dim [B], got shape {list(root_token.shape)}")
-        if budget < 1:
-            raise ValueError(f"build_tree: budget must be >= 1, got {budget}")
+        if not isinstance(root_token, torch.Tensor) or root_token.dim() != 1:
+            got = list(root_token.shape) if isinstance(root_token, torch.Tensor) else type(root_token).__name__
+            raise ValueError(f"build_tree: root_token must be a tensor [B], got {got}")
+        budget = _check_count("build_tree", "budget", budget, 1)
         out = empty_tree(root_token.shape[0], budget, logp.device)
     load_ops().build_tree(logp, tokens, root_token, prefix_len, budget, spine, *out)
     return out
@@ -222,6 +240,7 @@ def tree_attention_mask(
     if out is None:
         if kv_len is None:
             raise ValueError("tree_attention_mask: give kv_len or out")
+        kv_len = _check_count("tree_attention_mask", "kv_len", kv_len, 1)
         b, n = ancestor_mask.shape[0], ancestor_mask.shape[1]
         out = torch.empty(b, 1, n, kv_len, dtype=dtype, device=ancestor_mask.device)
     load_ops().tree_attention_mask(ancestor_mask, prefix_len, out)
@@ -432,6 +451,7 @@ def walk_greedy(tree: Tree, target_token: torch.Tensor, max_accept: int, *, out:
     ``max_accept`` nodes); the target's token there is ``next_token``.
     """
     if out is None:
+        max_accept = _check_count("walk_greedy", "max_accept", max_accept, 1)
         out = empty_walk(tree.token.shape[0], max_accept, tree.token.device)
     load_ops().walk_greedy(tree.token, tree.first_child, tree.next_sibling, target_token, *out)
     return out

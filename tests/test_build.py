@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Sequence
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -378,6 +379,33 @@ def test_chain_tree_matches_reference(n):
     expected = reference.tree_from_parents(parent, tokens, prefix_len)
     for name in Tree._fields:
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_wrapper_sizes_are_checked_before_allocating():
+    """Sizes the wrappers allocate with: a ValueError naming the argument (not torch's allocator error, not a tree
+    with no nodes); integer scalars of numpy and torch are sizes too."""
+    logits = torch.randn(1, 3, 11)
+    topk = ops.topk_logprobs(logits, 4)
+    root, prefix = torch.tensor([2]), torch.tensor([5])
+    cases = [
+        (lambda: ops.topk_logprobs(logits, -1), r"topk_logprobs: k must be an int in \[1, 11\]"),
+        (lambda: ops.topk_logprobs(logits, 12), r"topk_logprobs: k must be an int in \[1, 11\]"),
+        (lambda: ops.topk_logprobs(logits, 2.0), "topk_logprobs: k must be an int"),
+        (lambda: ops.build_tree(topk.logp, topk.tokens, root, prefix, 2.5), "build_tree: budget must be an int >= 1"),
+        (lambda: ops.build_tree(topk.logp, topk.tokens, root, prefix, True), "build_tree: budget must be an int"),
+        (lambda: ops.build_tree(topk.logp, topk.tokens, 2, prefix, 4), "build_tree: root_token must be a tensor"),
+        (lambda: ops.empty_tree(1, -1), "empty_tree: budget must be an int >= 0"),
+        (lambda: ops.empty_walk(1, 0), "empty_walk: max_accept must be an int >= 1"),
+        (lambda: ops.tree_attention_mask(torch.zeros(1, 2, 1, dtype=torch.int64), prefix, -1),
+         "tree_attention_mask: kv_len must be an int >= 1"),
+        (lambda: ops.walk_greedy(ops.chain_tree(torch.tensor([[1, 2]]), prefix), torch.tensor([[1, 2]]), -1),
+         "walk_greedy: max_accept must be an int >= 1"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert ops.topk_logprobs(logits, np.int64(4)).tokens.shape == (1, 3, 4)
+    assert ops.empty_tree(1, torch.tensor(3)).token.shape == (1, 4)
 
 
 def test_chain_tree_bad_inputs_write_nothing():
