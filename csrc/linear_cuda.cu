@@ -54,7 +54,7 @@ constexpr int kConsumerWarps = 4;                             // one warpgroup: 
 constexpr int kLinearThreads = (kConsumerWarps + 1) * kWarp;  // + the producer warp (the bulk copies)
 constexpr int kWarpFeatures = 32;                             // two 16-row tensor-core tiles per warp
 constexpr int kCtaFeatures = kConsumerWarps * kWarpFeatures;  // 128
-constexpr int kChunk = 64;                                    // k per pipeline stage: 128 bytes of a row
+constexpr int kChunk = 64;                                    // k per chunk (a stage holds `boxes` of them)
 constexpr int kMaxLinearRows = 72;                            // 9 column tiles of 8
 constexpr int kMaxSplits = 8;                                 // the portable cluster size
 constexpr int kMaxStages = 16;
@@ -99,11 +99,6 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// Programmatic dependent launch: wait until the kernels this one depends on have completed and their writes are
-// visible (a no-op when launched without the attribute); let the next kernel on the stream launch early.
-__device__ __forceinline__ void wait_for_preceding_kernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void allow_next_kernel_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -115,6 +110,11 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+
+// Programmatic dependent launch: wait until the kernels this one depends on have completed and their writes are
+// visible (a no-op when launched without the attribute); let the next kernel on the stream launch early.
+__device__ __forceinline__ void wait_for_preceding_kernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void allow_next_kernel_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // The box at (k0, row0) of a tensor map (a [128 rows][64] weight tile, or [NT * 8][64] of x) into shared memory,
 // completing on `bar`.

@@ -110,8 +110,9 @@ def _gated_norm_forward(norm: torch.nn.Module, hidden_states: torch.Tensor, gate
 # ---- projections ----------------------------------------------------------------------------------------
 
 # Whether bias-free Linear layers on a GPU run ``ops.linear`` (else torch's F.linear: cuBLAS). Off: on the H200
-# cuBLAS is faster at almost every round shape (a 65-row 27B qkv projection 32 us against the kernel's 54; a 27B
-# budget-64 round 20.6 against 24.4 ms: benchmarks/results/2026-12-01-h200-linear-kernel.md).
+# cuBLAS is faster at most round shapes (a 65-row 27B qkv projection 30 us against the kernel's 49; end to end, the
+# kernel's previous version took a 27B budget-64 round 24.4 ms against cuBLAS's 20.6:
+# benchmarks/results/2026-12-01-h200-linear-kernel.md).
 # ``benchmarks/e2e.py --linear ops`` turns it on for A/B runs.
 linear_kernel = False
 

@@ -168,12 +168,12 @@ def generate(
         budget outside 1..256, a negative temperature or one in (0, 1e-5) (logits / temperature would
         overflow float32), top_p outside (0, 1], a negative top_k (one beyond the vocabulary keeps every
         token), a bool where a number is expected, a non-bool spine or return_stats, an EOS id outside the
-        vocabulary, a streamer without put() and end(), a draft that is not a DFlashDraftModel, a non-integer/empty/out-of-vocabulary prompt or
-        one that is not [1, T] (batch > 1 is not supported yet), an attention_mask with padding, a
-        prompt plus max_new_tokens (plus ``block_size - 1`` for the draft methods, see
-        :func:`_check_prompt`) beyond the target's max_position_embeddings, a draft that does not match
-        the target (shapes, or the dtype or device of any of its weights), an unsupported target architecture, or
-        ``cuda_graph=True`` for a target not on one CUDA device.
+        vocabulary, a streamer without put() and end(), a draft that is not a DFlashDraftModel, a
+        non-integer/empty/out-of-vocabulary prompt or one that is not [1, T] (batch > 1 is not supported
+        yet), an attention_mask with padding, a prompt plus max_new_tokens (plus ``block_size - 1`` for the
+        draft methods, see :func:`_check_prompt`) beyond the target's max_position_embeddings, a draft that
+        does not match the target (shapes, or the dtype or device of any of its weights), an unsupported
+        target architecture, or ``cuda_graph=True`` for a target not on one CUDA device.
     """
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine,
                    return_stats, streamer)
