@@ -466,7 +466,8 @@ def markdown(report: dict) -> str:
         f"- Commit `{report['commit']}`; torch {report['torch']}, transformers {report['transformers']}, "
         f"fla importable: {report['fla']}.",
         f"- Command: `{report['command']}`",
-        f"- Projections: {report.get('projections', 'cuBLAS (F.linear)')}; the core built for CUDA architectures "
+        f"- Projections: {report.get('projections', 'cuBLAS (F.linear)')}; residual adds: "
+        f"{report.get('residual_adds', 'apart (torch add, then the norm)')}; the core built for CUDA architectures "
         f"{report.get('cuda_archs', 'unknown')}.",
         f"- Device copy rate {report['copy_gb_s']:.0f} GB/s (read + write), measured in this run. Floor = weight "
         "bytes one forward reads / that rate. Times are medians over rounds replayed from CUDA graphs (graphs) or "
@@ -546,12 +547,16 @@ def main(argv=None) -> None:
     parser.add_argument("--linear", choices=["ops", "torch"], default="ops" if fused.linear_kernel else "torch",
                         help="the bias-free projections of a round: ops.linear (the weight-streaming kernel) or "
                              "torch's F.linear (cuBLAS, the default), for A/B runs (ddtree_ext.fused.linear_kernel)")
+    parser.add_argument("--no-fused-adds", action="store_true",
+                        help="run the decoder layers' residual adds apart from the norms after them, for A/B runs "
+                             "(ddtree_ext.fused.fuse_residual_adds)")
     parser.add_argument("--profile", action="store_true", help="add the top kernels of eager rounds (torch profiler)")
     parser.add_argument("--profile-top", type=int, default=15, help="how many kernels each profile table lists")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     fused.side_streams = set(args.side_streams)
     fused.linear_kernel = args.linear == "ops"
+    fused.fuse_residual_adds = not args.no_fused_adds
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
     if bool(args.target) != bool(args.draft):
@@ -574,6 +579,7 @@ def main(argv=None) -> None:
         torch=torch.__version__, transformers=transformers.__version__, fla=has_fla, copy_gb_s=bandwidth / 1e9,
         gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9, presets=[],
         projections="ops.linear (the weight-streaming kernel)" if fused.linear_kernel else "cuBLAS (F.linear)",
+        residual_adds="fused into the next norm" if fused.fuse_residual_adds else "apart (torch add, then the norm)",
         cuda_archs=ddtree_ext.build_info().get("cuda_archs", "unknown"),
     )
     print(f"device copy {bandwidth / 1e9:.0f} GB/s; {report['gpu']}; commit {commit}", flush=True)

@@ -73,8 +73,11 @@ inline float round_to(float x) {
 
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
+// With a residual, the row normalised is s = round(x + residual) (HF's `residual + hidden_states`), written to
+// sum_out first; the output pass reads it back from there, so sum_out may alias x or the residual.
 template <typename T>
-void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, const T* gate, int64_t gate_stride, float eps,
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, const T* gate, int64_t gate_stride,
+                     const T* residual, int64_t residual_stride, T* sum_out, int64_t sum_stride, float eps,
                      bool zero_centered, at::Tensor& out) {
   const int64_t rows = x.size(0), dim = x.size(1);
   const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
@@ -86,9 +89,21 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, const T* gat
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x_ptr + r * x_stride;
       float sum = 0.f;
-      for (int64_t i = 0; i < dim; ++i) {
-        const float v = static_cast<float>(xr[i]);
-        sum += v * v;
+      if (residual != nullptr) {
+        const T* rr = residual + r * residual_stride;
+        T* sr = sum_out + r * sum_stride;
+        for (int64_t i = 0; i < dim; ++i) {
+          const T s = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+          sr[i] = s;
+          const float v = static_cast<float>(s);
+          sum += v * v;
+        }
+        xr = sr;
+      } else {
+        for (int64_t i = 0; i < dim; ++i) {
+          const float v = static_cast<float>(xr[i]);
+          sum += v * v;
+        }
       }
       const float inv_rms = 1.f / std::sqrt(sum * inv_dim + eps);
       T* o = out_ptr + r * out_stride;
@@ -208,6 +223,30 @@ void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::op
   check_rows(op, "out", x, out, rows, dim);
 }
 
+void check_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                        bool zero_centered, const at::Tensor& out, const at::Tensor& residual_out) {
+  constexpr const char* op = "add_rms_norm";
+  check_input_rows(op, x);
+  const int64_t rows = x.size(0), dim = x.size(1);
+  check_rows(op, "residual", x, residual, rows, dim);
+  check_vector(op, "weight", x, weight, dim);
+  DDTREE_CHECK_DTYPE(op, weight, x.scalar_type());
+  DDTREE_CHECK(op, std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  check_rows(op, "out", x, out, rows, dim);
+  check_rows(op, "residual_out", x, residual_out, rows, dim);
+  // residual_out is written before the output pass reads it back: it may be x or the residual itself, but out
+  // (written last, from residual_out) must be apart from it and from the inputs it may not replace.
+  for (const auto* t : {&x, &residual, &residual_out}) {
+    const auto overlap = at::get_overlap_status(*t, out);
+    DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+                 "out must not overlap ", t == &x ? "x" : t == &residual ? "residual" : "residual_out");
+  }
+  for (const auto* t : {&x, &residual}) {
+    DDTREE_CHECK(op, at::get_overlap_status(*t, residual_out) != at::MemOverlapStatus::Partial,
+                 "residual_out must be ", t == &x ? "x" : "residual", " itself or apart from it");
+  }
+}
+
 void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out) {
   constexpr const char* op = "silu_mul";
   DDTREE_CHECK_DIM(op, gate, 2);
@@ -301,7 +340,19 @@ void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   DDTREE_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* gate_ptr = gate.has_value() ? gate->data_ptr<scalar_t>() : nullptr;
     const int64_t gate_stride = gate.has_value() ? gate->stride(0) : 0;
-    rms_norm_kernel<scalar_t>(x, weight, gate_ptr, gate_stride, static_cast<float>(eps), zero_centered, out);
+    rms_norm_kernel<scalar_t>(x, weight, gate_ptr, gate_stride, nullptr, 0, nullptr, 0, static_cast<float>(eps),
+                              zero_centered, out);
+  });
+}
+
+void add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                      bool zero_centered, at::Tensor& out, at::Tensor& residual_out) {
+  check_add_rms_norm(x, residual, weight, eps, zero_centered, out, residual_out);
+  if (x.size(0) == 0) return;
+  DDTREE_DISPATCH_FLOAT(x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x, weight, nullptr, 0, residual.data_ptr<scalar_t>(), residual.stride(0),
+                              residual_out.data_ptr<scalar_t>(), residual_out.stride(0), static_cast<float>(eps),
+                              zero_centered, out);
   });
 }
 

@@ -67,6 +67,10 @@ struct RmsNormArgs {
   int dim;
   float eps, inv_dim;
   bool zero_centered;
+  // add_rms_norm: the row normalised is round(x + residual), written to sum_out (nullptr: plain rms_norm).
+  const T* residual;
+  T* sum_out;
+  int64_t residual_stride, sum_stride;
 };
 
 // GROUP threads per row (a warp or the whole block); thread t takes the row's chunks t, t + GROUP, ...
@@ -83,12 +87,24 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
 
   float sum = 0.f;
   if (active) {
+    const T* residual = p.residual != nullptr ? p.residual + row * p.residual_stride : nullptr;
+    T* sum_out = p.sum_out != nullptr ? p.sum_out + row * p.sum_stride : nullptr;
     for (int i = t * C; i < p.dim; i += GROUP * C) {
       float v[C];
       load_chunk<T, C, PACKED>(x + i, p.dim - i, v);
+      if (residual != nullptr) {
+        float r[C];
+        load_chunk<T, C, PACKED>(residual + i, p.dim - i, r);
+#pragma unroll
+        for (int e = 0; e < C; ++e) v[e] = round_to<T>(v[e] + r[e]);
+        store_chunk<T, C, PACKED>(sum_out + i, p.dim - i, v);
+      }
 #pragma unroll
       for (int e = 0; e < C; ++e) sum = fmaf(v[e], v[e], sum);
     }
+    // The output pass reads the sums back: this thread wrote exactly the chunks it will read (same-thread
+    // order makes them visible), and sum_out may be x or the residual itself.
+    if (sum_out != nullptr) x = sum_out;
   }
   sum = cuda::warp_sum(sum);
   if (kWarpsPerGroup > 1) {
@@ -343,36 +359,68 @@ void launch_rms_norm(const RmsNormArgs<T>& args) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// rms_norm's and add_rms_norm's launch: a block per row for hidden states, a warp per row for heads.
+template <typename T>
+void launch_rms_norm_rows(const RmsNormArgs<T>& args, bool packed) {
+  if (args.dim > kLongRowFeatures) {
+    packed ? launch_rms_norm<T, kThreads, true>(args) : launch_rms_norm<T, kThreads, false>(args);
+  } else {
+    packed ? launch_rms_norm<T, cuda::kWarp, true>(args) : launch_rms_norm<T, cuda::kWarp, false>(args);
+  }
+}
+
+// The arguments of a plain norm of x's rows into out (no gate, no residual).
+template <typename T>
+RmsNormArgs<T> rms_norm_args(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered,
+                             at::Tensor& out) {
+  TORCH_CHECK_VALUE(x.size(1) <= INT32_MAX, "rms_norm: x has too many features (", x.size(1), ")");
+  RmsNormArgs<T> args{};
+  args.x = x.data_ptr<T>();
+  args.weight = weight.data_ptr<T>();
+  args.out = out.data_ptr<T>();
+  args.x_stride = x.stride(0);
+  args.out_stride = out.stride(0);
+  args.rows = x.size(0);
+  args.dim = static_cast<int>(x.size(1));
+  args.eps = static_cast<float>(eps);
+  args.inv_dim = 1.f / static_cast<float>(x.size(1));
+  args.zero_centered = zero_centered;
+  return args;
+}
+
 }  // namespace
 
 void rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                    bool zero_centered, at::Tensor& out) {
   check_rms_norm(x, weight, gate, eps, zero_centered, out);
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t rows = x.size(0), dim = x.size(1);
-  if (rows == 0) return;
-  TORCH_CHECK_VALUE(dim <= INT32_MAX, "rms_norm: x has too many features (", dim, ")");
+  if (x.size(0) == 0) return;
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
     using T = scalar_t;
-    RmsNormArgs<T> args{x.data_ptr<T>(),
-                        gate.has_value() ? gate->data_ptr<T>() : nullptr,
-                        weight.data_ptr<T>(),
-                        out.data_ptr<T>(),
-                        x.stride(0),
-                        gate.has_value() ? gate->stride(0) : 0,
-                        out.stride(0),
-                        rows,
-                        static_cast<int>(dim),
-                        static_cast<float>(eps),
-                        1.f / static_cast<float>(dim),
-                        zero_centered};
-    const bool packed = gate.has_value() ? can_pack<T>({&x, &weight, &*gate, &out}, dim)
-                                         : can_pack<T>({&x, &weight, &out}, dim);
-    if (dim > kLongRowFeatures) {
-      packed ? launch_rms_norm<T, kThreads, true>(args) : launch_rms_norm<T, kThreads, false>(args);
-    } else {
-      packed ? launch_rms_norm<T, cuda::kWarp, true>(args) : launch_rms_norm<T, cuda::kWarp, false>(args);
+    RmsNormArgs<T> args = rms_norm_args<T>(x, weight, eps, zero_centered, out);
+    if (gate.has_value()) {
+      args.gate = gate->data_ptr<T>();
+      args.gate_stride = gate->stride(0);
     }
+    const bool packed = gate.has_value() ? can_pack<T>({&x, &weight, &*gate, &out}, x.size(1))
+                                         : can_pack<T>({&x, &weight, &out}, x.size(1));
+    launch_rms_norm_rows(args, packed);
+  });
+}
+
+void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       bool zero_centered, at::Tensor& out, at::Tensor& residual_out) {
+  check_add_rms_norm(x, residual, weight, eps, zero_centered, out, residual_out);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (x.size(0) == 0) return;
+  DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "add_rms_norm", [&] {
+    using T = scalar_t;
+    RmsNormArgs<T> args = rms_norm_args<T>(x, weight, eps, zero_centered, out);
+    args.residual = residual.data_ptr<T>();
+    args.residual_stride = residual.stride(0);
+    args.sum_out = residual_out.data_ptr<T>();
+    args.sum_stride = residual_out.stride(0);
+    launch_rms_norm_rows(args, can_pack<T>({&x, &residual, &weight, &out, &residual_out}, x.size(1)));
   });
 }
 

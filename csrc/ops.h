@@ -56,6 +56,10 @@ void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::op
                     bool zero_centered, const at::Tensor& out);
 void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                   bool zero_centered, at::Tensor& out);
+void check_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                        bool zero_centered, const at::Tensor& out, const at::Tensor& residual_out);
+void add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                      bool zero_centered, at::Tensor& out, at::Tensor& residual_out);
 void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out);
 void silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out);
@@ -126,6 +130,8 @@ void tree_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const 
                                 at::Tensor& stash_k, at::Tensor& stash_cumg);
 void rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                    bool zero_centered, at::Tensor& out);
+void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       bool zero_centered, at::Tensor& out, at::Tensor& residual_out);
 void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);
 void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);

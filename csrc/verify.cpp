@@ -74,7 +74,7 @@ inline void add_weighted(float* acc, const float* w, const src_t* src, int64_t l
 
 template <typename scalar_t>
 void tree_conv1d_kernel(const at::Tensor& x, const at::Tensor& weight, const scalar_t* bias,
-                        const at::Tensor& conv_state, const at::Tensor& parent, bool silu, at::Tensor& out) {
+                        const at::Tensor& conv_state, const at::Tensor& parent, at::Tensor& out) {
   const int64_t bsz = x.size(0), n = x.size(1), channels = x.size(2), width = weight.size(1);
   const int64_t reach = width - 1;  // columns of the committed state a window can reach
   const int64_t first_col = conv_state.size(2) - reach;
@@ -123,7 +123,7 @@ void tree_conv1d_kernel(const at::Tensor& x, const at::Tensor& weight, const sca
       for (int64_t c = 0; c < channels; ++c) {
         float y = acc[c];
         if (bias != nullptr) y += static_cast<float>(bias[c]);
-        if (silu) y = y / (1.f + std::exp(-y));
+
         o[c] = static_cast<scalar_t>(y);
       }
     }
@@ -283,8 +283,11 @@ void tree_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::o
   check_parent_values("tree_conv1d", parent);
   DDTREE_DISPATCH_FLOAT(x.scalar_type(), "tree_conv1d", [&] {
     const scalar_t* bias_ptr = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
-    tree_conv1d_kernel<scalar_t>(x, weight, bias_ptr, conv_state, parent, silu, out);
+    tree_conv1d_kernel<scalar_t>(x, weight, bias_ptr, conv_state, parent, out);
   });
+  // The activation of the rounded conv is torch's own SiLU, as in HF's torch path: on the CPU its vectorised exp
+  // differs from std::exp by an ulp at times, and a bf16 tree would then leave the chain's logits.
+  if (silu) at::silu_(out);
 }
 
 void check_tree_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

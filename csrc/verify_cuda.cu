@@ -118,7 +118,11 @@ __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
   for (int e = 0; e < VEC; ++e) {
     float y = acc[e];
     if (bias != nullptr) y += cuda::to_float(bias[(c0 + e) * bias_s]);
-    acc[e] = silu ? y / (1.f + expf(-y)) : y;
+    if (silu) {
+      y = cuda::to_float(cuda::from_float<T>(y));  // HF rounds the conv to the model dtype before its SiLU
+      y = y / (1.f + expf(-y));
+    }
+    acc[e] = y;
   }
   cuda::store_pack_float<T, VEC>(out + b * o_sb + i * o_sn + c0, acc);
 }

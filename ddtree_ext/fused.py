@@ -107,6 +107,121 @@ def _gated_norm_forward(norm: torch.nn.Module, hidden_states: torch.Tensor, gate
     return ops.rms_norm(hidden_states, norm.weight, norm.variance_epsilon, gate=gate)
 
 
+# ---- residual adds, fused into the norm after them ---------------------------------------------------------
+
+# Whether decoder layers run their residual adds fused into the RMSNorm that reads the sum (ops.add_rms_norm: one
+# launch where HF runs an add and a norm). ``benchmarks/e2e.py --no-fused-adds`` turns it off for A/B runs.
+fuse_residual_adds = True
+
+
+def _norm_params(norm: torch.nn.Module) -> Optional[Tuple[float, bool]]:
+    """(eps, zero_centered) of an RMSNorm whose fused forward is ``ops.rms_norm`` (exact classes only), else None."""
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+    if type(norm) is qwen3.Qwen3RMSNorm:
+        return norm.variance_epsilon, False
+    try:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+    except ImportError:
+        return None
+    if type(norm) is qwen3_5.Qwen3_5RMSNorm:
+        return norm.eps, True
+    return None
+
+
+def add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x), residual + x): ``ops.add_rms_norm`` for a recognised norm on tensors the ops take (same
+    bits as the add, then the norm's fused forward), HF's two steps otherwise."""
+    params = _norm_params(norm) if fuse_residual_adds else None
+    if params is None or x.shape != residual.shape or not ops_apply(x, residual, norm.weight):
+        total = residual + x
+        return norm(total), total
+    return ops.add_rms_norm(x, residual, norm.weight, params[0], zero_centered=params[1])
+
+
+class _NormHandoff:
+    """The input norm a decoder layer computed, fused with its last residual add, for the next layer: that layer
+    takes it when called with exactly the sum it belongs to (the same tensor object), else computes its own."""
+
+    def __init__(self):
+        self._slot = None  # (layer it is for, the sum, its norm)
+
+    def put(self, layer: torch.nn.Module, total: torch.Tensor, normed: torch.Tensor) -> None:
+        self._slot = (layer, total, normed)
+
+    def take(self, layer: torch.nn.Module, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        slot, self._slot = self._slot, None
+        if slot is not None and slot[0] is layer and slot[1] is hidden_states:
+            return slot[2]
+        return None
+
+
+_CACHE_ARGUMENTS = ("cache", "past_key_values")  # the decoder layers' cache argument: 5.24 / 5.17
+
+
+def _decoder_swap(layer: torch.nn.Module, next_layer: Optional[torch.nn.Module], handoff: _NormHandoff):
+    """The fused forward of a Qwen3 / Qwen3.5 decoder layer, or None when its stock forward's signature is not the
+    one :func:`_decoder_forward` was written against."""
+    import inspect
+
+    stock = type(layer).forward
+    signature = inspect.signature(stock)
+    params = list(signature.parameters.values())
+    names = [p.name for p in params]
+    cache_names = [n for n in _CACHE_ARGUMENTS if n in names]
+    if (
+        names[:2] != ["self", "hidden_states"] or "attention_mask" not in names or len(cache_names) != 1
+        or params[-1].kind is not inspect.Parameter.VAR_KEYWORD
+    ):
+        return None
+    mixer_cache = None
+    if getattr(layer, "block_type", None) == "linear_attention":
+        mixer_params = inspect.signature(type(layer.linear_attn).forward).parameters
+        mixer_cache = next((n for n in ("cache_params", "cache") if n in mixer_params), None)
+        if mixer_cache is None:
+            return None
+    return functools.partial(_decoder_forward, layer, signature, cache_names[0], mixer_cache, next_layer, handoff)
+
+
+def _decoder_forward(layer, signature, cache_name, mixer_cache, next_layer, handoff, *args, **kwargs):
+    """HF's decoder layer body (input norm, token mixer, residual add, post-attention norm, MLP, residual add) with
+    each residual add fused into the norm that reads the sum: the post-attention norm, and the next layer's input
+    norm (handed over through ``handoff``). The token mixer is called with what the stock forward passes it."""
+    try:
+        bound = signature.bind(layer, *args, **kwargs)
+    except TypeError:
+        bound = None
+    extra = bound.arguments.get(list(signature.parameters)[-1], {}) if bound is not None else {}
+    if bound is None or any(n in extra for n in _CACHE_ARGUMENTS):  # a call this body was not written for
+        handoff.take(layer, None)
+        return type(layer).forward(layer, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    del arguments["self"]
+    extra = arguments.pop(list(signature.parameters)[-1])
+    hidden_states = arguments.pop("hidden_states")
+
+    residual = hidden_states
+    normed = handoff.take(layer, hidden_states)
+    if normed is None:
+        normed = layer.input_layernorm(hidden_states)
+    if mixer_cache is not None:
+        mixed = layer.linear_attn(hidden_states=normed, attention_mask=arguments["attention_mask"],
+                                  **{mixer_cache: arguments[cache_name]}, **extra)
+    else:
+        mixed, _ = layer.self_attn(hidden_states=normed, **arguments, **extra)
+    normed, residual = add_norm(layer.post_attention_layernorm, mixed, residual)
+    mlp_out = layer.mlp(normed)
+
+    following = next_layer is not None and "_hf_hook" not in next_layer.__dict__
+    following = following and next_layer.input_layernorm.weight.device == mlp_out.device
+    if not following:
+        return residual + mlp_out
+    normed_next, out = add_norm(next_layer.input_layernorm, mlp_out, residual)
+    handoff.put(next_layer, out, normed_next)
+    return out
+
+
 # ---- projections ----------------------------------------------------------------------------------------
 
 # Whether bias-free Linear layers on a GPU run ``ops.linear`` (else torch's F.linear: cuBLAS). Off: on the H200
@@ -429,6 +544,18 @@ def _recognised_classes() -> dict:
     return table
 
 
+def _decoder_classes() -> tuple:
+    """The HF decoder-layer classes whose bodies :func:`_decoder_forward` follows."""
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+    classes = [qwen3.Qwen3DecoderLayer]
+    try:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+    except ImportError:
+        return tuple(classes)
+    return (*classes, qwen3_5.Qwen3_5DecoderLayer)
+
+
 def _rotary_patches() -> Tuple[Tuple[object, str, object], ...]:
     """(modeling module, "apply_rotary_pos_emb", fused version) for the families the attention layers
     look the function up in (a module global, so it is swapped there while a fusion is active). Read at
@@ -459,6 +586,21 @@ class LayerFusion:
     def __init__(self, root: torch.nn.Module):
         table = _recognised_classes()
         self.swaps: List[Tuple[torch.nn.Module, Callable]] = []
+        # Decoder layers, per stack (a ModuleList of them): each hands its last residual add, fused with the next
+        # layer's input norm, to that layer.
+        decoder_classes = _decoder_classes()
+        handoff = _NormHandoff()
+        for stack in root.modules():
+            if not isinstance(stack, torch.nn.ModuleList):
+                continue
+            layers = list(stack)
+            for i, layer in enumerate(layers):
+                if type(layer) not in decoder_classes:
+                    continue
+                following = layers[i + 1] if i + 1 < len(layers) and type(layers[i + 1]) in decoder_classes else None
+                forward = _decoder_swap(layer, following, handoff)
+                if forward is not None:
+                    self.swaps.append((layer, forward))
         swapped = set()  # a module's parent may have swapped it already (an attention layer's projections)
         for module in root.modules():
             factory = table.get(type(module))

@@ -18,7 +18,7 @@ Conventions (all ops take a batch dimension B, each row with its own tree):
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -266,7 +266,9 @@ def tree_conv1d(
     conv_state [B, C, S] (S >= W - 1: the committed pre-conv inputs, oldest first; the window uses
     the last W - 1 columns), parent [B, N] int32 -> out [B, N, C]. Node i's window is its W - 1
     nearest ancestors then itself; ancestors above the root come from conv_state. All float tensors
-    share x's dtype; accumulation is float32; ``silu`` applies SiLU to the result.
+    share x's dtype; accumulation is float32. ``silu`` applies SiLU to the conv rounded to x's dtype, as HF's torch
+    path does (``F.conv1d`` in the model dtype, then the activation): round(silu(round(conv))). causal-conv1d's
+    kernel applies it to the float32 sum instead; the two differ by an ulp at times in 16-bit dtypes.
     """
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -349,6 +351,38 @@ def rms_norm(
     gate_rows = _rows(gate) if gate is not None else None
     load_ops().rms_norm(_rows(x), weight, gate_rows, float(eps), zero_centered, out.view(-1, out.shape[-1]))
     return out
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    zero_centered: bool = False,
+    out: Optional[torch.Tensor] = None,
+    residual_out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's residual add and the RMSNorm after it, in one pass: returns (out, residual_out) with
+    residual_out = round(residual + x) (HF's ``residual + hidden_states``) and out = ``rms_norm(residual_out, weight,
+    eps, zero_centered=...)``, the same bits as the two ops one after the other.
+
+    x, residual [..., D] one float dtype (last dim contiguous), weight [D] in that dtype -> out, residual_out shaped
+    like x (contiguous unless given). ``residual_out`` may be ``x`` or ``residual`` itself (an in-place add); ``out``
+    must not overlap any of them.
+    """
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual must have shape {list(x.shape)} (x's), got {list(residual.shape)}")
+    for name, given in (("out", out), ("residual_out", residual_out)):
+        if given is not None and given.shape != x.shape:
+            raise ValueError(f"add_rms_norm: {name} must have shape {list(x.shape)} (x's), got {list(given.shape)}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual_out is None:
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    load_ops().add_rms_norm(_rows(x), _rows(residual), weight, float(eps), zero_centered, out.view(-1, out.shape[-1]),
+                            residual_out.view(-1, residual_out.shape[-1]))
+    return out, residual_out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:

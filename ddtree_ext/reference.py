@@ -208,7 +208,8 @@ def tree_conv1d(x, weight, bias, conv_state, parent, *, silu: bool = True) -> to
             y = (window * weight.float()).sum(-1)
             if bias is not None:
                 y = y + bias.float()
-            out[b, i] = torch.nn.functional.silu(y) if silu else y
+            # HF's torch path: the conv in the model dtype, then its SiLU.
+            out[b, i] = torch.nn.functional.silu(y.to(x.dtype).float()) if silu else y
     return out.to(dtype=x.dtype, device=x.device)
 
 
@@ -266,6 +267,12 @@ def rms_norm(x, weight, eps, *, gate=None, zero_centered: bool = False) -> torch
     if gate is not None:
         y = y * torch.nn.functional.silu(gate.float())
     return y.to(x.dtype)
+
+
+def add_rms_norm(x, residual, weight, eps, *, zero_centered: bool = False):
+    """(normed, sum): the decoder layer's ``residual + hidden_states`` and the next norm of it."""
+    total = residual + x
+    return rms_norm(total, weight, eps, zero_centered=zero_centered), total
 
 
 def silu_mul(gate, up) -> torch.Tensor:

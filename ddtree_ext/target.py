@@ -539,9 +539,15 @@ def _gdn_tree_forward(
     mixed_qkv = gdn.in_proj_qkv(hidden_states)
 
     # HF's torch conv (causal_conv1d_fn / causal_conv1d_update fallbacks) rounds the conv to the model
-    # dtype before the activation; doing the same keeps bf16 tree logits equal to the chain's.
-    conv = _ops.tree_conv1d(mixed_qkv, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, conv_state, parent, silu=False)
-    conv_out = ACT2FN[gdn.activation](conv)
+    # dtype before the activation; the op's SiLU does the same (one launch instead of two), another activation
+    # runs after it as HF's.
+    weight = gdn.conv1d.weight.squeeze(1)
+    if gdn.activation in ("silu", "swish"):
+        conv_out = _ops.tree_conv1d(mixed_qkv, weight, gdn.conv1d.bias, conv_state, parent, silu=True)
+    else:
+        conv_out = ACT2FN[gdn.activation](
+            _ops.tree_conv1d(mixed_qkv, weight, gdn.conv1d.bias, conv_state, parent, silu=False)
+        )
     query, key, value = torch.split(conv_out, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
     query = query.reshape(batch, num_nodes, -1, gdn.head_k_dim)
     key = key.reshape(batch, num_nodes, -1, gdn.head_k_dim)

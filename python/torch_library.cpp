@@ -26,6 +26,9 @@ TORCH_LIBRARY(ddtree, m) {
       "Tensor(d!) stash_cumg) -> ()");
   // layer bodies
   m.def("rms_norm(Tensor x, Tensor weight, Tensor? gate, float eps, bool zero_centered, Tensor(a!) out) -> ()");
+  m.def(
+      "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool zero_centered, Tensor(a!) out, "
+      "Tensor(b!) residual_out) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
   m.def("linear(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False) -> ()");
@@ -57,6 +60,7 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("tree_conv1d", &ddtree::tree_conv1d_cpu);
   m.impl("tree_gated_delta_rule", &ddtree::tree_gated_delta_rule_cpu);
   m.impl("rms_norm", &ddtree::rms_norm_cpu);
+  m.impl("add_rms_norm", &ddtree::add_rms_norm_cpu);
   m.impl("silu_mul", &ddtree::silu_mul_cpu);
   m.impl("rope", &ddtree::rope_cpu);
   m.impl("linear", &ddtree::linear_cpu);

@@ -242,6 +242,16 @@ def test_tree_conv1d(dtype, width, state_len, channels, shape, bias, silu):
     assert_close(got, expected_ref, dtype, "vs reference")
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_tree_conv1d_silu_is_torchs_silu_of_the_rounded_conv(dtype):
+    """The fused activation gives the bits of HF's torch path on CUDA: the conv in the model dtype, then F.silu."""
+    gen = make_gen(91)
+    x, weight, b, conv_state, parent = to(conv_inputs(2, 65, 10240 // 8, 4, 3, dtype, gen, "random", True), DEV)
+    fused = ops.tree_conv1d(x, weight, b, conv_state, parent, silu=True)
+    two_steps = torch.nn.functional.silu(ops.tree_conv1d(x, weight, b, conv_state, parent, silu=False))
+    assert torch.equal(fused, two_steps)
+
+
 def test_tree_conv1d_strided_input():
     """x a slice of a wider projection output (rows 16-byte aligned, and not)."""
     gen = make_gen(5)
@@ -757,6 +767,34 @@ def test_rms_norm(kind, rows, dim, dtype, layout):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("rows,dim", LAYER_SHAPES)
+@pytest.mark.parametrize("kind", ["zero_centered", "plain"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "unaligned", "in_place"])
+def test_add_rms_norm(kind, rows, dim, dtype, layout):
+    """The sum bit for bit the CPU's (and torch's), the norm the bits of ops.rms_norm on that sum on the GPU."""
+    gen = make_gen(rows * dim + 7)
+    pad = {"contiguous": 0, "strided": 16, "unaligned": 1, "in_place": 0}[layout]
+    base = (torch.randn(2, rows, dim + pad, generator=gen) * 3).to(dtype)
+    x, residual = (base[:, :, pad:] if layout == "unaligned" else base[:, :, :dim]).unbind(0)
+    weight = (torch.randn(dim, generator=gen) * 0.3 + (kind != "zero_centered")).to(dtype)
+    zero_centered = kind == "zero_centered"
+    expected_normed, expected_total = ops.add_rms_norm(x, residual, weight, 1e-6, zero_centered=zero_centered)
+    x_dev, residual_dev, weight_dev = to([x, residual, weight], DEV)
+    if layout == "unaligned":  # the device copies are aligned again: take the same offset there
+        base_dev = base.to(DEV)
+        x_dev, residual_dev = base_dev[:, :, pad:].unbind(0)
+    out = poison(torch.empty(rows, dim, dtype=dtype, device=DEV))
+    residual_out = residual_dev if layout == "in_place" else poison(torch.empty(rows, dim, dtype=dtype, device=DEV))
+    sum_dev = x_dev + residual_dev
+    normed, total = ops.add_rms_norm(x_dev, residual_dev, weight_dev, 1e-6, zero_centered=zero_centered, out=out,
+                                     residual_out=residual_out)
+    assert normed is out and total is residual_out
+    assert torch.equal(total.cpu(), expected_total) and torch.equal(total, sum_dev)
+    assert torch.equal(normed, ops.rms_norm(sum_dev, weight_dev, 1e-6, zero_centered=zero_centered))
+    assert_close(normed, expected_normed, dtype, f"{kind} vs CPU")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("rows,dim", LAYER_SHAPES)
 @pytest.mark.parametrize("layout", ["contiguous", "unaligned"])
 def test_silu_mul(rows, dim, dtype, layout):
     gen = make_gen(dim)
@@ -1136,6 +1174,7 @@ def _case_layer():
         return [
             ops.rms_norm(x["x"], x["weight"], 1e-6, zero_centered=True),
             ops.rms_norm(x["heads"], x["head_weight"], 1e-6, gate=x["gate"]),
+            *ops.add_rms_norm(x["x"], x["up"], x["weight"], 1e-6),
             ops.silu_mul(x["x"], x["up"]),
             *ops.gdn_gates(x["x"], x["wa"], x["wb"], x["A_log"], x["dt_bias"]),
             ops.rope(x["q"], x["cos"], x["sin"]),
@@ -1330,6 +1369,8 @@ def test_all_ops_small():
         for kw in (dict(zero_centered=True), dict(gate=h.flip(0))):
             dev_kw = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
             assert_close(ops.rms_norm(*to([h, w], DEV), 1e-6, **dev_kw), ops.rms_norm(h, w, 1e-6, **kw), torch.float32)
+        for got, expected in zip(ops.add_rms_norm(*to([h, h.flip(0), w], DEV), 1e-6), ops.add_rms_norm(h, h.flip(0), w, 1e-6)):
+            assert_close(got, expected, torch.float32)
         assert_close(ops.silu_mul(*to([h, h.flip(0)], DEV)), ops.silu_mul(h, h.flip(0)), torch.float32)
         wa, wb = torch.randn(3, dim, generator=gen), torch.randn(3, dim, generator=gen)
         A_log, dt_bias = torch.randn(3, generator=gen), torch.randn(3, generator=gen)

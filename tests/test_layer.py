@@ -71,6 +71,40 @@ def test_rms_norm_equals_the_hf_module(kind, rows, dim, dtype, gen):
         assert (got != stock).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", SHAPES)
+@pytest.mark.parametrize("kind", ["zero_centered", "plain"])
+def test_add_rms_norm_is_the_add_then_the_norm(kind, rows, dim, dtype, gen):
+    """HF's ``residual + hidden_states`` then the norm: the sum bit for bit, the norm the fused norm's bits."""
+    norm = _norm_module(kind, dim, dtype, gen)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+    zero_centered = kind == "zero_centered"
+    normed, total = ops.add_rms_norm(x, residual, norm.weight, 1e-6, zero_centered=zero_centered)
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, ops.rms_norm(residual + x, norm.weight, 1e-6, zero_centered=zero_centered))
+    with torch.no_grad():
+        assert_close(normed, norm(residual + x), dtype, f"{kind} vs HF")
+    expected_normed, expected_total = reference.add_rms_norm(x, residual, norm.weight, 1e-6, zero_centered=zero_centered)
+    assert torch.equal(total, expected_total)
+    assert_close(normed, expected_normed, dtype, f"{kind} vs reference")
+
+
+@pytest.mark.parametrize("in_place", ["x", "residual", None])
+def test_add_rms_norm_strided_rows_given_outputs_and_in_place(in_place, gen):
+    dtype = torch.bfloat16
+    norm = _norm_module("zero_centered", 64, dtype, gen)
+    wide = torch.randn(2, 5, 128, generator=gen).to(dtype)
+    x, residual = wide[..., :64], wide[..., 64:]  # rows 128 apart
+    expected_normed, expected_total = ops.add_rms_norm(x.clone(), residual.clone(), norm.weight, 1e-6, zero_centered=True)
+    out = poison(torch.empty(2, 5, 64, dtype=dtype))
+    residual_out = {"x": x, "residual": residual, None: poison(torch.empty(2, 5, 64, dtype=dtype))}[in_place]
+    normed, total = ops.add_rms_norm(x, residual, norm.weight, 1e-6, zero_centered=True, out=out,
+                                     residual_out=residual_out)
+    assert normed is out and total is residual_out
+    assert torch.equal(normed, expected_normed) and torch.equal(total, expected_total)
+
+
 @pytest.mark.parametrize("kind", ["zero_centered", "gated"])
 def test_rms_norm_strided_rows_and_out(kind, gen):
     """Rows of a wider tensor (q of Qwen3.5's q_proj output is half of each head's row), a given out."""
@@ -193,6 +227,31 @@ def test_rms_norm_bad_inputs():
         with pytest.raises(ValueError, match=message):
             call()
         assert torch.equal(out, before), message  # nothing written
+
+
+def test_add_rms_norm_bad_inputs():
+    buffer = torch.randn(40)
+    x, r, w = buffer[:32].view(4, 8), torch.randn(4, 8), torch.ones(8)
+    out, total = torch.full((4, 8), 5.0), torch.full((4, 8), 5.0)
+    add = load_ops().add_rms_norm
+    cases = [
+        (lambda: add(x, r.half(), w, 1e-6, False, out, total), "add_rms_norm: residual must have dtype"),
+        (lambda: add(x, torch.randn(3, 8), w, 1e-6, False, out, total), r"add_rms_norm: residual must have shape \[4, 8\]"),
+        (lambda: add(x, r, torch.ones(7), 1e-6, False, out, total), r"add_rms_norm: weight must have shape \[8\]"),
+        (lambda: add(x, r, w, float("nan"), False, out, total), "add_rms_norm: eps must be finite"),
+        (lambda: add(x, r, w, 1e-6, False, out, torch.empty(4, 7)), r"add_rms_norm: residual_out must have shape"),
+        (lambda: add(x, r, w, 1e-6, False, x, total), "add_rms_norm: out must not overlap x"),
+        (lambda: add(x, r, w, 1e-6, False, out, out), "add_rms_norm: out must not overlap residual_out"),
+        (lambda: add(x, r, w, 1e-6, False, out, buffer[1:33].view(4, 8)), "add_rms_norm: residual_out must be x"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert (out == 5.0).all() and (total == 5.0).all(), message  # nothing written
+    with pytest.raises(ValueError, match=r"add_rms_norm: residual must have shape \[4, 8\]"):
+        ops.add_rms_norm(x, r.view(8, 4), w, 1e-6)  # the same rows once flattened: still refused
+    with pytest.raises(ValueError, match=r"add_rms_norm: out must have shape \[4, 8\]"):
+        ops.add_rms_norm(x, r, w, 1e-6, out=torch.empty(8, 4))
 
 
 def test_silu_mul_and_gdn_gating_bad_inputs():
@@ -321,6 +380,8 @@ def test_layer_ops_opcheck(gen):
     lib = load_ops()
     x = torch.randn(3, 16, generator=gen)
     torch.library.opcheck(lib.rms_norm.default, (x, torch.randn(16, generator=gen), x.clone(), 1e-6, False, torch.empty(3, 16)))
+    torch.library.opcheck(lib.add_rms_norm.default,
+                          (x, x.clone(), torch.randn(16, generator=gen), 1e-6, True, torch.empty(3, 16), torch.empty(3, 16)))
     torch.library.opcheck(lib.silu_mul.default, (x, x.clone(), torch.empty(3, 16)))
     w = torch.randn(6, 16, generator=gen)
     torch.library.opcheck(lib.gdn_gates.default, (x, w, w.clone(), torch.randn(6), torch.randn(6), torch.empty(3, 6), torch.empty(3, 6)))
@@ -347,11 +408,13 @@ def test_fusion_swaps_the_norms_and_mlps_and_restores_them(family):
     if family == "qwen3":
         # input + post norms and q/k norms per layer, the final norm; one MLP per layer; the seven projections
         # of a layer (q, k and v once, for the K/V prefetch; o and the MLP's three as plain projections).
-        assert _swapped_types(fusion) == ["Linear", "Qwen3MLP", "Qwen3RMSNorm"]
-        assert len(fusion.swaps) == 12 * layers + 1
+        assert _swapped_types(fusion) == ["Linear", "Qwen3DecoderLayer", "Qwen3MLP", "Qwen3RMSNorm"]
+        assert len(fusion.swaps) == 13 * layers + 1
         assert len({id(m) for m, _ in fusion.swaps}) == len(fusion.swaps)  # no module swapped twice
     else:
-        assert _swapped_types(fusion) == ["Linear", "Qwen3_5MLP", "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"]
+        assert _swapped_types(fusion) == [
+            "Linear", "Qwen3_5DecoderLayer", "Qwen3_5MLP", "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"
+        ]
     marker = lambda *a, **k: None  # an instance forward of the user's own (an accelerate hook, say)
     stock_rope = qwen3.apply_rotary_pos_emb
     first = fusion.swaps[0][0]
@@ -389,6 +452,58 @@ def test_fused_model_gives_the_stock_logits(family, dtype, monkeypatch):
     assert counts == {"rope": 2 * attention_layers, "gqa": attention_layers}
     assert_close(fused_logits, stock, dtype, f"{family} fused logits")
     assert torch.equal(fused_logits.argmax(-1), stock.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_residual_adds_give_the_bits_of_the_unfused_layers(family, dtype, monkeypatch):
+    """The decoder layers' residual adds fused into the norms after them (each layer's post-attention norm, and the
+    next layer's input norm) give the bits of the add and the fused norm run one after the other."""
+    from ddtree_ext import fused
+
+    model = make_tiny_target(family, seed=4, dtype=dtype)
+    n = 7
+    tokens = torch.randint(0, 50, (1, n), generator=torch.Generator().manual_seed(3))
+    masks = {"full_attention": torch.ones(1, 1, n, n, dtype=torch.bool).tril(), "linear_attention": None}
+    calls = []
+    add_rms_norm = ops.add_rms_norm
+    monkeypatch.setattr(ops, "add_rms_norm", lambda *a, **k: calls.append(1) or add_rms_norm(*a, **k))
+    fusion = LayerFusion(model)
+    layers = model.config.get_text_config().num_hidden_layers
+    with torch.no_grad(), fusion.active():
+        monkeypatch.setattr(fused, "fuse_residual_adds", False)
+        unfused = model(input_ids=tokens, attention_mask=masks, output_hidden_states=True)
+        assert not calls
+        monkeypatch.setattr(fused, "fuse_residual_adds", True)
+        fused_out = model(input_ids=tokens, attention_mask=masks, output_hidden_states=True)
+    assert len(calls) == 2 * layers - 1  # the last layer's output goes to the final norm, unfused
+    assert torch.equal(fused_out.logits, unfused.logits)
+    for i, (a, b) in enumerate(zip(fused_out.hidden_states, unfused.hidden_states)):
+        assert torch.equal(a, b), f"hidden state {i}"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_layer_called_with_another_input_computes_its_own_norm(family):
+    """The handed-over norm belongs to one tensor: a decoder layer called with any other input (a hook that
+    replaced the hidden states, a caller of its own) normalises that input itself."""
+    model = make_tiny_target(family, seed=5)
+    tokens = torch.randint(0, 50, (1, 5), generator=torch.Generator().manual_seed(0))
+    layers = model.model.layers
+    replaced = {}
+
+    def replace(module, args, kwargs):  # layer 1 gets a copy of layer 0's output, not the tensor itself
+        replaced["input"] = args[0].clone() * 1.5 if args else kwargs["hidden_states"].clone() * 1.5
+        return ((replaced["input"], *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": replaced["input"]})
+
+    handle = layers[1].register_forward_pre_hook(replace, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            stock = model(input_ids=tokens).logits
+            with LayerFusion(model).active():
+                fused_logits = model(input_ids=tokens).logits
+    finally:
+        handle.remove()
+    assert_close(fused_logits, stock, torch.float32, f"{family} with a replaced layer input")
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
