@@ -5,8 +5,8 @@
 // RMSNorm took 16 us as HF's chain and 2.8 us as one launch (benchmarks/results/2026-11-29-h200-layer-ops.md).
 //
 // rms_norm gives each row a group of threads: a warp when the row is short (attention heads, GDN value
-// heads: 128-256 features), a 256-thread block when it is a hidden state (thousands). Rows are read
-// twice (sum of squares, then the output), the second time from L1/L2.
+// heads: 128-256 features), a 256-thread block when it is a hidden state (thousands). A thread keeps its
+// chunks of the row in registers between the sum of squares and the output (kCachedChunks).
 //
 // Determinism: an op's bits never depend on the alignment of its inputs (a captured graph and an eager
 // call may see the same data at different addresses): the reducing kernels assign elements to threads by
@@ -73,36 +73,88 @@ struct RmsNormArgs {
   int64_t residual_stride, sum_stride;
 };
 
+// A thread's first kCachedChunks chunks of its row (2 in a warp's row) stay in registers between the sum of squares and the output
+// pass, with their weights and gate values, all loaded before the first use: a row costs one round trip to memory
+// instead of two (at 1 row a 27B-shaped norm is latency bound, and the output pass waited for the weights, and in
+// add_rms_norm for the sums it had just stored). Chunks past that (rows longer than kCachedChunks x GROUP chunks)
+// are read again in the output pass. Either way the sums run over the chunks in the same order: the same bits.
+constexpr int kCachedChunks = 4;
+
+// y = the output of one chunk from its (summed) input v, weight w and gate g.
+template <typename T, int C>
+__device__ __forceinline__ void rms_norm_chunk(const float (&v)[C], const float (&w)[C], const float (&g)[C],
+                                               bool gated, bool zero_centered, float inv_rms, float (&y)[C]) {
+  if (zero_centered) {
+#pragma unroll
+    for (int e = 0; e < C; ++e) y[e] = v[e] * inv_rms * (1.f + w[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < C; ++e) y[e] = w[e] * round_to<T>(v[e] * inv_rms);
+    if (gated) {
+#pragma unroll
+      for (int e = 0; e < C; ++e) y[e] = round_to<T>(y[e]) * silu(g[e]);
+    }
+  }
+}
+
 // GROUP threads per row (a warp or the whole block); thread t takes the row's chunks t, t + GROUP, ...
 template <typename T, int GROUP, bool PACKED>
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T> p) {
   constexpr int kRowsPerBlock = kThreads / GROUP;
   constexpr int kWarpsPerGroup = GROUP / cuda::kWarp;
   constexpr int C = 16 / sizeof(T);
+  constexpr int K = GROUP == cuda::kWarp ? 2 : kCachedChunks;  // a warp's rows are heads: 128-256 features
   __shared__ float partial[kRowsPerBlock][kWarpsPerGroup];
   const int slot = threadIdx.x / GROUP, t = threadIdx.x % GROUP;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + slot;
   const bool active = row < p.rows;  // inactive threads still take part in the block's barrier
   const T* x = p.x + (active ? row : 0) * p.x_stride;
+  const T* residual = p.residual != nullptr && active ? p.residual + row * p.residual_stride : nullptr;
+  T* sum_out = p.sum_out != nullptr && active ? p.sum_out + row * p.sum_stride : nullptr;
+  const T* gate = p.gate != nullptr && active ? p.gate + row * p.gate_stride : nullptr;
 
+  float v[K][C], w[K][C], g[K][C];
   float sum = 0.f;
   if (active) {
-    const T* residual = p.residual != nullptr ? p.residual + row * p.residual_stride : nullptr;
-    T* sum_out = p.sum_out != nullptr ? p.sum_out + row * p.sum_stride : nullptr;
-    for (int i = t * C; i < p.dim; i += GROUP * C) {
-      float v[C];
-      load_chunk<T, C, PACKED>(x + i, p.dim - i, v);
+    // Every load first (the sums' stores below could alias a later chunk's input, so they come after).
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int i = (t + k * GROUP) * C;
+      if (i < p.dim) {
+        load_chunk<T, C, PACKED>(x + i, p.dim - i, v[k]);
+        load_chunk<T, C, PACKED>(p.weight + i, p.dim - i, w[k]);
+        if (gate != nullptr) load_chunk<T, C, PACKED>(gate + i, p.dim - i, g[k]);
+        if (residual != nullptr) {
+          float r[C];
+          load_chunk<T, C, PACKED>(residual + i, p.dim - i, r);
+#pragma unroll
+          for (int e = 0; e < C; ++e) v[k][e] = round_to<T>(v[k][e] + r[e]);
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int i = (t + k * GROUP) * C;
+      if (i < p.dim) {
+        if (sum_out != nullptr) store_chunk<T, C, PACKED>(sum_out + i, p.dim - i, v[k]);
+#pragma unroll
+        for (int e = 0; e < C; ++e) sum = fmaf(v[k][e], v[k][e], sum);
+      }
+    }
+    for (int i = (t + K * GROUP) * C; i < p.dim; i += GROUP * C) {
+      float u[C];
+      load_chunk<T, C, PACKED>(x + i, p.dim - i, u);
       if (residual != nullptr) {
         float r[C];
         load_chunk<T, C, PACKED>(residual + i, p.dim - i, r);
 #pragma unroll
-        for (int e = 0; e < C; ++e) v[e] = round_to<T>(v[e] + r[e]);
-        store_chunk<T, C, PACKED>(sum_out + i, p.dim - i, v);
+        for (int e = 0; e < C; ++e) u[e] = round_to<T>(u[e] + r[e]);
+        store_chunk<T, C, PACKED>(sum_out + i, p.dim - i, u);
       }
 #pragma unroll
-      for (int e = 0; e < C; ++e) sum = fmaf(v[e], v[e], sum);
+      for (int e = 0; e < C; ++e) sum = fmaf(u[e], u[e], sum);
     }
-    // The output pass reads the sums back: this thread wrote exactly the chunks it will read (same-thread
+    // The output pass reads uncached sums back: this thread wrote exactly the chunks it will read (same-thread
     // order makes them visible), and sum_out may be x or the residual itself.
     if (sum_out != nullptr) x = sum_out;
   }
@@ -112,32 +164,30 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
     __syncthreads();
     sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarpsPerGroup; ++w) sum += partial[slot][w];  // same order in every thread
+    for (int q = 0; q < kWarpsPerGroup; ++q) sum += partial[slot][q];  // same order in every thread
   }
   if (!active) return;
   // torch.rsqrt on CUDA is rsqrtf; the mean is the sum times 1/n as in torch's reduction, rounded before the
   // eps is added (no FMA contraction: torch runs the two as separate kernels).
   const float inv_rms = rsqrtf(__fadd_rn(__fmul_rn(sum, p.inv_dim), p.eps));
-  const T* gate = p.gate != nullptr ? p.gate + row * p.gate_stride : nullptr;
   T* out = p.out + row * p.out_stride;
-  for (int i = t * C; i < p.dim; i += GROUP * C) {
-    const int valid = p.dim - i;
-    float v[C], w[C], y[C];
-    load_chunk<T, C, PACKED>(x + i, valid, v);
-    load_chunk<T, C, PACKED>(p.weight + i, valid, w);
-    if (p.zero_centered) {
+  const bool gated = gate != nullptr;
 #pragma unroll
-      for (int e = 0; e < C; ++e) y[e] = v[e] * inv_rms * (1.f + w[e]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < C; ++e) y[e] = w[e] * round_to<T>(v[e] * inv_rms);
-      if (gate != nullptr) {
-        float gv[C];
-        load_chunk<T, C, PACKED>(gate + i, valid, gv);
-#pragma unroll
-        for (int e = 0; e < C; ++e) y[e] = round_to<T>(y[e]) * silu(gv[e]);
-      }
+  for (int k = 0; k < K; ++k) {
+    const int i = (t + k * GROUP) * C;
+    if (i < p.dim) {
+      float y[C];
+      rms_norm_chunk<T, C>(v[k], w[k], g[k], gated, p.zero_centered, inv_rms, y);
+      store_chunk<T, C, PACKED>(out + i, p.dim - i, y);
     }
+  }
+  for (int i = (t + K * GROUP) * C; i < p.dim; i += GROUP * C) {
+    const int valid = p.dim - i;
+    float u[C], wu[C], gu[C], y[C];
+    load_chunk<T, C, PACKED>(x + i, valid, u);
+    load_chunk<T, C, PACKED>(p.weight + i, valid, wu);
+    if (gated) load_chunk<T, C, PACKED>(gate + i, valid, gu);
+    rms_norm_chunk<T, C>(u, wu, gu, gated, p.zero_centered, inv_rms, y);
     store_chunk<T, C, PACKED>(out + i, valid, y);
   }
 }
