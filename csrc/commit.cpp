@@ -2,6 +2,7 @@
 // whole model (each list holds one tensor per layer). Batch rows may accept paths of different
 // lengths. The check_* functions are metadata-only and shared with the CUDA implementations; the CPU
 // implementations add value checks of the path before writing anything.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -355,6 +356,57 @@ void gather_rows_cpu(const at::Tensor& src, const at::Tensor& accepted, const at
       }
     }
   });
+}
+
+// ---- store_kv (a verify's new K/V rows into the static caches) -------------------------------------
+
+void check_store_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                    const at::Tensor& key_states, const at::Tensor& value_states) {
+  constexpr const char* op = "store_kv";
+  DDTREE_CHECK_DIM(op, keys, 4);
+  DDTREE_CHECK_FLOAT(op, keys);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, keys);
+  const int64_t bsz = keys.size(0), heads = keys.size(1), dim = keys.size(3);
+  DDTREE_CHECK_SHAPE(op, values, {bsz, heads, keys.size(2), dim});
+  DDTREE_CHECK_DTYPE(op, values, keys.scalar_type());
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, values);
+  DDTREE_CHECK_SAME_DEVICE(op, keys, values);
+  DDTREE_CHECK_DIM(op, slots, 1);
+  DDTREE_CHECK_DTYPE(op, slots, at::kLong);
+  DDTREE_CHECK_SAME_DEVICE(op, keys, slots);
+  const int64_t n = slots.size(0);
+  for (const auto* t : {&key_states, &value_states}) {
+    const char* name = t == &key_states ? "key_states" : "value_states";
+    TORCH_CHECK_VALUE(t->dim() == 4 && t->size(0) == bsz && t->size(1) == heads && t->size(2) == n &&
+                          t->size(3) == dim,
+                      op, ": ", name, " must have shape [B, H, N, D] = [", bsz, ", ", heads, ", ", n, ", ", dim,
+                      "] (the caches' B, H, D and N = slots), got ", shape_str(t->sizes()));
+    TORCH_CHECK_VALUE(t->scalar_type() == keys.scalar_type(), op, ": ", name, " must have dtype ",
+                      keys.scalar_type(), " like the caches, got ", t->scalar_type());
+    TORCH_CHECK_VALUE(t->stride(3) == 1 || dim == 1, op, ": ", name, " must be contiguous in its last dim");
+    TORCH_CHECK_VALUE(t->device() == keys.device(), op, ": ", name, " must be on ", keys.device(),
+                      " like the caches, got ", t->device());
+  }
+  for (const auto* c : {&keys, &values}) {
+    for (const auto* t : {&key_states, &value_states}) {
+      const auto overlap = at::get_overlap_status(*c, *t);
+      DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+                   c == &keys ? "keys" : "values", " must not overlap ", t == &key_states ? "key_states" : "value_states");
+    }
+  }
+}
+
+void store_kv_cpu(at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& key_states,
+                  const at::Tensor& value_states) {
+  constexpr const char* op = "store_kv";
+  check_store_kv(keys, values, slots, key_states, value_states);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    DDTREE_CHECK(op, 0 <= s[i] && s[i] < keys.size(2), "slots[", i, "] = ", s[i], " must be in [0, ", keys.size(2),
+                 ") (the caches' slots)");
+  }
+  keys.index_copy_(2, slots, key_states);
+  values.index_copy_(2, slots, value_states);
 }
 
 }  // namespace ddtree

@@ -10,6 +10,7 @@
 // cannot apply safely (length outside [1, D], a node outside [0, N), a slot outside the cache) leaves
 // that row's state untouched instead of touching memory out of bounds.
 #include <functional>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 #include "ops.h"
@@ -495,6 +496,95 @@ void gather_rows_cuda(const at::Tensor& src, const at::Tensor& accepted, const a
                         C10_CUDA_KERNEL_LAUNCH_CHECK();
                       });
   });
+}
+
+// ---- store_kv ----------------------------------------------------------------------------------------
+
+namespace {
+
+struct StoreKvArgs {
+  char* keys;
+  char* values;
+  const char* key_states;
+  const char* value_states;
+  const int64_t* slots;
+  int64_t cache_strides[2][3];  // keys, values: B, H, slot (in elements)
+  int64_t state_strides[2][3];  // key_states, value_states: B, H, N
+  int64_t batch, heads, nodes, num_slots, packs_per_row, total;
+};
+
+// One thread per (b, h, n, pack of W bytes): copies that pack of the node's key row and of its value row to slot
+// slots[n]. A slot outside the caches is skipped (no device-side check can raise; the caller guarantees the range).
+template <typename W, int ELEMENT>
+__global__ void __launch_bounds__(256) store_kv_kernel(const StoreKvArgs a) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= a.total) return;
+  const int64_t pack = idx % a.packs_per_row, row = idx / a.packs_per_row;
+  const int64_t n = row % a.nodes, bh = row / a.nodes, h = bh % a.heads, b = bh / a.heads;
+  const int64_t slot = a.slots[n];
+  if (slot < 0 || slot >= a.num_slots) return;
+  constexpr int64_t kElements = sizeof(W) / ELEMENT;  // elements per pack
+  const char* src[2] = {a.key_states, a.value_states};
+  char* dst[2] = {a.keys, a.values};
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int64_t* ss = a.state_strides[t];
+    const int64_t* cs = a.cache_strides[t];
+    const W v = *reinterpret_cast<const W*>(src[t] + (b * ss[0] + h * ss[1] + n * ss[2] + pack * kElements) * ELEMENT);
+    *reinterpret_cast<W*>(dst[t] + (b * cs[0] + h * cs[1] + slot * cs[2] + pack * kElements) * ELEMENT) = v;
+  }
+}
+
+template <typename W, int ELEMENT>
+void launch_store_kv(StoreKvArgs a, int64_t dim) {
+  a.packs_per_row = dim * ELEMENT / static_cast<int64_t>(sizeof(W));
+  a.total = a.packs_per_row * a.heads * a.nodes * a.batch;
+  if (a.total == 0) return;
+  const unsigned blocks = static_cast<unsigned>(cuda::ceil_div(a.total, 256));
+  store_kv_kernel<W, ELEMENT><<<blocks, 256, 0, cuda::current_stream()>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int ELEMENT>
+void dispatch_store_kv(const StoreKvArgs& a, int64_t dim, bool packed) {
+  using Element = std::conditional_t<ELEMENT == 2, uint16_t, uint32_t>;
+  packed ? launch_store_kv<uint4, ELEMENT>(a, dim) : launch_store_kv<Element, ELEMENT>(a, dim);
+}
+
+}  // namespace
+
+void store_kv_cuda(at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& key_states,
+                   const at::Tensor& value_states) {
+  check_store_kv(keys, values, slots, key_states, value_states);
+  const c10::cuda::CUDAGuard guard(keys.device());
+  const int64_t element = keys.element_size(), dim = keys.size(3);
+  StoreKvArgs a{};
+  a.keys = static_cast<char*>(keys.data_ptr());
+  a.values = static_cast<char*>(values.data_ptr());
+  a.key_states = static_cast<const char*>(key_states.data_ptr());
+  a.value_states = static_cast<const char*>(value_states.data_ptr());
+  a.slots = slots.data_ptr<int64_t>();
+  const at::Tensor* caches[2] = {&keys, &values};
+  const at::Tensor* states[2] = {&key_states, &value_states};
+  // 16-byte packs when every row of all four tensors starts 16-byte aligned.
+  bool packed = (dim * element) % 16 == 0;
+  for (int t = 0; t < 2; ++t) {
+    for (int d = 0; d < 3; ++d) {
+      a.cache_strides[t][d] = caches[t]->stride(d);
+      a.state_strides[t][d] = states[t]->stride(d);
+      packed = packed && (caches[t]->stride(d) * element) % 16 == 0 && (states[t]->stride(d) * element) % 16 == 0;
+    }
+    packed = packed && cuda::is_aligned(caches[t]->data_ptr(), 16) && cuda::is_aligned(states[t]->data_ptr(), 16);
+  }
+  a.heads = keys.size(1);
+  a.nodes = slots.size(0);
+  a.num_slots = keys.size(2);
+  a.batch = keys.size(0);
+  if (element == 2) {
+    dispatch_store_kv<2>(a, dim, packed);
+  } else {
+    dispatch_store_kv<4>(a, dim, packed);
+  }
 }
 
 }  // namespace ddtree

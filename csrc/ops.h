@@ -109,6 +109,10 @@ void check_commit_kv(at::TensorList cache, const at::Tensor& prefix_len, const a
                      const at::Tensor& accept_len);
 void commit_kv_cpu(at::TensorList cache, const at::Tensor& prefix_len, const at::Tensor& accepted,
                    const at::Tensor& accept_len);
+void check_store_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                    const at::Tensor& key_states, const at::Tensor& value_states);
+void store_kv_cpu(at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& key_states,
+                  const at::Tensor& value_states);
 void check_gather_rows(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,
                        const at::Tensor& out);
 void gather_rows_cpu(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,
@@ -151,6 +155,8 @@ void commit_conv_state_cuda(at::TensorList conv_state, at::TensorList x, const a
                             const at::Tensor& accept_len);
 void commit_kv_cuda(at::TensorList cache, const at::Tensor& prefix_len, const at::Tensor& accepted,
                     const at::Tensor& accept_len);
+void store_kv_cuda(at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& key_states,
+                   const at::Tensor& value_states);
 void gather_rows_cuda(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,
                       at::Tensor& out);
 

@@ -21,6 +21,7 @@ _OPS = (
     "commit_gdn_state",
     "commit_conv_state",
     "commit_kv",
+    "store_kv",
     "gather_rows",
 )
 

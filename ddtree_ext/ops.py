@@ -558,6 +558,19 @@ def commit_kv(
     load_ops().commit_kv(list(cache), prefix_len, accepted, accept_len)
 
 
+def store_kv(
+    keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+) -> None:
+    """A verify's new attention rows into the static caches, K and V in one launch: ``keys[:, :, slots[n]] =
+    key_states[:, :, n]`` and the same for the values (what two ``index_copy_`` calls along dim 2 do).
+
+    keys, values [B, H, S, D] one float dtype (last dim contiguous), slots [N] int64 on their device, key_states,
+    value_states [B, H, N, D] in their dtype (any strides, last dim contiguous). The CPU op checks that every slot
+    is in [0, S); on CUDA (no host reads) a slot outside is skipped.
+    """
+    load_ops().store_kv(keys, values, slots, key_states, value_states)
+
+
 def gather_rows(
     src: torch.Tensor, accepted: torch.Tensor, accept_len: torch.Tensor, *, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:

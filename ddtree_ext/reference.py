@@ -429,6 +429,12 @@ def commit_kv(
     return new
 
 
+def store_kv(keys, values, slots, key_states, value_states) -> None:
+    for n, slot in enumerate(slots.tolist()):
+        keys[:, :, slot] = key_states[:, :, n]
+        values[:, :, slot] = value_states[:, :, n]
+
+
 def gather_rows(src: torch.Tensor, accepted: torch.Tensor, accept_len: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(src.shape[0], accepted.shape[1], src.shape[2], dtype=src.dtype, device=src.device)
     for b in range(src.shape[0]):

@@ -56,7 +56,7 @@ from ddtree_ext.fused import OP_DTYPES, Fork, LayerFusion, ops_apply, swapped_fo
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
 
-# The op functions the adapter calls (tree_attention_mask, tree_conv1d, tree_gated_delta_rule,
+# The op functions the adapter calls (tree_attention_mask, store_kv, tree_conv1d, tree_gated_delta_rule,
 # commit_kv, commit_gdn_state, commit_conv_state) all go through this one name.
 _ops = ops
 
@@ -121,8 +121,12 @@ class _StaticAttentionCache:
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = self.state.keys[layer_idx], self.state.values[layer_idx]
         slots = self.slots[keys.device]
-        keys.index_copy_(2, slots, key_states.to(keys.dtype))
-        values.index_copy_(2, slots, value_states.to(values.dtype))
+        key_states, value_states = key_states.to(keys.dtype), value_states.to(values.dtype)
+        if ops_apply(key_states, value_states, keys, values):
+            _ops.store_kv(keys, values, slots, key_states, value_states)  # one launch for both
+        else:
+            keys.index_copy_(2, slots, key_states)
+            values.index_copy_(2, slots, value_states)
         return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -50,6 +50,7 @@ TORCH_LIBRARY(ddtree, m) {
       "Tensor accepted, Tensor accept_len) -> ()");
   m.def("commit_conv_state(Tensor(a!)[] conv_state, Tensor[] x, Tensor accepted, Tensor accept_len) -> ()");
   m.def("commit_kv(Tensor(a!)[] cache, Tensor prefix_len, Tensor accepted, Tensor accept_len) -> ()");
+  m.def("store_kv(Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor key_states, Tensor value_states) -> ()");
   m.def("gather_rows(Tensor src, Tensor accepted, Tensor accept_len, Tensor(a!) out) -> ()");
 }
 
@@ -71,5 +72,6 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("commit_gdn_state", &ddtree::commit_gdn_state_cpu);
   m.impl("commit_conv_state", &ddtree::commit_conv_state_cpu);
   m.impl("commit_kv", &ddtree::commit_kv_cpu);
+  m.impl("store_kv", &ddtree::store_kv_cpu);
   m.impl("gather_rows", &ddtree::gather_rows_cpu);
 }

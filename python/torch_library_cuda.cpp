@@ -22,5 +22,6 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("commit_gdn_state", &ddtree::commit_gdn_state_cuda);
   m.impl("commit_conv_state", &ddtree::commit_conv_state_cuda);
   m.impl("commit_kv", &ddtree::commit_kv_cuda);
+  m.impl("store_kv", &ddtree::store_kv_cuda);
   m.impl("gather_rows", &ddtree::gather_rows_cuda);
 }

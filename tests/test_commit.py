@@ -357,3 +357,67 @@ def test_opcheck_commits():
     cache, prefix_len, accepted, accept_len = _kv_case()
     torch.library.opcheck(o.commit_kv, (cache, prefix_len, accepted, accept_len))
     torch.library.opcheck(o.gather_rows, (torch.randn(3, 6, 5), accepted, accept_len, torch.empty(3, 4, 5)))
+
+
+# ---- store_kv (a verify's K/V rows into the static caches) -------------------------------------------------
+
+
+def _store_kv_case(dtype=torch.float32, gen=None):
+    gen = gen or torch.Generator().manual_seed(5)
+    keys = torch.randn(1, 3, 20, 8, generator=gen).to(dtype)
+    values = torch.randn(1, 3, 20, 8, generator=gen).to(dtype)
+    # key_states contiguous [B, H, N, D] (RoPE's output), value_states a transposed view [B, N, H, D] -> [B, H, N, D]
+    key_states = torch.randn(1, 3, 5, 8, generator=gen).to(dtype)
+    value_states = torch.randn(1, 5, 3, 8, generator=gen).to(dtype).transpose(1, 2)
+    slots = torch.tensor([7, 8, 9, 10, 11])
+    return keys, values, slots, key_states, value_states
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_is_two_index_copies(dtype):
+    keys, values, slots, key_states, value_states = _store_kv_case(dtype)
+    expected_k, expected_v = keys.clone(), values.clone()
+    expected_k.index_copy_(2, slots, key_states)
+    expected_v.index_copy_(2, slots, value_states)
+    ref_k, ref_v = keys.clone(), values.clone()
+    ref.store_kv(ref_k, ref_v, slots, key_states, value_states)
+    ops.store_kv(keys, values, slots, key_states, value_states)
+    assert torch.equal(keys, expected_k) and torch.equal(values, expected_v)
+    assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+
+
+@pytest.mark.parametrize("mistake", ["slot_out_of_range", "negative_slot", "int32_slots", "state_shape", "state_dtype",
+                                     "values_shape", "overlap"])
+def test_store_kv_bad_input(mistake):
+    keys, values, slots, key_states, value_states = _store_kv_case()
+    message = {
+        "slot_out_of_range": r"store_kv: slots\[4\] = 20 must be in \[0, 20\)",
+        "negative_slot": r"store_kv: slots\[0\] = -1 must be in \[0, 20\)",
+        "int32_slots": "store_kv: slots must have dtype Long",
+        "state_shape": r"store_kv: key_states must have shape \[B, H, N, D\] = \[1, 3, 5, 8\]",
+        "state_dtype": "store_kv: value_states must have dtype Float",
+        "values_shape": r"store_kv: values must have shape \[1, 3, 20, 8\]",
+        "overlap": "store_kv: keys must not overlap key_states",
+    }[mistake]
+    if mistake == "slot_out_of_range":
+        slots = torch.tensor([7, 8, 9, 10, 20])
+    elif mistake == "negative_slot":
+        slots = torch.tensor([-1, 8, 9, 10, 11])
+    elif mistake == "int32_slots":
+        slots = slots.int()
+    elif mistake == "state_shape":
+        key_states = key_states[:, :, :4]
+    elif mistake == "state_dtype":
+        value_states = value_states.double()
+    elif mistake == "values_shape":
+        values = values[:, :2]
+    else:
+        key_states = keys.view(-1)[: 3 * 5 * 8].view(1, 3, 5, 8)  # a contiguous stretch of the cache itself
+    before = (keys.clone(), values.clone())
+    with pytest.raises(ValueError, match=message):
+        ops.store_kv(keys, values, slots, key_states, value_states)
+    assert torch.equal(keys, before[0]) and torch.equal(values, before[1])  # nothing written
+
+
+def test_opcheck_store_kv():
+    torch.library.opcheck(load_ops().store_kv, _store_kv_case())

@@ -737,6 +737,32 @@ def test_gather_rows(dtype, features):
     assert torch.equal(got.cpu(), expected_ref)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("head_dim", [128, 7])
+def test_store_kv(dtype, head_dim):
+    """K and V rows to their slots, as the CPU op (two index_copy_); value rows a transposed view, key rows
+    contiguous; odd head dims take the element path."""
+    gen = make_gen(head_dim)
+    keys = torch.randn(1, 4, 50, head_dim, generator=gen).to(dtype)
+    values = torch.randn(1, 4, 50, head_dim, generator=gen).to(dtype)
+    key_states = torch.randn(1, 4, 9, head_dim, generator=gen).to(dtype)
+    value_states = torch.randn(1, 9, 4, head_dim, generator=gen).to(dtype).transpose(1, 2)
+    slots = torch.arange(30, 39)
+    expected = [keys.clone(), values.clone()]
+    ops.store_kv(*expected, slots, key_states, value_states)
+    got = to([keys, values], DEV)
+    ops.store_kv(*got, *to([slots, key_states], DEV), value_states.to(DEV))
+    assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
+
+
+def test_store_kv_skips_slots_outside_the_caches():
+    keys, values = torch.zeros(1, 2, 10, 8, device=DEV), torch.zeros(1, 2, 10, 8, device=DEV)
+    states = torch.ones(1, 2, 3, 8, device=DEV)
+    ops.store_kv(keys, values, torch.tensor([9, 10, -1], device=DEV), states, states * 2)
+    assert (keys[:, :, 9] == 1).all() and (values[:, :, 9] == 2).all()
+    assert keys[:, :, :9].abs().sum() == 0 and values[:, :, :9].abs().sum() == 0
+
+
 # ---- layer bodies ---------------------------------------------------------------------------------
 
 # (rows, features): a decode step, head sizes, odd sizes (single-element path), 27B hidden and MLP rows.
@@ -1362,6 +1388,12 @@ def test_all_ops_small():
     assert torch.equal(run_commit_kv(cache, kv_prefix, accepted, accept_len, DEV)[0].cpu(),
                        run_commit_kv(cache, kv_prefix, accepted, accept_len, "cpu")[0])
     assert torch.equal(ops.gather_rows(*to([x, accepted, accept_len], DEV)).cpu(), ops.gather_rows(x, accepted, accept_len))
+    kv_rows, kv_slots = torch.randn(2, 2, 3, 16, generator=gen), torch.tensor([4, 0, 39])
+    stored = [[t.clone() for t in (cache[0], cache[0].flip(0))] for _ in range(2)]
+    ops.store_kv(*stored[0], kv_slots, kv_rows, kv_rows.flip(1))
+    stored[1] = to(stored[1], DEV)
+    ops.store_kv(*stored[1], *to([kv_slots, kv_rows, kv_rows.flip(1)], DEV))
+    assert all(torch.equal(a.cpu(), e) for a, e in zip(stored[1], stored[0]))
     # Layer bodies: both load paths (a 16-byte aligned row and an odd width), a long and a short row group.
     for rows, dim in ((3, 1040), (5, 37)):
         h = torch.randn(rows, dim, generator=gen)
