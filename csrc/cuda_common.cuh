@@ -13,7 +13,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
+#include <utility>
 
 #include "checks.h"
 
@@ -65,7 +67,58 @@ inline void prefer_max_shared_memory(Kernel kernel) {
 
 inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+// Programmatic dependent launch (Hopper and newer, and CUDA >= 12.3, where stream capture takes it): a kernel so
+// launched may start before the one ahead of it on the stream has finished, and orders itself with
+// wait_for_preceding_grid(). Off below compute capability 9.0, and with DDTREE_NO_PDL=1 in the environment (read
+// once; for A/B runs).
+inline bool programmatic_launch_supported() {
+#if CUDART_VERSION >= 12030
+  static const bool disabled = [] {
+    const char* flag = std::getenv("DDTREE_NO_PDL");
+    return flag != nullptr && flag[0] == '1';
+  }();
+  return !disabled && at::cuda::getCurrentDeviceProperties()->major >= 9;
+#else
+  return false;
+#endif
+}
+
+// kernel<<<grid, block, smem, current stream>>>(args...), as a programmatic dependent launch where supported.
+template <typename... Params, typename... Args>
+void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = current_stream();
+  cudaLaunchAttribute attribute[1]{};
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = programmatic_launch_supported() ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 // ---- device side -----------------------------------------------------------------------------
+
+// Lets the next kernel on the stream start, when it was launched as a programmatic dependent / waits until the
+// kernel this one was launched behind has completed and its writes are visible. Both are no-ops otherwise. Before
+// the wait a kernel may read only what no kernel still running can write (e.g. with prefetch_l2, which moves no
+// data into registers and so can never see a stale value).
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_preceding_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Starts fetching the 128-byte line holding p from memory into L2 (no register is written).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // parent[i] when it is a valid topological parent (in [0, i)), else -1. The CPU ops reject other values;
 // the CUDA ops cannot read them back without a sync, so they treat them as roots: wrong outputs for

@@ -115,6 +115,24 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
   T* sum_out = p.sum_out != nullptr && active ? p.sum_out + row * p.sum_stride : nullptr;
   const T* gate = p.gate != nullptr && active ? p.gate + row * p.gate_stride : nullptr;
 
+  // Launched as a programmatic dependent (launch_rms_norm): until the kernel ahead of it (which writes x) is done,
+  // start moving this row's weights, residual and gate into L2. In a decoder layer the residual is a layer old, and
+  // back in DRAM once the layer's weights have streamed through L2. A prefetch loads no register, so it is safe
+  // even for data that kernel is still writing; every load and store comes after the wait.
+  cuda::allow_dependent_launch();
+  if (active) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int i = (t + k * GROUP) * C;
+      if (i < p.dim) {
+        cuda::prefetch_l2(p.weight + i);
+        if (residual != nullptr) cuda::prefetch_l2(residual + i);
+        if (gate != nullptr) cuda::prefetch_l2(gate + i);
+      }
+    }
+  }
+  cuda::wait_for_preceding_grid();
+
   float v[K][C], w[K][C], g[K][C];
   float sum = 0.f;
   if (active) {
@@ -407,8 +425,7 @@ template <typename T, int GROUP, bool PACKED>
 void launch_rms_norm(const RmsNormArgs<T>& args) {
   constexpr int kRowsPerBlock = kThreads / GROUP;
   const unsigned blocks = static_cast<unsigned>(cuda::ceil_div(args.rows, kRowsPerBlock));
-  rms_norm_kernel<T, GROUP, PACKED><<<blocks, kThreads, 0, cuda::current_stream()>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cuda::launch_programmatic(rms_norm_kernel<T, GROUP, PACKED>, dim3(blocks), dim3(kThreads), 0, args);
 }
 
 // rms_norm's and add_rms_norm's launch: a block per row for hidden states, a warp per row for heads.

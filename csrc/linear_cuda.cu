@@ -111,10 +111,9 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// Programmatic dependent launch: wait until the kernels this one depends on have completed and their writes are
-// visible (a no-op when launched without the attribute); let the next kernel on the stream launch early.
-__device__ __forceinline__ void wait_for_preceding_kernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void allow_next_kernel_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// Programmatic dependent launch (cuda_common.cuh).
+using cuda::allow_dependent_launch;
+using cuda::wait_for_preceding_grid;
 
 // The box at (k0, row0) of a tensor map (a [128 rows][64] weight tile, or [NT * 8][64] of x) into shared memory,
 // completing on `bar`.
@@ -169,7 +168,7 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
       mbarrier_init(&empty[s], kConsumerWarps);   // one arrive per consumer warp once it is done with the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the copy engine
-    allow_next_kernel_launch();  // its CTAs take SMs as ours leave (and stream their own weights meanwhile)
+    allow_dependent_launch();  // its CTAs take SMs as ours leave (and stream their own weights meanwhile)
   }
   __syncthreads();
 
@@ -206,10 +205,10 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
       };
       if (sh.prefetch_weight) {
         for (int i = 0; i < first; ++i) load_weight(i);
-        wait_for_preceding_kernels();
+        wait_for_preceding_grid();
         for (int i = 0; i < first; ++i) load_x(i);
       } else {
-        wait_for_preceding_kernels();
+        wait_for_preceding_grid();
         for (int i = 0; i < first; ++i) {
           load_weight(i);
           load_x(i);
@@ -221,10 +220,10 @@ __global__ void __launch_bounds__(kLinearThreads) linear_rows_kernel(const __gri
         load_x(i);
       }
     } else {
-      wait_for_preceding_kernels();
+      wait_for_preceding_grid();
     }
   } else {
-    wait_for_preceding_kernels();
+    wait_for_preceding_grid();
 #if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const bool active = n0 + warp * kWarpFeatures < sh.n;  // n is a multiple of 32: all of a warp's features or none
 #endif

@@ -213,19 +213,8 @@ constexpr int kKkRun = 2;           // key products per prep thread that share o
 // not correctness.
 constexpr int kMainMaxRegisters = 80;
 
-// Lets the dependent launch (kernel 2) start / waits until the grid this one depends on is complete and its
-// writes are visible. Both are no-ops without a programmatic dependent launch.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_prerequisite_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+using cuda::allow_dependent_launch;  // kernel 2 is a programmatic dependent of kernel 1
+using cuda::wait_for_preceding_grid;
 
 struct GdnShapes {
   int num_nodes, heads, value_heads, kdim, vdim;
@@ -1152,7 +1141,7 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
   __syncthreads();  // dep and cumg
 
   // ---- kernel 1's results: the norms and the coefficients of ancestor distances a <= 16, in one round trip ----
-  wait_for_prerequisite_grid();
+  wait_for_preceding_grid();
   const float2* coef_h = coef + (static_cast<int64_t>(b) * sh.value_heads + hv) * n * n;
   const float2* norms_h = norms + (static_cast<int64_t>(b) * sh.heads + h) * n;
   const int num_terms = n * kCachedDist;
@@ -1414,7 +1403,7 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   };
 
   // The main kernel starts while the prep kernel runs where the GPU supports it (compute capability >= 9).
-  const bool dependent_launch = at::cuda::getCurrentDeviceProperties()->major >= 9;
+  const bool dependent_launch = cuda::programmatic_launch_supported();
   const bool state_vec4 = vdim % 4 == 0 && state.stride(3) == 1 && state.stride(2) % 4 == 0 &&
                           state.stride(1) % 4 == 0 && state.stride(0) % 4 == 0 && cuda::is_aligned(state.data_ptr(), 16);
   auto launch_main = [&](auto kernel) {
