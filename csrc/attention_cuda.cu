@@ -76,6 +76,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) gqa_attention_kernel(
     int64_t k_sb, int64_t k_sh, int64_t k_ss, const T* __restrict__ v, int64_t v_sb, int64_t v_sh, int64_t v_ss,
     const bool* __restrict__ mask, int64_t m_sb, int64_t m_sn, int64_t m_ss, T* __restrict__ out, int64_t o_sb,
     int64_t o_sh, int64_t o_sn, float* __restrict__ part_o, float2* __restrict__ part_ml) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   using L = AttnLayout<D, STAGES>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* qs = reinterpret_cast<T*>(smem_raw + L::kQ);
@@ -264,6 +266,8 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kCombineWarps * kWarp) gqa_attention_combine_kernel(
     AttnShapes sh, const float* __restrict__ part_o, const float2* __restrict__ part_ml, T* __restrict__ out,
     int64_t o_sb, int64_t o_sh, int64_t o_sn) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   constexpr int kPerLane = D / kWarp;
   const int rows = sh.group * sh.n;
   const int64_t all_rows = static_cast<int64_t>(sh.batch) * sh.kv_heads * rows;  // also the stride between splits
@@ -349,23 +353,22 @@ void launch_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     part_o = at::empty({splits, batch * kv_heads * rows, D}, f32);
     part_ml = at::empty({splits, batch * kv_heads * rows, 2}, f32);
   }
-  const cudaStream_t stream = cuda::current_stream();
   auto kernel = gqa_attention_kernel<T, D, STAGES>;
   cuda::allow_dynamic_smem(kernel, L::kTotal);
-  kernel<<<dim3(batch * kv_heads, row_tiles, splits), kAttnThreads, L::kTotal, stream>>>(
-      sh, q.data_ptr<T>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<T>(), k.stride(0), k.stride(1),
+  cuda::launch_programmatic(
+      kernel, dim3(batch * kv_heads, row_tiles, splits), dim3(kAttnThreads), L::kTotal, sh, q.data_ptr<T>(),
+      q.stride(0), q.stride(1), q.stride(2), k.data_ptr<T>(), k.stride(0), k.stride(1),
       k.stride(2), v.data_ptr<T>(), v.stride(0), v.stride(1), v.stride(2), mask_ptr, mask.stride(0),
       mask.stride(2), mask.stride(3), out.data_ptr<T>(), out.stride(0), out.stride(1), out.stride(2),
       splits > 1 ? part_o.data_ptr<float>() : nullptr,
       splits > 1 ? reinterpret_cast<float2*>(part_ml.data_ptr<float>()) : nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
     const int64_t all_rows = static_cast<int64_t>(batch) * kv_heads * rows;
-    gqa_attention_combine_kernel<T, D>
-        <<<static_cast<unsigned>(cuda::ceil_div(all_rows, kCombineWarps)), kCombineWarps * kWarp, 0, stream>>>(
-            sh, part_o.data_ptr<float>(), reinterpret_cast<const float2*>(part_ml.data_ptr<float>()),
-            out.data_ptr<T>(), out.stride(0), out.stride(1), out.stride(2));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cuda::launch_programmatic(gqa_attention_combine_kernel<T, D>,
+                              dim3(static_cast<unsigned>(cuda::ceil_div(all_rows, kCombineWarps))),
+                              dim3(kCombineWarps * kWarp), 0, sh, part_o.data_ptr<float>(),
+                              reinterpret_cast<const float2*>(part_ml.data_ptr<float>()), out.data_ptr<T>(),
+                              out.stride(0), out.stride(1), out.stride(2));
   }
 }
 

@@ -517,6 +517,8 @@ struct StoreKvArgs {
 // slots[n]. A slot outside the caches is skipped (no device-side check can raise; the caller guarantees the range).
 template <typename W, int ELEMENT>
 __global__ void __launch_bounds__(256) store_kv_kernel(const StoreKvArgs a) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= a.total) return;
   const int64_t pack = idx % a.packs_per_row, row = idx / a.packs_per_row;
@@ -541,8 +543,7 @@ void launch_store_kv(StoreKvArgs a, int64_t dim) {
   a.total = a.packs_per_row * a.heads * a.nodes * a.batch;
   if (a.total == 0) return;
   const unsigned blocks = static_cast<unsigned>(cuda::ceil_div(a.total, 256));
-  store_kv_kernel<W, ELEMENT><<<blocks, 256, 0, cuda::current_stream()>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cuda::launch_programmatic(store_kv_kernel<W, ELEMENT>, dim3(blocks), dim3(256), 0, a);
 }
 
 template <int ELEMENT>

@@ -216,6 +216,8 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads)
     silu_mul_kernel(const T* gate, const T* up, T* out, int64_t gate_stride, int64_t up_stride, int64_t out_stride,
                     int64_t rows, int64_t packs_per_row) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int64_t packs = rows * packs_per_row;
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < packs;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -236,6 +238,8 @@ __global__ void __launch_bounds__(kThreads)
     rope_kernel(const T* x, const T* cos, const T* sin, T* out, int64_t xs0, int64_t xs1, int64_t xs2, int64_t cs0,
                 int64_t cs1, int64_t ss0, int64_t ss1, int64_t os0, int64_t os1, int64_t os2, int64_t heads, int64_t n,
                 int dim, int rot, int64_t total) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int half = rot / 2;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -504,10 +508,9 @@ void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out
     auto launch = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       const int64_t packs_per_row = dim / VEC;
-      silu_mul_kernel<T, VEC><<<grid_for(rows * packs_per_row, kThreads), kThreads, 0, cuda::current_stream()>>>(
-          gate.data_ptr<T>(), up.data_ptr<T>(), out.data_ptr<T>(), gate.stride(0), up.stride(0), out.stride(0), rows,
-          packs_per_row);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cuda::launch_programmatic(silu_mul_kernel<T, VEC>, dim3(grid_for(rows * packs_per_row, kThreads)),
+                                dim3(kThreads), 0, gate.data_ptr<T>(), up.data_ptr<T>(), out.data_ptr<T>(),
+                                gate.stride(0), up.stride(0), out.stride(0), rows, packs_per_row);
     };
     if (can_pack<T>({&gate, &up, &out}, dim)) {
       launch(std::integral_constant<int, kVec>{});
@@ -524,11 +527,11 @@ void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
   if (total == 0) return;
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "rope", [&] {
     using T = scalar_t;
-    rope_kernel<T><<<grid_for(total, kThreads), kThreads, 0, cuda::current_stream()>>>(
-        x.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), out.data_ptr<T>(), x.stride(0), x.stride(1),
-        x.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), out.stride(0), out.stride(1),
-        out.stride(2), x.size(1), x.size(2), static_cast<int>(x.size(3)), static_cast<int>(cos.size(2)), total);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cuda::launch_programmatic(
+        rope_kernel<T>, dim3(grid_for(total, kThreads)), dim3(kThreads), 0, x.data_ptr<T>(), cos.data_ptr<T>(),
+        sin.data_ptr<T>(), out.data_ptr<T>(), x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
+        sin.stride(0), sin.stride(1), out.stride(0), out.stride(1), out.stride(2), x.size(1), x.size(2),
+        static_cast<int>(x.size(3)), static_cast<int>(cos.size(2)), total);
   });
 }
 

@@ -40,6 +40,11 @@ __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
     int64_t channels, bool silu, bool weight_packed, T* __restrict__ out, int64_t o_sb, int64_t o_sn) {
   const int b = blockIdx.x / num_nodes, i = blockIdx.x % num_nodes;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x) * VEC;
+  cuda::allow_dependent_launch();
+  // Launched as a programmatic dependent: the weights move into L2 while the kernel ahead (which writes x) ends; a
+  // prefetch loads no register, and every load and store comes after the wait.
+  if (c0 < channels) cuda::prefetch_l2(weight + c0 * w_sc);
+  cuda::wait_for_preceding_grid();
   if (c0 >= channels) return;
 
   // chain[m] = the m-th ancestor of i (chain[0] = i), -1 above the root; path_len = nodes on the path.
@@ -139,13 +144,13 @@ void launch_tree_conv1d_vec(const at::Tensor& x, const at::Tensor& weight, const
                              cuda::is_aligned(weight.data_ptr(), 16);
   const int64_t bias_stride = bias.has_value() ? bias->stride(0) : 0;
   auto launch = [&](auto kernel) {
-    kernel<<<grid, kConvThreads, 0, cuda::current_stream()>>>(
-        x.data_ptr<T>(), x.stride(0), x.stride(1), weight.data_ptr<T>(), weight.stride(0), weight.stride(1), bias_ptr,
+    cuda::launch_programmatic(
+        kernel, grid, dim3(kConvThreads), 0, x.data_ptr<T>(), x.stride(0), x.stride(1), weight.data_ptr<T>(),
+        weight.stride(0), weight.stride(1), bias_ptr,
         bias_stride, conv_state.data_ptr<T>(), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         conv_state.size(2), parent.data_ptr<int32_t>(), parent.stride(0), parent.stride(1), static_cast<int>(n),
         channels, silu, weight_packed, out.data_ptr<T>(), out.stride(0), out.stride(1));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
+      };
   switch (width) {
     case 1: launch(tree_conv1d_kernel<T, VEC, 1>); break;
     case 2: launch(tree_conv1d_kernel<T, VEC, 2>); break;
@@ -1265,6 +1270,12 @@ __global__ void __launch_bounds__(kNodeThreads) gdn_single_node_kernel(
   const int col = min(v0 + lane, sh.vdim - 1);
   const bool col_ok = v0 + lane < sh.vdim;
 
+  // Launched as a programmatic dependent: the block's H0 tile (committed rounds ago) moves into L2 while the kernel
+  // ahead (the conv, which writes q, k and v) ends; a prefetch loads no register, and every load comes after the wait.
+  cuda::allow_dependent_launch();
+  for (int e = tid; e < kdim; e += kNodeThreads) cuda::prefetch_l2(state + b * st_sb + hv * st_sh + e * st_sk + v0 * st_sv);
+  cuda::wait_for_preceding_grid();
+
   // The rows, and this lane's v, g and beta (warp 0); the H0 column entries follow.
   for (int e = tid; e < kdim; e += kNodeThreads) {
     krow[e] = cuda::to_float(k[b * k_sb + h * k_sh + e]);
@@ -1369,14 +1380,14 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     cuda::allow_dynamic_smem(gdn_single_node_kernel<T>, smem);
     const dim3 grid(static_cast<unsigned>(cuda::ceil_div(vdim, kTileV)), static_cast<unsigned>(value_heads),
                     static_cast<unsigned>(bsz));
-    gdn_single_node_kernel<T><<<grid, kNodeThreads, smem, stream>>>(
-        sh, q.data_ptr<T>(), q.stride(0), q.stride(2), k.data_ptr<T>(), k.stride(0), k.stride(2), v.data_ptr<T>(),
+    cuda::launch_programmatic(
+        gdn_single_node_kernel<T>, grid, dim3(kNodeThreads), smem, sh, q.data_ptr<T>(), q.stride(0), q.stride(2),
+        k.data_ptr<T>(), k.stride(0), k.stride(2), v.data_ptr<T>(),
         v.stride(0), v.stride(2), g.data_ptr<float>(), g.stride(0), g.stride(2), beta.data_ptr<float>(),
         beta.stride(0), beta.stride(2), state.data_ptr<float>(), state.stride(0), state.stride(1), state.stride(2),
         state.stride(3), out.data_ptr<T>(), out.stride(0), out.stride(2), stash_u.data_ptr<float>(),
         stash_u.stride(0), stash_u.stride(2), stash_k.data_ptr<float>(), stash_k.stride(0), stash_k.stride(2),
         stash_cumg.data_ptr<float>(), stash_cumg.stride(0), stash_cumg.stride(2));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
   // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture. coef holds T_i[a] and
