@@ -16,6 +16,9 @@ module                     fused forward
 ``Qwen3_5RMSNorm``         ``ops.rms_norm(zero_centered=True)``
 ``Qwen3_5RMSNormGated``    ``ops.rms_norm(gate=...)``
 ``Qwen3MLP``/``Qwen3_5MLP``  ``down_proj(ops.silu_mul(gate_proj(x), up_proj(x)))`` (SiLU models)
+``Qwen3DecoderLayer``/     HF's layer body with each residual add fused into the norm that reads the
+``Qwen3_5DecoderLayer``    sum (``ops.add_rms_norm``): the post-attention norm, and the next layer's input
+                           norm, handed to that layer (:class:`_NormHandoff`)
 =========================  ===================================================
 
 and every bias-free ``torch.nn.Linear`` (the projections: ``ops.linear`` on a GPU when ``linear_kernel`` is on, which
