@@ -373,6 +373,7 @@ void check_store_kv(const at::Tensor& keys, const at::Tensor& values, const at::
   DDTREE_CHECK_SAME_DEVICE(op, keys, values);
   DDTREE_CHECK_DIM(op, slots, 1);
   DDTREE_CHECK_DTYPE(op, slots, at::kLong);
+  DDTREE_CHECK_CONTIGUOUS(op, slots);
   DDTREE_CHECK_SAME_DEVICE(op, keys, slots);
   const int64_t n = slots.size(0);
   for (const auto* t : {&key_states, &value_states}) {

@@ -14,7 +14,9 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <mutex>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 
 #include "checks.h"
@@ -83,6 +85,22 @@ inline bool programmatic_launch_supported() {
 #endif
 }
 
+// Whether a kernel's code for this GPU was compiled from PTX for 9.0 or newer, so that its griddepcontrol
+// instructions are there (a `8.0+PTX` build JIT-compiles compute_80 code on a Hopper GPU: without its waits, a
+// programmatic launch would race the kernel ahead). Asked once per kernel.
+inline bool has_grid_dependency_control(const void* kernel) {
+  static std::mutex mutex;
+  static std::unordered_map<const void*, bool> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(kernel);
+  if (it == known.end()) {
+    cudaFuncAttributes attr{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    it = known.emplace(kernel, attr.ptxVersion >= 90).first;
+  }
+  return it->second;
+}
+
 // kernel<<<grid, block, smem, current stream>>>(args...), as a programmatic dependent launch where supported.
 template <typename... Params, typename... Args>
 void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
@@ -95,7 +113,8 @@ void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = programmatic_launch_supported() ? 1 : 0;
+  config.numAttrs =
+      programmatic_launch_supported() && has_grid_dependency_control(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 

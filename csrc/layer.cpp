@@ -234,6 +234,10 @@ void check_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const a
   DDTREE_CHECK(op, std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
   check_rows(op, "out", x, out, rows, dim);
   check_rows(op, "residual_out", x, residual_out, rows, dim);
+  for (const auto* t : {&out, &residual_out}) {
+    DDTREE_CHECK(op, at::has_internal_overlap(*t) != at::MemOverlap::Yes, t == &out ? "out" : "residual_out",
+                 " must not overlap itself (e.g. an expanded tensor)");
+  }
   // residual_out is written before the output pass reads it back: it may be x or the residual itself, but out
   // (written last, from residual_out) must be apart from it and from the inputs it may not replace.
   for (const auto* t : {&x, &residual, &residual_out}) {

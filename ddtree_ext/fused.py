@@ -132,10 +132,15 @@ def _norm_params(norm: torch.nn.Module) -> Optional[Tuple[float, bool]]:
     return None
 
 
+def _plain_module(module: torch.nn.Module) -> bool:
+    """No forward hooks, pre-hooks or accelerate hook: calling the op instead of the module skips nothing."""
+    return not (module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__)
+
+
 def add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(norm(residual + x), residual + x): ``ops.add_rms_norm`` for a recognised norm on tensors the ops take (same
-    bits as the add, then the norm's fused forward), HF's two steps otherwise."""
-    params = _norm_params(norm) if fuse_residual_adds else None
+    """(norm(residual + x), residual + x): ``ops.add_rms_norm`` for a recognised norm without hooks on tensors the ops
+    take (same bits as the add, then the norm's fused forward), HF's two steps otherwise."""
+    params = _norm_params(norm) if fuse_residual_adds and _plain_module(norm) else None
     if params is None or x.shape != residual.shape or not ops_apply(x, residual, norm.weight):
         total = residual + x
         return norm(total), total
@@ -144,18 +149,19 @@ def add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> 
 
 class _NormHandoff:
     """The input norm a decoder layer computed, fused with its last residual add, for the next layer: that layer
-    takes it when called with exactly the sum it belongs to (the same tensor object), else computes its own."""
+    takes it when called with exactly the sum it belongs to (the same tensor object, not written in place since:
+    its version counter unchanged; a hook may have added to it), else computes its own."""
 
     def __init__(self):
-        self._slot = None  # (layer it is for, the sum, its norm)
+        self._slot = None  # (layer it is for, the sum, the sum's version, its norm)
 
     def put(self, layer: torch.nn.Module, total: torch.Tensor, normed: torch.Tensor) -> None:
-        self._slot = (layer, total, normed)
+        self._slot = (layer, total, total._version, normed)
 
-    def take(self, layer: torch.nn.Module, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+    def take(self, layer: torch.nn.Module, hidden_states: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         slot, self._slot = self._slot, None
-        if slot is not None and slot[0] is layer and slot[1] is hidden_states:
-            return slot[2]
+        if slot is not None and slot[0] is layer and slot[1] is hidden_states and hidden_states._version == slot[2]:
+            return slot[3]
         return None
 
 
@@ -178,6 +184,8 @@ def _decoder_swap(layer: torch.nn.Module, next_layer: Optional[torch.nn.Module],
     ):
         return None
     mixer_cache = None
+    if not hasattr(layer, "linear_attn" if getattr(layer, "block_type", None) == "linear_attention" else "self_attn"):
+        return None  # a layer type without the token mixer this body calls
     if getattr(layer, "block_type", None) == "linear_attention":
         mixer_params = inspect.signature(type(layer.linear_attn).forward).parameters
         mixer_cache = next((n for n in ("cache_params", "cache") if n in mixer_params), None)
@@ -195,7 +203,8 @@ def _decoder_forward(layer, signature, cache_name, mixer_cache, next_layer, hand
     except TypeError:
         bound = None
     extra = bound.arguments.get(list(signature.parameters)[-1], {}) if bound is not None else {}
-    if bound is None or any(n in extra for n in _CACHE_ARGUMENTS):  # a call this body was not written for
+    # A call this body was not written for, or grad mode (HF's layer call then handles gradient checkpointing).
+    if bound is None or any(n in extra for n in _CACHE_ARGUMENTS) or torch.is_grad_enabled():
         handoff.take(layer, None)
         return type(layer).forward(layer, *args, **kwargs)
     bound.apply_defaults()
@@ -217,6 +226,7 @@ def _decoder_forward(layer, signature, cache_name, mixer_cache, next_layer, hand
     mlp_out = layer.mlp(normed)
 
     following = next_layer is not None and "_hf_hook" not in next_layer.__dict__
+    following = following and _plain_module(next_layer.input_layernorm)
     following = following and next_layer.input_layernorm.weight.device == mlp_out.device
     if not following:
         return residual + mlp_out

@@ -386,14 +386,15 @@ def test_store_kv_is_two_index_copies(dtype):
     assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
 
 
-@pytest.mark.parametrize("mistake", ["slot_out_of_range", "negative_slot", "int32_slots", "state_shape", "state_dtype",
-                                     "values_shape", "overlap"])
+@pytest.mark.parametrize("mistake", ["slot_out_of_range", "negative_slot", "int32_slots", "strided_slots",
+                                     "state_shape", "state_dtype", "values_shape", "overlap"])
 def test_store_kv_bad_input(mistake):
     keys, values, slots, key_states, value_states = _store_kv_case()
     message = {
         "slot_out_of_range": r"store_kv: slots\[4\] = 20 must be in \[0, 20\)",
         "negative_slot": r"store_kv: slots\[0\] = -1 must be in \[0, 20\)",
         "int32_slots": "store_kv: slots must have dtype Long",
+        "strided_slots": "store_kv: slots must be contiguous",
         "state_shape": r"store_kv: key_states must have shape \[B, H, N, D\] = \[1, 3, 5, 8\]",
         "state_dtype": "store_kv: value_states must have dtype Float",
         "values_shape": r"store_kv: values must have shape \[1, 3, 20, 8\]",
@@ -405,6 +406,8 @@ def test_store_kv_bad_input(mistake):
         slots = torch.tensor([-1, 8, 9, 10, 11])
     elif mistake == "int32_slots":
         slots = slots.int()
+    elif mistake == "strided_slots":
+        slots = torch.arange(7, 17)[::2]
     elif mistake == "state_shape":
         key_states = key_states[:, :, :4]
     elif mistake == "state_dtype":

@@ -243,6 +243,8 @@ def test_add_rms_norm_bad_inputs():
         (lambda: add(x, r, w, 1e-6, False, x, total), "add_rms_norm: out must not overlap x"),
         (lambda: add(x, r, w, 1e-6, False, out, out), "add_rms_norm: out must not overlap residual_out"),
         (lambda: add(x, r, w, 1e-6, False, out, buffer[1:33].view(4, 8)), "add_rms_norm: residual_out must be x"),
+        (lambda: add(x, r, w, 1e-6, False, out, torch.zeros(1, 8).expand(4, 8)),
+         "add_rms_norm: residual_out must not overlap itself"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -504,6 +506,44 @@ def test_a_layer_called_with_another_input_computes_its_own_norm(family):
     finally:
         handle.remove()
     assert_close(fused_logits, stock, torch.float32, f"{family} with a replaced layer input")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_layer_input_changed_in_place_gets_its_own_norm(family):
+    """A pre-hook that adds to the handed-over sum in place (steering code, say): the layer normalises the changed
+    values, not the norm computed before the change."""
+    model = make_tiny_target(family, seed=6)
+    tokens = torch.randint(0, 50, (1, 5), generator=torch.Generator().manual_seed(1))
+    hidden = model.config.get_text_config().hidden_size
+
+    def steer(module, args, kwargs):
+        (args[0] if args else kwargs["hidden_states"]).add_(torch.linspace(-1, 1, hidden))
+
+    handle = model.model.layers[1].register_forward_pre_hook(steer, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            stock = model(input_ids=tokens).logits
+            with LayerFusion(model).active():
+                fused_logits = model(input_ids=tokens).logits
+    finally:
+        handle.remove()
+    assert_close(fused_logits, stock, torch.float32, f"{family} with an input changed in place")
+
+
+def test_hooks_on_a_norm_still_fire():
+    """A norm with a forward hook is called as a module (the hook sees its output), not folded into the add."""
+    model = make_tiny_target("qwen3_5", seed=7)
+    tokens = torch.randint(0, 50, (1, 4), generator=torch.Generator().manual_seed(2))
+    seen = []
+    norms = [model.model.layers[0].post_attention_layernorm, model.model.layers[1].input_layernorm]
+    handles = [n.register_forward_hook(lambda m, a, out: seen.append(m)) for n in norms]
+    try:
+        with torch.no_grad(), LayerFusion(model).active():
+            model(input_ids=tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == norms
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
