@@ -484,12 +484,25 @@ def test_fused_residual_adds_give_the_bits_of_the_unfused_layers(family, dtype, 
         assert torch.equal(a, b), f"hidden state {i}"
 
 
+def _assert_stock_logits_with_pre_hook(model, layer, hook, what):
+    """With ``hook`` as a forward pre-hook (with kwargs) on ``layer``, the fused model gives the stock logits."""
+    tokens = torch.randint(0, 50, (1, 5), generator=torch.Generator().manual_seed(0))
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            stock = model(input_ids=tokens).logits
+            with LayerFusion(model).active():
+                fused_logits = model(input_ids=tokens).logits
+    finally:
+        handle.remove()
+    assert_close(fused_logits, stock, torch.float32, what)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_a_layer_called_with_another_input_computes_its_own_norm(family):
     """The handed-over norm belongs to one tensor: a decoder layer called with any other input (a hook that
     replaced the hidden states, a caller of its own) normalises that input itself."""
     model = make_tiny_target(family, seed=5)
-    tokens = torch.randint(0, 50, (1, 5), generator=torch.Generator().manual_seed(0))
     layers = model.model.layers
     replaced = {}
 
@@ -497,15 +510,7 @@ def test_a_layer_called_with_another_input_computes_its_own_norm(family):
         replaced["input"] = args[0].clone() * 1.5 if args else kwargs["hidden_states"].clone() * 1.5
         return ((replaced["input"], *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": replaced["input"]})
 
-    handle = layers[1].register_forward_pre_hook(replace, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            stock = model(input_ids=tokens).logits
-            with LayerFusion(model).active():
-                fused_logits = model(input_ids=tokens).logits
-    finally:
-        handle.remove()
-    assert_close(fused_logits, stock, torch.float32, f"{family} with a replaced layer input")
+    _assert_stock_logits_with_pre_hook(model, layers[1], replace, f"{family} with a replaced layer input")
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
@@ -513,21 +518,12 @@ def test_a_layer_input_changed_in_place_gets_its_own_norm(family):
     """A pre-hook that adds to the handed-over sum in place (steering code, say): the layer normalises the changed
     values, not the norm computed before the change."""
     model = make_tiny_target(family, seed=6)
-    tokens = torch.randint(0, 50, (1, 5), generator=torch.Generator().manual_seed(1))
     hidden = model.config.get_text_config().hidden_size
 
     def steer(module, args, kwargs):
         (args[0] if args else kwargs["hidden_states"]).add_(torch.linspace(-1, 1, hidden))
 
-    handle = model.model.layers[1].register_forward_pre_hook(steer, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            stock = model(input_ids=tokens).logits
-            with LayerFusion(model).active():
-                fused_logits = model(input_ids=tokens).logits
-    finally:
-        handle.remove()
-    assert_close(fused_logits, stock, torch.float32, f"{family} with an input changed in place")
+    _assert_stock_logits_with_pre_hook(model, model.model.layers[1], steer, f"{family} with an input changed in place")
 
 
 def test_hooks_on_a_norm_still_fire():
