@@ -147,20 +147,29 @@ def add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> 
     return ops.add_rms_norm(x, residual, norm.weight, params[0], zero_centered=params[1])
 
 
+def _version(t: torch.Tensor) -> Optional[int]:
+    """t's version counter (bumped by every in-place write), None for an inference tensor (which keeps none)."""
+    return None if t.is_inference() else t._version
+
+
 class _NormHandoff:
     """The input norm a decoder layer computed, fused with its last residual add, for the next layer: that layer
     takes it when called with exactly the sum it belongs to (the same tensor object, not written in place since:
-    its version counter unchanged; a hook may have added to it), else computes its own."""
+    its version counter unchanged; a hook may have added to it), else computes its own.
+
+    Inference tensors keep no version counter: under ``torch.inference_mode`` the norm is not handed to a layer
+    with forward pre-hooks at all (:func:`_decoder_forward`), and a forward hook of the giving layer that writes
+    its output in place is the one change not seen."""
 
     def __init__(self):
         self._slot = None  # (layer it is for, the sum, the sum's version, its norm)
 
     def put(self, layer: torch.nn.Module, total: torch.Tensor, normed: torch.Tensor) -> None:
-        self._slot = (layer, total, total._version, normed)
+        self._slot = (layer, total, _version(total), normed)
 
     def take(self, layer: torch.nn.Module, hidden_states: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         slot, self._slot = self._slot, None
-        if slot is not None and slot[0] is layer and slot[1] is hidden_states and hidden_states._version == slot[2]:
+        if slot is not None and slot[0] is layer and slot[1] is hidden_states and _version(hidden_states) == slot[2]:
             return slot[3]
         return None
 
@@ -227,6 +236,8 @@ def _decoder_forward(layer, signature, cache_name, mixer_cache, next_layer, hand
 
     following = next_layer is not None and "_hf_hook" not in next_layer.__dict__
     following = following and _plain_module(next_layer.input_layernorm)
+    # Without a version counter an in-place pre-hook on the next layer would go unseen: no handover there.
+    following = following and not (mlp_out.is_inference() and next_layer._forward_pre_hooks)
     following = following and next_layer.input_layernorm.weight.device == mlp_out.device
     if not following:
         return residual + mlp_out

@@ -485,17 +485,19 @@ def test_fused_residual_adds_give_the_bits_of_the_unfused_layers(family, dtype, 
 
 
 def _assert_stock_logits_with_pre_hook(model, layer, hook, what):
-    """With ``hook`` as a forward pre-hook (with kwargs) on ``layer``, the fused model gives the stock logits."""
+    """With ``hook`` as a forward pre-hook (with kwargs) on ``layer``, the fused model gives the stock logits, under
+    no_grad and under inference_mode (whose tensors keep no version counter)."""
     tokens = torch.randint(0, 50, (1, 5), generator=torch.Generator().manual_seed(0))
     handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        with torch.no_grad():
-            stock = model(input_ids=tokens).logits
-            with LayerFusion(model).active():
-                fused_logits = model(input_ids=tokens).logits
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                stock = model(input_ids=tokens).logits
+                with LayerFusion(model).active():
+                    fused_logits = model(input_ids=tokens).logits
+            assert_close(fused_logits, stock, torch.float32, f"{what} ({mode.__name__})")
     finally:
         handle.remove()
-    assert_close(fused_logits, stock, torch.float32, what)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
