@@ -73,12 +73,25 @@ struct RmsNormArgs {
   int64_t residual_stride, sum_stride;
 };
 
-// A thread's first kCachedChunks chunks of its row (1 in a warp's row) stay in registers between the sum of squares and the output
-// pass, with their weights and gate values, all loaded before the first use: a row costs one round trip to memory
-// instead of two (at 1 row a 27B-shaped norm is latency bound, and the output pass waited for the weights, and in
-// add_rms_norm for the sums it had just stored). Chunks past that (rows longer than kCachedChunks x GROUP chunks)
-// are read again in the output pass. Either way the sums run over the chunks in the same order: the same bits.
+// A thread's first kCachedChunks chunks of its row (1 in a warp's row) stay in registers between the sum of squares
+// and the output pass, with their weights and gate values, all loaded before the first use: a row costs one round
+// trip to memory instead of two (at 1 row a 27B-shaped norm is latency bound, and the output pass waited for the
+// weights, and in add_rms_norm for the sums it had just stored). Chunks past that (rows longer than kCachedChunks x
+// GROUP chunks) are read again in the output pass. Either way the sums run over the chunks in the same order: the
+// same bits.
 constexpr int kCachedChunks = 4;
+
+// v = the chunk of x at i, or round(x + residual) there when there is a residual (add_rms_norm).
+template <typename T, int C, bool PACKED>
+__device__ __forceinline__ void load_input_chunk(const T* x, const T* residual, int i, int dim, float (&v)[C]) {
+  load_chunk<T, C, PACKED>(x + i, dim - i, v);
+  if (residual != nullptr) {
+    float r[C];
+    load_chunk<T, C, PACKED>(residual + i, dim - i, r);
+#pragma unroll
+    for (int e = 0; e < C; ++e) v[e] = round_to<T>(v[e] + r[e]);
+  }
+}
 
 // y = the output of one chunk from its (summed) input v, weight w and gate g.
 template <typename T, int C>
@@ -141,15 +154,9 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
     for (int k = 0; k < K; ++k) {
       const int i = (t + k * GROUP) * C;
       if (i < p.dim) {
-        load_chunk<T, C, PACKED>(x + i, p.dim - i, v[k]);
+        load_input_chunk<T, C, PACKED>(x, residual, i, p.dim, v[k]);
         load_chunk<T, C, PACKED>(p.weight + i, p.dim - i, w[k]);
         if (gate != nullptr) load_chunk<T, C, PACKED>(gate + i, p.dim - i, g[k]);
-        if (residual != nullptr) {
-          float r[C];
-          load_chunk<T, C, PACKED>(residual + i, p.dim - i, r);
-#pragma unroll
-          for (int e = 0; e < C; ++e) v[k][e] = round_to<T>(v[k][e] + r[e]);
-        }
       }
     }
 #pragma unroll
@@ -163,14 +170,8 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
     }
     for (int i = (t + K * GROUP) * C; i < p.dim; i += GROUP * C) {
       float u[C];
-      load_chunk<T, C, PACKED>(x + i, p.dim - i, u);
-      if (residual != nullptr) {
-        float r[C];
-        load_chunk<T, C, PACKED>(residual + i, p.dim - i, r);
-#pragma unroll
-        for (int e = 0; e < C; ++e) u[e] = round_to<T>(u[e] + r[e]);
-        store_chunk<T, C, PACKED>(sum_out + i, p.dim - i, u);
-      }
+      load_input_chunk<T, C, PACKED>(x, residual, i, p.dim, u);
+      if (sum_out != nullptr) store_chunk<T, C, PACKED>(sum_out + i, p.dim - i, u);
 #pragma unroll
       for (int e = 0; e < C; ++e) sum = fmaf(u[e], u[e], sum);
     }
@@ -444,9 +445,9 @@ void launch_rms_norm_rows(const RmsNormArgs<T>& args, bool packed) {
 
 // The arguments of a plain norm of x's rows into out (no gate, no residual).
 template <typename T>
-RmsNormArgs<T> rms_norm_args(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered,
-                             at::Tensor& out) {
-  TORCH_CHECK_VALUE(x.size(1) <= INT32_MAX, "rms_norm: x has too many features (", x.size(1), ")");
+RmsNormArgs<T> rms_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps,
+                             bool zero_centered, at::Tensor& out) {
+  TORCH_CHECK_VALUE(x.size(1) <= INT32_MAX, op, ": x has too many features (", x.size(1), ")");
   RmsNormArgs<T> args{};
   args.x = x.data_ptr<T>();
   args.weight = weight.data_ptr<T>();
@@ -470,7 +471,7 @@ void rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::opt
   if (x.size(0) == 0) return;
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
     using T = scalar_t;
-    RmsNormArgs<T> args = rms_norm_args<T>(x, weight, eps, zero_centered, out);
+    RmsNormArgs<T> args = rms_norm_args<T>("rms_norm", x, weight, eps, zero_centered, out);
     if (gate.has_value()) {
       args.gate = gate->data_ptr<T>();
       args.gate_stride = gate->stride(0);
@@ -488,7 +489,7 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual, const at
   if (x.size(0) == 0) return;
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "add_rms_norm", [&] {
     using T = scalar_t;
-    RmsNormArgs<T> args = rms_norm_args<T>(x, weight, eps, zero_centered, out);
+    RmsNormArgs<T> args = rms_norm_args<T>("add_rms_norm", x, weight, eps, zero_centered, out);
     args.residual = residual.data_ptr<T>();
     args.residual_stride = residual.stride(0);
     args.sum_out = residual_out.data_ptr<T>();

@@ -459,11 +459,7 @@ void launch_linear_rows(const at::Tensor& x, const at::Tensor& weight, at::Tenso
   attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attributes;
-#if CUDART_VERSION >= 12030
-  config.numAttrs = 2;
-#else
-  config.numAttrs = 1;  // stream capture takes programmatic launches from CUDA 12.3 on
-#endif
+  config.numAttrs = cuda::programmatic_launch_supported() ? 2 : 1;  // the cluster always, PDL where supported
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, weight_map, x_map, sh, out.data_ptr<T>()));
 }
 

@@ -123,7 +123,6 @@ void tree_conv1d_kernel(const at::Tensor& x, const at::Tensor& weight, const sca
       for (int64_t c = 0; c < channels; ++c) {
         float y = acc[c];
         if (bias != nullptr) y += static_cast<float>(bias[c]);
-
         o[c] = static_cast<scalar_t>(y);
       }
     }

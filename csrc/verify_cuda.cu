@@ -1413,26 +1413,17 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
 
-  // The main kernel starts while the prep kernel runs where the GPU supports it (compute capability >= 9).
-  const bool dependent_launch = cuda::programmatic_launch_supported();
+  // The main kernel starts while the prep kernel runs where the GPU supports it (cuda::launch_programmatic).
   const bool state_vec4 = vdim % 4 == 0 && state.stride(3) == 1 && state.stride(2) % 4 == 0 &&
                           state.stride(1) % 4 == 0 && state.stride(0) % 4 == 0 && cuda::is_aligned(state.data_ptr(), 16);
   auto launch_main = [&](auto kernel) {
     cuda::allow_dynamic_smem(kernel, lay.total);
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(cuda::ceil_div(vdim, kTileV)), static_cast<unsigned>(value_heads),
-                          static_cast<unsigned>(bsz));
-    config.blockDim = dim3(kMainThreads);
-    config.dynamicSmemBytes = lay.total;
-    config.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attr;
-    config.numAttrs = dependent_launch ? 1 : 0;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(
-        &config, kernel, sh, lay, static_cast<const T*>(q.data_ptr<T>()), q.stride(0), q.stride(1), q.stride(2),
-        static_cast<const T*>(k.data_ptr<T>()), k.stride(0), k.stride(1), k.stride(2),
+    cuda::launch_programmatic(
+        kernel,
+        dim3(static_cast<unsigned>(cuda::ceil_div(vdim, kTileV)), static_cast<unsigned>(value_heads),
+             static_cast<unsigned>(bsz)),
+        dim3(kMainThreads), lay.total, sh, lay, static_cast<const T*>(q.data_ptr<T>()), q.stride(0), q.stride(1),
+        q.stride(2), static_cast<const T*>(k.data_ptr<T>()), k.stride(0), k.stride(1), k.stride(2),
         static_cast<const T*>(v.data_ptr<T>()), v.stride(0), v.stride(1), v.stride(2),
         static_cast<const float*>(beta.data_ptr<float>()), beta.stride(0), beta.stride(1), beta.stride(2),
         static_cast<const float*>(state.data_ptr<float>()), state.stride(0), state.stride(1), state.stride(2),
@@ -1440,7 +1431,7 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         parent.stride(1), static_cast<const float*>(g.data_ptr<float>()), g.stride(0), g.stride(1), g.stride(2),
         static_cast<const float2*>(coef_ptr),
         static_cast<const float2*>(norms_ptr), out.data_ptr<T>(), out.stride(0), out.stride(1), out.stride(2),
-        stash_u.data_ptr<float>(), stash_u.stride(0), stash_u.stride(1), stash_u.stride(2)));
+        stash_u.data_ptr<float>(), stash_u.stride(0), stash_u.stride(1), stash_u.stride(2));
   };
 
   auto launch_pair = [&](auto packed_rows) {

@@ -200,10 +200,11 @@ def _decoder_swap(layer: torch.nn.Module, next_layer: Optional[torch.nn.Module],
         mixer_cache = next((n for n in ("cache_params", "cache") if n in mixer_params), None)
         if mixer_cache is None:
             return None
-    return functools.partial(_decoder_forward, layer, signature, cache_names[0], mixer_cache, next_layer, handoff)
+    return functools.partial(_decoder_forward, layer, signature, params[-1].name, cache_names[0], mixer_cache,
+                             next_layer, handoff)
 
 
-def _decoder_forward(layer, signature, cache_name, mixer_cache, next_layer, handoff, *args, **kwargs):
+def _decoder_forward(layer, signature, var_keyword, cache_name, mixer_cache, next_layer, handoff, *args, **kwargs):
     """HF's decoder layer body (input norm, token mixer, residual add, post-attention norm, MLP, residual add) with
     each residual add fused into the norm that reads the sum: the post-attention norm, and the next layer's input
     norm (handed over through ``handoff``). The token mixer is called with what the stock forward passes it."""
@@ -211,15 +212,15 @@ def _decoder_forward(layer, signature, cache_name, mixer_cache, next_layer, hand
         bound = signature.bind(layer, *args, **kwargs)
     except TypeError:
         bound = None
-    extra = bound.arguments.get(list(signature.parameters)[-1], {}) if bound is not None else {}
     # A call this body was not written for, or grad mode (HF's layer call then handles gradient checkpointing).
-    if bound is None or any(n in extra for n in _CACHE_ARGUMENTS) or torch.is_grad_enabled():
+    if bound is None or any(n in bound.arguments.get(var_keyword, {}) for n in _CACHE_ARGUMENTS) \
+            or torch.is_grad_enabled():
         handoff.take(layer, None)
         return type(layer).forward(layer, *args, **kwargs)
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     del arguments["self"]
-    extra = arguments.pop(list(signature.parameters)[-1])
+    extra = arguments.pop(var_keyword)
     hidden_states = arguments.pop("hidden_states")
 
     residual = hidden_states
@@ -234,11 +235,13 @@ def _decoder_forward(layer, signature, cache_name, mixer_cache, next_layer, hand
     normed, residual = add_norm(layer.post_attention_layernorm, mixed, residual)
     mlp_out = layer.mlp(normed)
 
-    following = next_layer is not None and "_hf_hook" not in next_layer.__dict__
-    following = following and _plain_module(next_layer.input_layernorm)
-    # Without a version counter an in-place pre-hook on the next layer would go unseen: no handover there.
-    following = following and not (mlp_out.is_inference() and next_layer._forward_pre_hooks)
-    following = following and next_layer.input_layernorm.weight.device == mlp_out.device
+    # No handover to a layer that keeps its stock forward (an accelerate hook), whose norm is not folded (hooks), on
+    # another device, or, without a version counter to see an in-place pre-hook, with pre-hooks.
+    following = (
+        next_layer is not None and "_hf_hook" not in next_layer.__dict__ and _plain_module(next_layer.input_layernorm)
+        and not (mlp_out.is_inference() and next_layer._forward_pre_hooks)
+        and next_layer.input_layernorm.weight.device == mlp_out.device
+    )
     if not following:
         return residual + mlp_out
     normed_next, out = add_norm(next_layer.input_layernorm, mlp_out, residual)
@@ -549,7 +552,7 @@ def _recognised_classes() -> dict:
 
     table = {
         torch.nn.Linear: lambda m: functools.partial(linear, m) if m.bias is None else None,
-        qwen3.Qwen3RMSNorm: lambda m: functools.partial(_norm_forward, m, m.variance_epsilon, False),
+        qwen3.Qwen3RMSNorm: lambda m: functools.partial(_norm_forward, m, *_norm_params(m)),
         qwen3.Qwen3MLP: lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
         qwen3.Qwen3Attention: _kv_prefetch_swaps,
     }
@@ -558,7 +561,7 @@ def _recognised_classes() -> dict:
     except ImportError:  # a transformers without Qwen3.5
         return table
     table.update({
-        qwen3_5.Qwen3_5RMSNorm: lambda m: functools.partial(_norm_forward, m, m.eps, True),
+        qwen3_5.Qwen3_5RMSNorm: lambda m: functools.partial(_norm_forward, m, *_norm_params(m)),
         qwen3_5.Qwen3_5RMSNormGated: lambda m: (
             functools.partial(_gated_norm_forward, m) if getattr(m, "activation", "silu") == "silu" else None
         ),
@@ -598,9 +601,12 @@ def _rotary_patches() -> Tuple[Tuple[object, str, object], ...]:
     return tuple(patches)
 
 
+SILU_ACTIVATIONS = ("silu", "swish")  # the HF activation names the fused SiLUs stand in for
+
+
 def _silu_mlp(module: torch.nn.Module) -> bool:
     act = getattr(getattr(module, "config", None), "hidden_act", None)
-    return act in ("silu", "swish")
+    return act in SILU_ACTIVATIONS
 
 
 class LayerFusion:

@@ -52,7 +52,7 @@ from transformers import DynamicCache
 from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
-from ddtree_ext.fused import OP_DTYPES, Fork, LayerFusion, ops_apply, swapped_forwards
+from ddtree_ext.fused import OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, ops_apply, swapped_forwards
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
 
@@ -546,7 +546,7 @@ def _gdn_tree_forward(
     # dtype before the activation; the op's SiLU does the same (one launch instead of two), another activation
     # runs after it as HF's.
     weight = gdn.conv1d.weight.squeeze(1)
-    if gdn.activation in ("silu", "swish"):
+    if gdn.activation in SILU_ACTIVATIONS:
         conv_out = _ops.tree_conv1d(mixed_qkv, weight, gdn.conv1d.bias, conv_state, parent, silu=True)
     else:
         conv_out = ACT2FN[gdn.activation](
