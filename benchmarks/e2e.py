@@ -365,6 +365,9 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
     else:
         target = build_target(PRESETS[name])
         draft = build_draft(target, PRESETS[name])
+    if not args.no_stacked_projections:
+        ddtree_ext.stack_projections(target)
+        ddtree_ext.stack_projections(draft)
     adapter = TargetAdapter(target, draft.target_layer_ids)
     build_s = time.perf_counter() - start
     vocab = adapter.vocab_size
@@ -467,7 +470,9 @@ def markdown(report: dict) -> str:
         f"fla importable: {report['fla']}.",
         f"- Command: `{report['command']}`",
         f"- Projections: {report.get('projections', 'cuBLAS (F.linear)')}; residual adds: "
-        f"{report.get('residual_adds', 'apart (torch add, then the norm)')}; the core built for CUDA architectures "
+        f"{report.get('residual_adds', 'apart (torch add, then the norm)')}; projections reading one input: "
+        f"{'one GEMM over their stacked weights' if report.get('stacked_projections') else 'apart'}; "
+        f"the core built for CUDA architectures "
         f"{report.get('cuda_archs', 'unknown')}.",
         f"- Device copy rate {report['copy_gb_s']:.0f} GB/s (read + write), measured in this run. Floor = weight "
         "bytes one forward reads / that rate. Times are medians over rounds replayed from CUDA graphs (graphs) or "
@@ -550,6 +555,9 @@ def main(argv=None) -> None:
     parser.add_argument("--no-fused-adds", action="store_true",
                         help="run the decoder layers' residual adds apart from the norms after them, for A/B runs "
                              "(ddtree_ext.fused.fuse_residual_adds)")
+    parser.add_argument("--no-stacked-projections", action="store_true",
+                        help="keep each projection's weight apart (else ddtree_ext.stack_projections stacks those that "
+                             "read the same input, one GEMM for each group), for A/B runs")
     parser.add_argument("--profile", action="store_true", help="add the top kernels of eager rounds (torch profiler)")
     parser.add_argument("--profile-top", type=int, default=15, help="how many kernels each profile table lists")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -580,6 +588,7 @@ def main(argv=None) -> None:
         gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9, presets=[],
         projections="ops.linear (the weight-streaming kernel)" if fused.linear_kernel else "cuBLAS (F.linear)",
         residual_adds="fused into the next norm" if fused.fuse_residual_adds else "apart (torch add, then the norm)",
+        stacked_projections=not args.no_stacked_projections,
         cuda_archs=ddtree_ext.build_info().get("cuda_archs", "unknown"),
     )
     print(f"device copy {bandwidth / 1e9:.0f} GB/s; {report['gpu']}; commit {commit}", flush=True)

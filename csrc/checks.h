@@ -9,6 +9,7 @@
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -22,6 +23,28 @@ inline std::string shape_str(at::IntArrayRef sizes) {
     s += std::to_string(sizes[i]);
   }
   return s + "]";
+}
+
+// Where row r of an activation lies, for an op that takes it as [rows, D] or as groups of rows [G, R, D]: at
+// (r / inner) * outer_stride + (r % inner) * inner_stride elements. Groups of rows are the heads of a token whose
+// row holds more than those heads (a slice of a stacked projection's output), which no single row stride reaches.
+struct RowLayout {
+  int64_t inner;         // rows per group (all rows for a [rows, D] tensor)
+  int64_t outer_stride;  // between groups
+  int64_t inner_stride;  // between the rows of a group
+};
+
+// t: [rows, D] or [G, R, D].
+inline RowLayout row_layout(const at::Tensor& t) {
+  if (t.dim() == 2) return RowLayout{std::max<int64_t>(t.size(0), 1), 0, t.stride(0)};
+  return RowLayout{std::max<int64_t>(t.size(1), 1), t.stride(0), t.stride(1)};
+}
+
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline int64_t row_offset(const RowLayout& l, int64_t r) {
+  return (r / l.inner) * l.outer_stride + (r % l.inner) * l.inner_stride;
 }
 
 }  // namespace ddtree

@@ -41,6 +41,21 @@ void check_rows(const char* op, const char* name, const at::Tensor& ref, const a
                     t.device());
 }
 
+// rms_norm's x or gate: [rows, dim] or groups of rows [G, R, dim] with G * R = rows (RowLayout), last dim contiguous.
+void check_row_groups(const char* op, const char* name, const at::Tensor& ref, const at::Tensor& t, int64_t rows,
+                      int64_t dim) {
+  const bool shaped = (t.dim() == 2 && t.size(0) == rows && t.size(1) == dim) ||
+                      (t.dim() == 3 && t.size(0) * t.size(1) == rows && t.size(2) == dim);
+  TORCH_CHECK_VALUE(shaped, op, ": ", name, " must have shape [", rows, ", ", dim, "] or [G, R, ", dim,
+                    "] with G * R = ", rows, ", got ", shape_str(t.sizes()));
+  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have dtype ", ref.scalar_type(),
+                    " like the input, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.stride(-1) == 1 || dim == 1, op, ": ", name, " must be contiguous in its last dim, got strides ",
+                    shape_str(t.strides()));
+  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " must be on ", ref.device(), " like the input, got ",
+                    t.device());
+}
+
 // The op's first input x: [rows, features >= 1] in a float dtype, last dim contiguous.
 void check_input_rows(const char* op, const at::Tensor& x) {
   DDTREE_CHECK_DIM(op, x, 2);
@@ -76,18 +91,16 @@ inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 // With a residual, the row normalised is s = round(x + residual) (HF's `residual + hidden_states`), written to
 // sum_out first; the output pass reads it back from there, so sum_out may alias x or the residual.
 template <typename T>
-void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, const T* gate, int64_t gate_stride,
-                     const T* residual, int64_t residual_stride, T* sum_out, int64_t sum_stride, float eps,
-                     bool zero_centered, at::Tensor& out) {
-  const int64_t rows = x.size(0), dim = x.size(1);
-  const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
-  const T* x_ptr = x.data_ptr<T>();
+void rms_norm_kernel(const T* x_ptr, RowLayout x_rows, int64_t rows, int64_t dim, const at::Tensor& weight,
+                     const T* gate, RowLayout gate_rows, const T* residual, int64_t residual_stride, T* sum_out,
+                     int64_t sum_stride, float eps, bool zero_centered, at::Tensor& out) {
+  const int64_t out_stride = out.stride(0);
   const T* w = weight.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   const float inv_dim = 1.f / static_cast<float>(dim);  // torch's mean multiplies by 1/n
   at::parallel_for(0, rows, std::max<int64_t>(1, at::internal::GRAIN_SIZE / dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x_ptr + r * x_stride;
+      const T* xr = x_ptr + row_offset(x_rows, r);
       float sum = 0.f;
       if (residual != nullptr) {
         const T* rr = residual + r * residual_stride;
@@ -107,7 +120,7 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, const T* gat
       }
       const float inv_rms = 1.f / std::sqrt(sum * inv_dim + eps);
       T* o = out_ptr + r * out_stride;
-      const T* gr = gate != nullptr ? gate + r * gate_stride : nullptr;
+      const T* gr = gate != nullptr ? gate + row_offset(gate_rows, r) : nullptr;
       // Every value of the row is read by the sum above before the first write, so out may alias x.
       for (int64_t i = 0; i < dim; ++i) {
         const float normed = static_cast<float>(xr[i]) * inv_rms;
@@ -211,13 +224,17 @@ void gdn_gates_kernel(const at::Tensor& x, const at::Tensor& weight_a, const at:
 void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                     bool zero_centered, const at::Tensor& out) {
   constexpr const char* op = "rms_norm";
-  check_input_rows(op, x);
-  const int64_t rows = x.size(0), dim = x.size(1);
+  DDTREE_CHECK(op, x.dim() == 2 || x.dim() == 3, "x must have shape [rows, D] or [G, R, D], got shape ",
+               shape_str(x.sizes()));
+  DDTREE_CHECK_FLOAT(op, x);
+  const int64_t dim = x.size(-1), rows = x.dim() == 2 ? x.size(0) : x.size(0) * x.size(1);
+  DDTREE_CHECK(op, dim >= 1, "x must have at least one feature, got shape ", shape_str(x.sizes()));
+  check_row_groups(op, "x", x, x, rows, dim);
   check_vector(op, "weight", x, weight, dim);
   DDTREE_CHECK_DTYPE(op, weight, x.scalar_type());
   if (gate.has_value()) {
     DDTREE_CHECK(op, !zero_centered, "gate is only supported with zero_centered=False (Qwen3_5RMSNormGated)");
-    check_rows(op, "gate", x, *gate, rows, dim);
+    check_row_groups(op, "gate", x, *gate, rows, dim);
   }
   DDTREE_CHECK(op, std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
   check_rows(op, "out", x, out, rows, dim);
@@ -340,12 +357,12 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                   bool zero_centered, at::Tensor& out) {
   check_rms_norm(x, weight, gate, eps, zero_centered, out);
-  if (x.size(0) == 0) return;
+  if (out.size(0) == 0) return;
   DDTREE_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* gate_ptr = gate.has_value() ? gate->data_ptr<scalar_t>() : nullptr;
-    const int64_t gate_stride = gate.has_value() ? gate->stride(0) : 0;
-    rms_norm_kernel<scalar_t>(x, weight, gate_ptr, gate_stride, nullptr, 0, nullptr, 0, static_cast<float>(eps),
-                              zero_centered, out);
+    const RowLayout gate_rows = gate.has_value() ? row_layout(*gate) : RowLayout{1, 0, 0};
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), row_layout(x), out.size(0), x.size(-1), weight, gate_ptr,
+                              gate_rows, nullptr, 0, nullptr, 0, static_cast<float>(eps), zero_centered, out);
   });
 }
 
@@ -354,7 +371,8 @@ void add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual, const at:
   check_add_rms_norm(x, residual, weight, eps, zero_centered, out, residual_out);
   if (x.size(0) == 0) return;
   DDTREE_DISPATCH_FLOAT(x.scalar_type(), "add_rms_norm", [&] {
-    rms_norm_kernel<scalar_t>(x, weight, nullptr, 0, residual.data_ptr<scalar_t>(), residual.stride(0),
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), row_layout(x), x.size(0), x.size(1), weight, nullptr,
+                              RowLayout{1, 0, 0}, residual.data_ptr<scalar_t>(), residual.stride(0),
                               residual_out.data_ptr<scalar_t>(), residual_out.stride(0), static_cast<float>(eps),
                               zero_centered, out);
   });

@@ -63,7 +63,8 @@ struct RmsNormArgs {
   const T* gate;  // nullptr: no gate
   const T* weight;
   T* out;
-  int64_t x_stride, gate_stride, out_stride, rows;
+  RowLayout x_rows, gate_rows;  // x's and the gate's rows: [rows, D] or groups of rows [G, R, D]
+  int64_t out_stride, rows;
   int dim;
   float eps, inv_dim;
   bool zero_centered;
@@ -123,10 +124,10 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
   const int slot = threadIdx.x / GROUP, t = threadIdx.x % GROUP;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + slot;
   const bool active = row < p.rows;  // inactive threads still take part in the block's barrier
-  const T* x = p.x + (active ? row : 0) * p.x_stride;
+  const T* x = p.x + (active ? row_offset(p.x_rows, row) : 0);
   const T* residual = p.residual != nullptr && active ? p.residual + row * p.residual_stride : nullptr;
   T* sum_out = p.sum_out != nullptr && active ? p.sum_out + row * p.sum_stride : nullptr;
-  const T* gate = p.gate != nullptr && active ? p.gate + row * p.gate_stride : nullptr;
+  const T* gate = p.gate != nullptr && active ? p.gate + row_offset(p.gate_rows, row) : nullptr;
 
   // Launched as a programmatic dependent (launch_rms_norm): until the kernel ahead of it (which writes x) is done,
   // start moving this row's weights, residual and gate into L2. In a decoder layer the residual is a layer old, and
@@ -416,7 +417,10 @@ bool can_pack(std::initializer_list<const at::Tensor*> tensors, int64_t dim) {
   constexpr int64_t vec = 16 / sizeof(T);
   if (dim % vec != 0) return false;
   for (const at::Tensor* t : tensors) {
-    if (!cuda::is_aligned(t->data_ptr(), 16) || (t->dim() == 2 && t->stride(0) % vec != 0)) return false;
+    if (!cuda::is_aligned(t->data_ptr(), 16)) return false;
+    for (int64_t d = 0; d + 1 < t->dim(); ++d) {
+      if (t->stride(d) % vec != 0) return false;
+    }
   }
   return true;
 }
@@ -447,17 +451,18 @@ void launch_rms_norm_rows(const RmsNormArgs<T>& args, bool packed) {
 template <typename T>
 RmsNormArgs<T> rms_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps,
                              bool zero_centered, at::Tensor& out) {
-  TORCH_CHECK_VALUE(x.size(1) <= INT32_MAX, op, ": x has too many features (", x.size(1), ")");
+  TORCH_CHECK_VALUE(x.size(-1) <= INT32_MAX, op, ": x has too many features (", x.size(-1), ")");
   RmsNormArgs<T> args{};
   args.x = x.data_ptr<T>();
   args.weight = weight.data_ptr<T>();
   args.out = out.data_ptr<T>();
-  args.x_stride = x.stride(0);
+  args.x_rows = row_layout(x);
+  args.gate_rows = RowLayout{1, 0, 0};
   args.out_stride = out.stride(0);
-  args.rows = x.size(0);
-  args.dim = static_cast<int>(x.size(1));
+  args.rows = out.size(0);
+  args.dim = static_cast<int>(x.size(-1));
   args.eps = static_cast<float>(eps);
-  args.inv_dim = 1.f / static_cast<float>(x.size(1));
+  args.inv_dim = 1.f / static_cast<float>(x.size(-1));
   args.zero_centered = zero_centered;
   return args;
 }
@@ -468,16 +473,16 @@ void rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::opt
                    bool zero_centered, at::Tensor& out) {
   check_rms_norm(x, weight, gate, eps, zero_centered, out);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (x.size(0) == 0) return;
+  if (out.size(0) == 0) return;
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
     using T = scalar_t;
     RmsNormArgs<T> args = rms_norm_args<T>("rms_norm", x, weight, eps, zero_centered, out);
     if (gate.has_value()) {
       args.gate = gate->data_ptr<T>();
-      args.gate_stride = gate->stride(0);
+      args.gate_rows = row_layout(*gate);
     }
-    const bool packed = gate.has_value() ? can_pack<T>({&x, &weight, &*gate, &out}, x.size(1))
-                                         : can_pack<T>({&x, &weight, &out}, x.size(1));
+    const bool packed = gate.has_value() ? can_pack<T>({&x, &weight, &*gate, &out}, x.size(-1))
+                                         : can_pack<T>({&x, &weight, &out}, x.size(-1));
     launch_rms_norm_rows(args, packed);
   });
 }

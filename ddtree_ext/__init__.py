@@ -10,6 +10,7 @@ from importlib import metadata as _metadata
 
 from ddtree_ext import ops, reference
 from ddtree_ext._loader import build_info
+from ddtree_ext.fused import stack_projections, unstack_projections
 
 # Rebinds the name ``generate`` from the submodule to the function: ``ddtree_ext.generate(...)``.
 # Import the module's other names with ``from ddtree_ext.generate import ...``.
@@ -20,7 +21,10 @@ try:  # one version, from the installed metadata (pyproject.toml)
 except _metadata.PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["DFlashDraftModel", "GenerationStats", "build_info", "generate", "ops", "reference", "__version__"]
+__all__ = [
+    "DFlashDraftModel", "GenerationStats", "build_info", "generate", "ops", "reference", "stack_projections",
+    "unstack_projections", "__version__",
+]
 
 
 def __getattr__(name):

@@ -262,11 +262,126 @@ linear_kernel = False
 def linear(module: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's argument name)
     """A plain Linear's forward: ``ops.linear`` for a bias-free projection of CUDA rows the ops take (the op itself
     runs torch.mm where its kernel does not apply: more than 72 rows, other sizes, older GPUs), F.linear otherwise."""
-    weight = module.weight
-    if (linear_kernel and module.bias is None and input.is_cuda and input.shape[-1] == weight.shape[1]
-            and ops_apply(input, weight)):
-        return ops.linear(input, weight, prefetch_weight=True)  # a model's weight: nothing writes it meanwhile
-    return torch.nn.functional.linear(input, weight, module.bias)
+    if module.bias is None:
+        return project(module.weight, input)
+    return torch.nn.functional.linear(input, module.weight, module.bias)
+
+
+def project(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T -> [..., N], a model's bias-free projection: ``ops.linear`` when ``linear_kernel``
+    is on and the op takes the tensors, F.linear otherwise."""
+    if linear_kernel and x.is_cuda and x.shape[-1] == weight.shape[1] and ops_apply(x, weight):
+        return ops.linear(x, weight, prefetch_weight=True)  # a model's weight: nothing writes it meanwhile
+    return torch.nn.functional.linear(x, weight)
+
+
+# ---- stacked projections ------------------------------------------------------------------------------
+
+def _stackable_classes() -> Dict[type, Tuple[str, ...]]:
+    """Layer class -> its projections that read the same input, in the order their outputs are stacked."""
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+    table = {qwen3.Qwen3Attention: ("q_proj", "k_proj", "v_proj"), qwen3.Qwen3MLP: ("gate_proj", "up_proj")}
+    try:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+    except ImportError:
+        return table
+    # Not a GDN layer's qkv and z: apart, z runs on a side stream beside the qkv GEMM and the latency-bound conv and
+    # delta rule after it, and the H200 measured the stacked GEMM slower end to end (a 27B budget-64 round +0.12 ms,
+    # the verify of 17 nodes +0.19 ms, though alone it beats the two side by side: 42.9 against 48.1 us at 16 rows).
+    table.update({
+        qwen3_5.Qwen3_5Attention: ("q_proj", "k_proj", "v_proj"),
+        qwen3_5.Qwen3_5MLP: ("gate_proj", "up_proj"),
+    })
+    return table
+
+
+def _stack_candidates(model: torch.nn.Module) -> Iterator[List[torch.nn.Linear]]:
+    """Each group of projections in ``model`` that :func:`stack_projections` can stack: plain bias-free Linear
+    layers without hooks, one dtype, one CPU or CUDA device, one input width."""
+    classes = _stackable_classes()
+    for module in model.modules():
+        names = classes.get(type(module))
+        projections = [getattr(module, n, None) for n in names] if names is not None else []
+        if not projections or not all(type(p) is torch.nn.Linear and p.bias is None and _plain_module(p)
+                                      for p in projections):
+            continue
+        first = projections[0].weight
+        if first.device.type in ("cpu", "cuda") and all(
+            p.weight.dtype == first.dtype and p.weight.device == first.device and p.weight.dim() == 2
+            and p.weight.shape[1] == first.shape[1] for p in projections
+        ):
+            yield projections
+
+
+def stack_projections(model: torch.nn.Module) -> int:
+    """Stores, in place, the weights of each layer's projections that read the same input as row blocks of one
+    tensor: an attention layer's q, k and v, an MLP's gate and up. The fused forwards then run one GEMM over the
+    stacked weight where they ran one per projection; at decode and verify sizes a GEMM's fixed costs (ramp-up,
+    tail, a split-K reduce) are a large part of its time, and the stacked GEMM pays them once (on the H200, a
+    Qwen3-8B attention layer's three projections at one row: 20.1 us apart, 16.0 stacked; its MLP's two: 58.2
+    against 52.4 us; ``scripts/profile_projections.py``).
+
+    The parameters stay the same objects with the same values (each becomes a view of the stacked tensor), so
+    ``state_dict``, ``load_state_dict`` and HF's own forwards work as before; the memory peak is one extra group.
+    Tensors that share storage are refused by safetensors: call :func:`unstack_projections` before
+    ``save_pretrained``. Greedy outputs stay the target's own (the stacked GEMM rounds each output as a GEMM
+    over its own weight does, up to the kernel cuBLAS picks for the shape). Groups already stacked are left as
+    they are; projections with hooks or biases, or of mixed dtypes or devices, are not stacked.
+
+    Returns the number of stacked groups in ``model``.
+    """
+    count = 0
+    with torch.no_grad():
+        for projections in _stack_candidates(model):
+            if stacked_weight(projections) is None:
+                weights = [p.weight for p in projections]
+                stacked = torch.cat([w.detach() for w in weights])
+                offset = 0
+                for w in weights:
+                    w.data = stacked[offset:offset + w.shape[0]]
+                    offset += w.shape[0]
+            count += 1
+    return count
+
+
+def unstack_projections(model: torch.nn.Module) -> int:
+    """Undoes :func:`stack_projections`: every stacked projection's weight gets storage of its own (values and
+    parameter objects unchanged). Returns the number of groups unstacked."""
+    count = 0
+    with torch.no_grad():
+        for projections in _stack_candidates(model):
+            if stacked_weight(projections) is not None:
+                for p in projections:
+                    p.weight.data = p.weight.detach().clone()
+                count += 1
+    return count
+
+
+def stacked_weight(projections: Sequence[torch.nn.Module]) -> Optional[torch.Tensor]:
+    """The weights of ``projections`` (plain bias-free Linear layers without hooks) as one [sum N, K] tensor when
+    they lie one after another in one storage (:func:`stack_projections`), else None. Checked per call: a weight
+    reassigned or loaded into new storage since simply ends the stacking."""
+    first = projections[0].weight
+    k, size, ptr, rows = first.shape[-1], first.element_size(), first.data_ptr(), 0
+    for p in projections:
+        w = p.weight
+        if (
+            type(p) is not torch.nn.Linear or p.bias is not None or not _plain_module(p) or w.dim() != 2
+            or w.shape[1] != k or w.dtype != first.dtype or not w.is_contiguous() or w.data_ptr() != ptr + rows * k * size
+        ):
+            return None
+        rows += w.shape[0]
+    if (first.storage_offset() + rows * k) * size > first.untyped_storage().nbytes():
+        return None  # adjacent by chance, in two storages
+    return first.as_strided((rows, k), (k, 1))
+
+
+def stacked_gemm_pays(x: torch.Tensor, width: int) -> bool:
+    """Whether one GEMM of x's rows over ``width`` stacked outputs beats the projections apart. Measured on the H200
+    (``scripts/profile_projections.py``, bf16): it does at every layer shape of Qwen3-8B and the 27B at 1, 16 and 65
+    rows, but the 27B MLP's 34816 outputs at 65 rows (100.5 against 95.3 us: cuBLAS picks a slower tiling)."""
+    return x.numel() <= 16 * x.shape[-1] or width <= 32768
 
 
 # ---- overlap on a second stream ----------------------------------------------------------------------
@@ -344,7 +459,8 @@ class _KVPrefetch:
     """An attention layer's q_proj, k_proj and v_proj read the same hidden states, and HF calls them one after
     another. The K and V projections have few outputs (Hkv heads; 1024 on the 27B shape, which cuBLAS ran at
     1.9 TB/s in the e2e profile), so when q_proj is called they start on a side stream, and their own calls then
-    take the results. Any other call order or input computes as usual."""
+    take the results; with the three weights stacked (:func:`stack_projections`) the q_proj call runs one GEMM for
+    all three instead. Any other call order or input computes as usual."""
 
     def __init__(self, attn: torch.nn.Module):
         self.attn = attn
@@ -357,6 +473,12 @@ class _KVPrefetch:
     def q_forward(self, x: torch.Tensor) -> torch.Tensor:
         attn = self.attn
         self.flush()
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        stacked = stacked_weight(projections) if ops_apply(x) else None
+        if stacked is not None and stacked_gemm_pays(x, stacked.shape[0]):  # one GEMM, nothing on a side stream
+            q, k, v = project(stacked, x).split([p.weight.shape[0] for p in projections], dim=-1)
+            self.pending = (x, None, k, None, v)
+            return q
         if (x.device.type == "cuda" and "attn" in side_streams
                 and not any("_hf_hook" in m.__dict__ for m in (attn.k_proj, attn.v_proj))):
             fork = Fork(x.device, "attn")
@@ -372,7 +494,8 @@ class _KVPrefetch:
         if self.pending is None or self.pending[0] is not x:
             return self._linear(self.attn.k_proj, x)
         _, fork, k, k_done, _ = self.pending
-        fork.join(k_done, k)
+        if fork is not None:
+            fork.join(k_done, k)
         return k
 
     def v_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -380,14 +503,16 @@ class _KVPrefetch:
             return self._linear(self.attn.v_proj, x)
         _, fork, _, _, v = self.pending
         self.pending = None
-        fork.join(v)
+        if fork is not None:
+            fork.join(v)
         return v
 
     def flush(self) -> None:
         """Joins and drops side work nobody took (a call order other than HF's), so that none is left behind
         on the side stream (under graph capture, work not joined back fails the capture)."""
         if self.pending is not None:
-            self.pending[1].join()
+            if self.pending[1] is not None:
+                self.pending[1].join()
             self.pending = None
 
 
@@ -401,7 +526,11 @@ def _kv_prefetch_swaps(attn: torch.nn.Module) -> Optional[List[Tuple[torch.nn.Mo
 
 
 def _mlp_forward(mlp: torch.nn.Module, x: torch.Tensor):
-    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    stacked = stacked_weight((mlp.gate_proj, mlp.up_proj)) if ops_apply(x) else None
+    if stacked is not None and stacked_gemm_pays(x, stacked.shape[0]):
+        gate, up = project(stacked, x).split([mlp.gate_proj.weight.shape[0], mlp.up_proj.weight.shape[0]], dim=-1)
+    else:
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     if gate.shape != up.shape or not ops_apply(gate, up):
         return mlp.down_proj(mlp.act_fn(gate) * up)
     return mlp.down_proj(ops.silu_mul(gate, up))

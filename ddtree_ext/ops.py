@@ -325,6 +325,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
 
 
+def _row_groups(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as [R, D], or as groups of rows [G, R, D] when the leading dims merge into two but not one (the
+    heads of each token in a slice of a stacked projection's output), without a copy; a copy [R, D] otherwise."""
+    sizes, strides = [], []
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
+        if size == 1:
+            continue
+        if sizes and strides[-1] == size * stride:  # merges with the dim before it
+            sizes[-1] *= size
+            strides[-1] = stride
+        else:
+            sizes.append(size)
+            strides.append(stride)
+    if len(sizes) == 2:
+        return x.as_strided((*sizes, x.shape[-1]), (*strides, x.stride(-1)))
+    return _rows(x)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -336,7 +354,8 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm over the last dim in one pass, with the rounding points of the HF Qwen norms.
 
-    x [..., D] float16/bfloat16/float32 (last dim contiguous), weight [D] in x's dtype, gate None or
+    x [..., D] float16/bfloat16/float32 (last dim contiguous, any other strides: rows that no single stride reaches,
+    such as heads sliced from a wider row, are read in place), weight [D] in x's dtype, gate None or
     like x -> out, shaped like x (contiguous unless given). With x_hat = x / sqrt(mean(x^2) + eps) in
     float32 and round() to x's dtype:
 
@@ -348,8 +367,8 @@ def rms_norm(
         raise ValueError(f"rms_norm: gate must have shape {list(x.shape)} (x's), got {list(gate.shape)}")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    gate_rows = _rows(gate) if gate is not None else None
-    load_ops().rms_norm(_rows(x), weight, gate_rows, float(eps), zero_centered, out.view(-1, out.shape[-1]))
+    gate_rows = _row_groups(gate) if gate is not None else None
+    load_ops().rms_norm(_row_groups(x), weight, gate_rows, float(eps), zero_centered, out.view(-1, out.shape[-1]))
     return out
 
 

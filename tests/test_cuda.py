@@ -792,6 +792,29 @@ def test_rms_norm(kind, rows, dim, dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("kind", ["plain", "zero_centered", "gated"])
+@pytest.mark.parametrize("tokens,heads,dim,pad", [(1, 32, 128, 2048), (65, 8, 128, 128), (3, 24, 256, 8), (2, 3, 7, 1)])
+def test_rms_norm_of_heads_sliced_from_stacked_rows(kind, tokens, heads, dim, pad, dtype):
+    """Heads of each token sliced from a wider row (q or k of a stacked q/k/v projection; a gate likewise): read in
+    place as groups of rows, the bits of the same norm of their contiguous copy on the GPU; the odd head size and
+    pad take the element path."""
+    gen = make_gen(tokens * heads + dim)
+    rows = (torch.randn(tokens, heads * dim + pad, generator=gen) * 3).to(dtype).to(DEV)
+    heads_in_rows = rows[:, pad:] if pad % 8 else rows[:, : heads * dim]
+    sliced = heads_in_rows.view(tokens, heads, dim)
+    weight = (torch.randn(dim, generator=gen) * 0.3 + (kind != "zero_centered")).to(dtype).to(DEV)
+    other = (torch.randn(tokens, heads, dim, generator=gen) * 2).to(dtype).to(DEV)
+    # The gated norm: x contiguous, the gate sliced.
+    x, gate = (other, sliced) if kind == "gated" else (sliced, None)
+    args = dict(zero_centered=kind == "zero_centered")
+    got = ops.rms_norm(x, weight, 1e-6, gate=gate, **args)
+    expected = ops.rms_norm(x.contiguous(), weight, 1e-6, gate=None if gate is None else gate.contiguous(), **args)
+    assert torch.equal(got, expected)
+    assert_close(got.cpu(), ops.rms_norm(x.cpu(), weight.cpu(), 1e-6, gate=None if gate is None else gate.cpu(), **args),
+                 dtype, f"{kind} vs CPU")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("rows,dim", LAYER_SHAPES)
 @pytest.mark.parametrize("kind", ["zero_centered", "plain"])
 @pytest.mark.parametrize("layout", ["contiguous", "strided", "unaligned", "in_place"])

@@ -9,6 +9,7 @@ methods for one seed (the uniform of a position is shared), and follow the exact
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections import Counter
@@ -16,7 +17,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ddtree_ext import generate, tiny
+from ddtree_ext import generate, stack_projections, tiny
 from ddtree_ext.generate import MAX_TREE_BUDGET, GenerationStats
 from ddtree_ext.target import TargetAdapter
 from ddtree_ext.tiny import (
@@ -133,6 +134,21 @@ def test_greedy_tree_shapes(draft_top_k, spine):
     ids = pair_prompt(AGREEING, HYBRID, SWEEP_PROMPT)
     out = generate(target, draft, ids, 300, tree_budget=64, spine=spine, draft_top_k=draft_top_k)
     assert_same_tokens(out, hf_greedy(AGREEING, HYBRID, SWEEP_PROMPT, LONG)[:, : PROMPT_LEN + 300])
+
+
+@pytest.mark.parametrize("method,budget", [("autoregressive", None), ("dflash", None), ("ddtree", 64)],
+                         ids=["autoregressive", "dflash", "ddtree-64"])
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_greedy_with_stacked_projections(name, method, budget):
+    """A target and draft with their projections stacked (``stack_projections``: one GEMM per attention layer's
+    q, k, v, per MLP's gate, up) give the target's own greedy output over 300 tokens."""
+    target, draft = (copy.deepcopy(m) for m in pair(AGREEING, name))
+    layers = target.model.layers
+    assert stack_projections(target) == len(layers) + sum(hasattr(layer, "self_attn") for layer in layers)
+    assert stack_projections(draft) == len(draft.layers)
+    ids = pair_prompt(AGREEING, name, SWEEP_PROMPT)
+    out = generate(target, draft, ids, 300, method=method, tree_budget=budget or 64)
+    assert_same_tokens(out, hf_greedy(AGREEING, name, SWEEP_PROMPT, LONG)[:, : PROMPT_LEN + 300])
 
 
 RANDOM_CASES = [("dflash", None), ("ddtree", 1), ("ddtree", 64)]

@@ -127,6 +127,41 @@ def test_graph_equals_eager_over_500_tokens_on_a_real_shaped_model(dtype):
             assert diff.numel() == 0, f"{method} vs HF: first mismatch at position {int(diff[0])}"
 
 
+@pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("ddtree", 64)])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_stacked_projections_on_cuda_equal_hf_generate(family, method, budget):
+    """With stack_projections (one GEMM per attention layer's q/k/v, per MLP's gate/up), replayed rounds give the
+    target's own greedy output (float32)."""
+    import copy
+
+    from ddtree_ext import stack_projections
+
+    target, draft = (copy.deepcopy(m) for m in cuda_pair(family))
+    assert stack_projections(target) > 0
+    stack_projections(draft)
+    out = generate(target, draft, PROMPT.cuda(), NEW_TOKENS, method=method, tree_budget=budget, cuda_graph=True)
+    diff = (out != hf_greedy(family))[0].nonzero()
+    assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_stacked_projections_graph_equals_eager_on_a_real_shaped_model(dtype):
+    """The real-shaped hybrid stacked: graphs give the eager tokens; in float32 also HF's own greedy output."""
+    import copy
+
+    from ddtree_ext import stack_projections
+
+    target, draft = (copy.deepcopy(m) for m in small_real_shaped_hybrid(dtype))
+    stack_projections(target)
+    stack_projections(draft)
+    prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(1)).cuda()
+    for method, (graphed, _) in assert_graphs_equal_eager(target, draft, prompt, 300).items():
+        if dtype == torch.float32:
+            ref = tiny.hf_greedy(small_real_shaped_hybrid(dtype)[0], prompt, 300)
+            diff = (graphed != ref)[0].nonzero()
+            assert diff.numel() == 0, f"{method} vs HF: first mismatch at position {int(diff[0])}"
+
+
 @pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
 def test_side_streams_do_not_change_the_output(cuda_graph, monkeypatch):
     """Forks (a GDN layer's gates and z projection, an attention layer's K and V projections on a second stream)

@@ -120,6 +120,30 @@ def test_rms_norm_strided_rows_and_out(kind, gen):
     assert_close(got, expected, dtype, kind)
 
 
+@pytest.mark.parametrize("kind", ["plain", "zero_centered", "gated"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_reads_heads_of_a_stacked_projection_in_place(kind, dtype, gen):
+    """Heads sliced from a wider row (q or k of a stacked projection's output, ``fused.stack_projections``; a gate
+    likewise): no single row stride reaches them, and the op reads them as groups of rows, giving the bits of the
+    copied heads."""
+    norm = _norm_module(kind, 64, dtype, gen)
+    stacked = torch.randn(2, 5, 4 * 64 + 3 * 64 + 8, generator=gen).to(dtype)  # [B, N, q heads | z heads | more]
+    x = stacked[..., : 4 * 64].view(2, 5, 4, 64)
+    gate = stacked[..., 4 * 64 + 64 : 4 * 64 + 3 * 64].view(2, 5, 2, 64).repeat_interleave(2, dim=2)
+    if kind == "gated":  # the gate strided, x contiguous
+        x, gate = torch.randn(2, 5, 4, 64, generator=gen).to(dtype), stacked[..., : 4 * 64].view(2, 5, 4, 64)
+    else:
+        gate = None
+    strided = gate if kind == "gated" else x
+    assert strided.reshape(-1, 64).data_ptr() != strided.data_ptr()  # the leading dims do not merge into one
+    got = _fused_norm(kind, norm, x, gate) if kind != "plain" else ops.rms_norm(x, norm.weight, 1e-6)
+    contiguous_gate = gate.contiguous() if gate is not None else None
+    expected = (_fused_norm(kind, norm, x.contiguous(), contiguous_gate) if kind != "plain"
+                else ops.rms_norm(x.contiguous(), norm.weight, 1e-6))
+    assert got.shape == x.shape and got.is_contiguous()
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,dim", SHAPES)
 def test_silu_mul_equals_the_hf_mlp_activation(rows, dim, dtype, gen):
@@ -221,6 +245,9 @@ def test_rms_norm_bad_inputs():
         (lambda: rms(x.t(), torch.ones(4), None, 1e-6, False, torch.empty(8, 4)), "x must be contiguous in its last dim"),
         (lambda: rms(x.long(), w, None, 1e-6, False, out), "x must be float32, float16 or bfloat16"),
         (lambda: rms(torch.randn(4, 0), torch.ones(0), None, 1e-6, False, torch.empty(4, 0)), "at least one feature"),
+        (lambda: rms(x.view(2, 2, 8), w, torch.randn(3, 1, 8), 1e-6, False, out),
+         r"gate must have shape \[4, 8\] or \[G, R, 8\] with G \* R = 4"),
+        (lambda: rms(x.view(1, 2, 2, 8), w, None, 1e-6, False, out), r"x must have shape \[rows, D\] or \[G, R, D\]"),
     ]
     for call, message in cases:
         before = out.clone()
@@ -676,3 +703,110 @@ def test_fusion_routes_sdpa_through_the_folded_attention_and_restores_the_regist
     assert registry["sdpa"] is stock
     assert len(calls) == sum(t == "full_attention" for t in model.config.get_text_config().layer_types)
     assert_close(fused_logits, stock_logits, torch.float32, "logits through the folded attention")
+
+
+# ---- stacked projections -----------------------------------------------------------------------------
+
+
+def _projection_groups(model) -> int:
+    """Stacked groups of a tiny target: per attention layer its q, k, v, per layer its MLP's gate, up."""
+    return sum(hasattr(layer, "self_attn") for layer in model.model.layers) + len(model.model.layers)
+
+
+def _count_linear_calls(monkeypatch) -> list:
+    calls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or linear(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_stack_projections_keeps_the_parameters_and_their_values(family):
+    from ddtree_ext import fused
+
+    model = make_tiny_target(family, seed=1)
+    params = dict(model.named_parameters())
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    expected = _projection_groups(model)
+    assert fused.stack_projections(model) == expected
+    assert dict(model.named_parameters()) == params  # the same objects
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    for projections in fused._stack_candidates(model):
+        stacked = fused.stacked_weight(projections)
+        assert stacked is not None
+        assert torch.equal(stacked, torch.cat([p.weight for p in projections]))
+    assert fused.stack_projections(model) == expected  # already stacked: left as it is
+    assert fused.unstack_projections(model) == expected
+    assert all(fused.stacked_weight(p) is None for p in fused._stack_candidates(model))
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert fused.unstack_projections(model) == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_projections_give_the_logits_of_the_projections_apart(family, dtype, monkeypatch):
+    """One GEMM per stacked group (counted), and the logits of the model with its projections apart."""
+    from ddtree_ext import fused
+
+    model = make_tiny_target(family, seed=1, dtype=dtype)
+    n = 9
+    tokens = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(2))
+    masks = {"full_attention": torch.ones(1, 1, n, n, dtype=torch.bool).tril(), "linear_attention": None}
+    calls = _count_linear_calls(monkeypatch)
+    fusion = LayerFusion(model)
+    with torch.no_grad(), fusion.active():
+        apart = model(input_ids=tokens, attention_mask=masks).logits.float()
+        gemms_apart = len(calls)
+        fused.stack_projections(model)
+        calls.clear()
+        stacked = model(input_ids=tokens, attention_mask=masks).logits.float()
+    saved = sum(2 if hasattr(layer, "self_attn") else 0 for layer in model.model.layers) + len(model.model.layers)
+    assert len(calls) == gemms_apart - saved
+    assert_close(stacked, apart, dtype, f"{family} stacked logits")
+    assert torch.equal(stacked.argmax(-1), apart.argmax(-1))
+
+
+def test_a_stacked_weight_replaced_or_hooked_ends_the_stacking(monkeypatch):
+    """A weight given new storage after stacking, or a hook on a projection: that group's projections run apart
+    (and the hook fires), the others stay stacked."""
+    from ddtree_ext import fused
+
+    model = make_tiny_target("qwen3", seed=1)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    fusion = LayerFusion(model)
+    with torch.no_grad(), fusion.active():
+        expected = model(input_ids=tokens).logits
+    fused.stack_projections(model)
+    layers = model.model.layers
+    up = layers[0].mlp.up_proj
+    up.weight = torch.nn.Parameter(up.weight.detach().clone())  # new storage
+    seen = []
+    handle = layers[1].self_attn.k_proj.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    calls = _count_linear_calls(monkeypatch)
+    try:
+        with torch.no_grad(), fusion.active():
+            got = model(input_ids=tokens).logits
+    finally:
+        handle.remove()
+    assert fused.stacked_weight((layers[0].mlp.gate_proj, up)) is None
+    assert len(seen) == 1
+    # Stacked, a layer runs 4 GEMMs (qkv, o, gate-up, down), the LM head one; apart, the MLP runs 1 more, the
+    # attention 2 more.
+    assert len(calls) == 4 * len(layers) + 1 + 1 + 2
+    assert_close(got, expected, torch.float32, "replaced weight")
+
+
+def test_projections_with_hooks_or_biases_are_not_stacked():
+    from ddtree_ext import fused
+
+    model = make_tiny_target("qwen3", seed=1)
+    layers = model.model.layers
+    handle = layers[0].mlp.gate_proj.register_forward_pre_hook(lambda m, a: None)
+    layers[1].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(layers[1].self_attn.q_proj.out_features))
+    try:
+        assert fused.stack_projections(model) == 2 * len(layers) - 2
+    finally:
+        handle.remove()
+    assert fused.stacked_weight((layers[0].mlp.gate_proj, layers[0].mlp.up_proj)) is None
