@@ -74,7 +74,7 @@ def _generate(args) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, TextStreamer
 
-    from ddtree_ext import DFlashDraftModel, generate
+    from ddtree_ext import DFlashDraftModel, generate, stack_projections
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -92,6 +92,10 @@ def _generate(args) -> int:
     draft = None
     if args.draft is not None:
         draft = DFlashDraftModel.from_pretrained(args.draft, dtype=target.dtype, device=device).eval()
+    # These models are this command's own: their projections that read one input can share a GEMM.
+    for model in (target, draft):
+        if model is not None:
+            stack_projections(model)
 
     if args.no_chat_template or tokenizer.chat_template is None:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids

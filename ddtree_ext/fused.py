@@ -51,6 +51,7 @@ import threading
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch.nn.modules import module as _torch_module  # its global hook registries
 
 from ddtree_ext import ops
 
@@ -133,8 +134,12 @@ def _norm_params(norm: torch.nn.Module) -> Optional[Tuple[float, bool]]:
 
 
 def _plain_module(module: torch.nn.Module) -> bool:
-    """No forward hooks, pre-hooks or accelerate hook: calling the op instead of the module skips nothing."""
-    return not (module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__)
+    """No forward hooks, pre-hooks or accelerate hook, on the module or global ones (``register_module_forward_hook``):
+    calling the op instead of the module skips nothing."""
+    return not (
+        module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__
+        or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
+    )
 
 
 def add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -296,15 +301,21 @@ def _stackable_classes() -> Dict[type, Tuple[str, ...]]:
     return table
 
 
-def _stack_candidates(model: torch.nn.Module) -> Iterator[List[torch.nn.Linear]]:
-    """Each group of projections in ``model`` that :func:`stack_projections` can stack: plain bias-free Linear
-    layers without hooks, one dtype, one CPU or CUDA device, one input width."""
+def _projection_groups(model: torch.nn.Module) -> Iterator[List[torch.nn.Linear]]:
+    """Each group of projections in ``model`` that read one input (exact classes, Linear layers)."""
     classes = _stackable_classes()
     for module in model.modules():
         names = classes.get(type(module))
         projections = [getattr(module, n, None) for n in names] if names is not None else []
-        if not projections or not all(type(p) is torch.nn.Linear and p.bias is None and _plain_module(p)
-                                      for p in projections):
+        if projections and all(type(p) is torch.nn.Linear for p in projections):
+            yield projections
+
+
+def _stack_candidates(model: torch.nn.Module) -> Iterator[List[torch.nn.Linear]]:
+    """Each group of projections in ``model`` that :func:`stack_projections` can stack: plain bias-free Linear
+    layers without hooks, one dtype, one CPU or CUDA device, one input width."""
+    for projections in _projection_groups(model):
+        if not all(p.bias is None and _plain_module(p) for p in projections):
             continue
         first = projections[0].weight
         if first.device.type in ("cpu", "cuda") and all(
@@ -324,15 +335,16 @@ def stack_projections(model: torch.nn.Module) -> int:
 
     The parameters stay the same objects with the same values (each becomes a view of the stacked tensor), so
     ``state_dict``, ``load_state_dict`` and HF's own forwards work as before; the memory peak is one extra group.
-    Tensors that share storage are refused by safetensors: call :func:`unstack_projections` before
-    ``save_pretrained``. Greedy outputs stay the target's own (the stacked GEMM rounds each output as a GEMM
-    over its own weight does, up to the kernel cuBLAS picks for the shape). Groups already stacked are left as
-    they are; projections with hooks or biases, or of mixed dtypes or devices, are not stacked.
+    Anything that gives a weight new storage (``.to()`` to another dtype or device, ``.half()``, ``copy.deepcopy``,
+    ``load_state_dict(assign=True)``) ends the stacking of its group, which then runs apart: stack last.
+    Greedy outputs stay the target's own (the stacked GEMM rounds each output as a GEMM over its own weight does,
+    up to the kernel cuBLAS picks for the shape). Groups already stacked are left as they are; projections with
+    hooks (the module's or global ones) or biases, or of mixed dtypes or devices, are not stacked.
 
     Returns the number of stacked groups in ``model``.
     """
     count = 0
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # inference tensors as parameters could not train again
         for projections in _stack_candidates(model):
             if stacked_weight(projections) is None:
                 weights = [p.weight for p in projections]
@@ -346,15 +358,17 @@ def stack_projections(model: torch.nn.Module) -> int:
 
 
 def unstack_projections(model: torch.nn.Module) -> int:
-    """Undoes :func:`stack_projections`: every stacked projection's weight gets storage of its own (values and
-    parameter objects unchanged). Returns the number of groups unstacked."""
+    """Undoes :func:`stack_projections`: every projection whose weight shares storage with another of its group gets
+    storage of its own (values and parameter objects unchanged), also in a group a hook or a replaced weight has
+    ended the stacking of. Returns the number of groups with weights so separated."""
     count = 0
-    with torch.no_grad():
-        for projections in _stack_candidates(model):
-            if stacked_weight(projections) is not None:
-                for p in projections:
-                    p.weight.data = p.weight.detach().clone()
-                count += 1
+    with torch.inference_mode(False), torch.no_grad():
+        for projections in _projection_groups(model):
+            storages = [p.weight.untyped_storage().data_ptr() for p in projections]
+            shared = [p for p, s in zip(projections, storages) if storages.count(s) > 1]
+            for p in shared:
+                p.weight.data = p.weight.detach().clone()
+            count += bool(shared)
     return count
 
 
@@ -368,7 +382,8 @@ def stacked_weight(projections: Sequence[torch.nn.Module]) -> Optional[torch.Ten
         w = p.weight
         if (
             type(p) is not torch.nn.Linear or p.bias is not None or not _plain_module(p) or w.dim() != 2
-            or w.shape[1] != k or w.dtype != first.dtype or not w.is_contiguous() or w.data_ptr() != ptr + rows * k * size
+            or w.shape[1] != k or w.dtype != first.dtype or w.device != first.device or not w.is_contiguous()
+            or w.data_ptr() != ptr + rows * k * size
         ):
             return None
         rows += w.shape[0]

@@ -1424,6 +1424,13 @@ def test_all_ops_small():
         for kw in (dict(zero_centered=True), dict(gate=h.flip(0))):
             dev_kw = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
             assert_close(ops.rms_norm(*to([h, w], DEV), 1e-6, **dev_kw), ops.rms_norm(h, w, 1e-6, **kw), torch.float32)
+        # Heads sliced from wider rows (groups of rows: a stacked projection's q or k), x and gate.
+        wide = torch.randn(rows, 4 * dim + 3, generator=gen)
+        heads, gate_heads = wide[:, : 2 * dim].view(rows, 2, dim), wide[:, 2 * dim : 4 * dim].view(rows, 2, dim)
+        dev_wide = wide.to(DEV)
+        dev_heads, dev_gate = dev_wide[:, : 2 * dim].view(rows, 2, dim), dev_wide[:, 2 * dim : 4 * dim].view(rows, 2, dim)
+        assert_close(ops.rms_norm(dev_heads, w.to(DEV), 1e-6, gate=dev_gate), ops.rms_norm(heads, w, 1e-6, gate=gate_heads),
+                     torch.float32)
         for got, expected in zip(ops.add_rms_norm(*to([h, h.flip(0), w], DEV), 1e-6), ops.add_rms_norm(h, h.flip(0), w, 1e-6)):
             assert_close(got, expected, torch.float32)
         assert_close(ops.silu_mul(*to([h, h.flip(0)], DEV)), ops.silu_mul(h, h.flip(0)), torch.float32)

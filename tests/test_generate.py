@@ -139,9 +139,15 @@ def test_greedy_tree_shapes(draft_top_k, spine):
 @pytest.mark.parametrize("method,budget", [("autoregressive", None), ("dflash", None), ("ddtree", 64)],
                          ids=["autoregressive", "dflash", "ddtree-64"])
 @pytest.mark.parametrize("name", list(TARGETS))
-def test_greedy_with_stacked_projections(name, method, budget):
+def test_greedy_with_stacked_projections(name, method, budget, monkeypatch):
     """A target and draft with their projections stacked (``stack_projections``: one GEMM per attention layer's
-    q, k, v, per MLP's gate, up) give the target's own greedy output over 300 tokens."""
+    q, k, v, per MLP's gate, up) give the target's own greedy output over 300 tokens, and the rounds ran the
+    stacked GEMMs (over a stacked weight: not a parameter of its own)."""
+    from ddtree_ext import fused
+
+    stacked_gemms = []
+    project = fused.project
+    monkeypatch.setattr(fused, "project", lambda w, x: stacked_gemms.append(type(w) is torch.Tensor) or project(w, x))
     target, draft = (copy.deepcopy(m) for m in pair(AGREEING, name))
     layers = target.model.layers
     assert stack_projections(target) == len(layers) + sum(hasattr(layer, "self_attn") for layer in layers)
@@ -149,6 +155,7 @@ def test_greedy_with_stacked_projections(name, method, budget):
     ids = pair_prompt(AGREEING, name, SWEEP_PROMPT)
     out = generate(target, draft, ids, 300, method=method, tree_budget=budget or 64)
     assert_same_tokens(out, hf_greedy(AGREEING, name, SWEEP_PROMPT, LONG)[:, : PROMPT_LEN + 300])
+    assert sum(stacked_gemms) > 0
 
 
 RANDOM_CASES = [("dflash", None), ("ddtree", 1), ("ddtree", 64)]

@@ -127,15 +127,15 @@ def test_rms_norm_reads_heads_of_a_stacked_projection_in_place(kind, dtype, gen)
     likewise): no single row stride reaches them, and the op reads them as groups of rows, giving the bits of the
     copied heads."""
     norm = _norm_module(kind, 64, dtype, gen)
-    stacked = torch.randn(2, 5, 4 * 64 + 3 * 64 + 8, generator=gen).to(dtype)  # [B, N, q heads | z heads | more]
+    stacked = torch.randn(2, 5, 4 * 64 + 3 * 64 + 8, generator=gen).to(dtype)  # [B, N, q heads | other heads]
     x = stacked[..., : 4 * 64].view(2, 5, 4, 64)
-    gate = stacked[..., 4 * 64 + 64 : 4 * 64 + 3 * 64].view(2, 5, 2, 64).repeat_interleave(2, dim=2)
     if kind == "gated":  # the gate strided, x contiguous
         x, gate = torch.randn(2, 5, 4, 64, generator=gen).to(dtype), stacked[..., : 4 * 64].view(2, 5, 4, 64)
     else:
         gate = None
     strided = gate if kind == "gated" else x
     assert strided.reshape(-1, 64).data_ptr() != strided.data_ptr()  # the leading dims do not merge into one
+    assert ops._row_groups(strided).dim() == 3 and ops._row_groups(strided).data_ptr() == strided.data_ptr()
     got = _fused_norm(kind, norm, x, gate) if kind != "plain" else ops.rms_norm(x, norm.weight, 1e-6)
     contiguous_gate = gate.contiguous() if gate is not None else None
     expected = (_fused_norm(kind, norm, x.contiguous(), contiguous_gate) if kind != "plain"
@@ -796,6 +796,71 @@ def test_a_stacked_weight_replaced_or_hooked_ends_the_stacking(monkeypatch):
     # attention 2 more.
     assert len(calls) == 4 * len(layers) + 1 + 1 + 2
     assert_close(got, expected, torch.float32, "replaced weight")
+
+
+def test_unstack_separates_groups_a_hook_or_a_replaced_weight_ended():
+    from ddtree_ext import fused
+
+    model = make_tiny_target("qwen3", seed=1)
+    fused.stack_projections(model)
+    attn0, attn1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    handle = attn0.k_proj.register_forward_hook(lambda m, a, out: None)
+    attn1.v_proj.weight = torch.nn.Parameter(attn1.v_proj.weight.detach().clone())
+    try:
+        assert fused.unstack_projections(model) == 2 * len(model.model.layers)
+    finally:
+        handle.remove()
+    for projections in fused._projection_groups(model):
+        storages = {p.weight.untyped_storage().data_ptr() for p in projections}
+        assert len(storages) == len(projections)
+        assert all(p.weight.untyped_storage().nbytes() == p.weight.numel() * p.weight.element_size()
+                   for p in projections if p is not attn1.v_proj)
+
+
+def test_stacking_under_inference_mode_keeps_trainable_parameters():
+    from ddtree_ext import fused
+
+    model = make_tiny_target("qwen3", seed=1)
+    with torch.inference_mode():
+        fused.stack_projections(model)
+    weight = model.model.layers[0].mlp.gate_proj.weight
+    assert not weight.is_inference() and weight.requires_grad
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()  # trains as before
+    assert weight.grad is not None
+    with torch.inference_mode():
+        fused.unstack_projections(model)
+    assert not weight.is_inference()
+
+
+def test_global_module_hooks_keep_the_projections_apart():
+    """A hook for every module (``register_module_forward_hook``) must see every projection: no group is stacked,
+    or run stacked, while one is registered."""
+    from ddtree_ext import fused
+
+    model = make_tiny_target("qwen3", seed=1)
+    fused.stack_projections(model)
+    gate = model.model.layers[0].mlp.gate_proj
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: seen.append(m) if m is gate else None)
+    try:
+        assert fused.stacked_weight((gate, model.model.layers[0].mlp.up_proj)) is None
+        with torch.no_grad(), LayerFusion(model).active():
+            model(input_ids=torch.tensor([[1, 2, 3]]))
+        assert fused.stack_projections(make_tiny_target("qwen3", seed=1)) == 0
+    finally:
+        handle.remove()
+    assert seen == [gate]
+
+
+def test_a_stacked_model_saves_and_loads(tmp_path):
+    from ddtree_ext import fused
+
+    model = make_tiny_target("qwen3_5", seed=1)
+    fused.stack_projections(model)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    expected, got = model.state_dict(), loaded.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 def test_projections_with_hooks_or_biases_are_not_stacked():
