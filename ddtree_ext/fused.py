@@ -325,6 +325,11 @@ def _stack_candidates(model: torch.nn.Module) -> Iterator[List[torch.nn.Linear]]
             yield projections
 
 
+def _check_module(op: str, model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+
+
 def stack_projections(model: torch.nn.Module) -> int:
     """Stores, in place, the weights of each layer's projections that read the same input as row blocks of one
     tensor: an attention layer's q, k and v, an MLP's gate and up. The fused forwards then run one GEMM over the
@@ -343,6 +348,7 @@ def stack_projections(model: torch.nn.Module) -> int:
 
     Returns the number of stacked groups in ``model``.
     """
+    _check_module("stack_projections", model)
     count = 0
     with torch.inference_mode(False), torch.no_grad():  # inference tensors as parameters could not train again
         for projections in _stack_candidates(model):
@@ -361,6 +367,7 @@ def unstack_projections(model: torch.nn.Module) -> int:
     """Undoes :func:`stack_projections`: every projection whose weight shares storage with another of its group gets
     storage of its own (values and parameter objects unchanged), also in a group a hook or a replaced weight has
     ended the stacking of. Returns the number of groups with weights so separated."""
+    _check_module("unstack_projections", model)
     count = 0
     with torch.inference_mode(False), torch.no_grad():
         for projections in _projection_groups(model):

@@ -863,6 +863,14 @@ def test_a_stacked_model_saves_and_loads(tmp_path):
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+def test_stacking_something_else_than_a_module_is_refused():
+    from ddtree_ext import fused
+
+    for op in (fused.stack_projections, fused.unstack_projections):
+        with pytest.raises(ValueError, match=f"{op.__name__}: model must be a torch.nn.Module, got dict"):
+            op({"q_proj": torch.zeros(2, 2)})
+
+
 def test_projections_with_hooks_or_biases_are_not_stacked():
     from ddtree_ext import fused
 
