@@ -311,18 +311,22 @@ def _projection_groups(model: torch.nn.Module) -> Iterator[List[torch.nn.Linear]
             yield projections
 
 
+def _stackable(projections: Sequence[torch.nn.Module]) -> bool:
+    """Plain bias-free Linear layers without hooks, with 2-D weights of one dtype, one CPU or CUDA device and one
+    input width: what one GEMM over their stacked weights can stand in for."""
+    if not all(type(p) is torch.nn.Linear for p in projections):
+        return False
+    first = projections[0].weight
+    return first.device.type in ("cpu", "cuda") and all(
+        p.bias is None and _plain_module(p) and p.weight.dim() == 2 and p.weight.dtype == first.dtype
+        and p.weight.device == first.device and p.weight.shape[1] == first.shape[1]
+        for p in projections
+    )
+
+
 def _stack_candidates(model: torch.nn.Module) -> Iterator[List[torch.nn.Linear]]:
-    """Each group of projections in ``model`` that :func:`stack_projections` can stack: plain bias-free Linear
-    layers without hooks, one dtype, one CPU or CUDA device, one input width."""
-    for projections in _projection_groups(model):
-        if not all(p.bias is None and _plain_module(p) for p in projections):
-            continue
-        first = projections[0].weight
-        if first.device.type in ("cpu", "cuda") and all(
-            p.weight.dtype == first.dtype and p.weight.device == first.device and p.weight.dim() == 2
-            and p.weight.shape[1] == first.shape[1] for p in projections
-        ):
-            yield projections
+    """Each group of projections in ``model`` that :func:`stack_projections` can stack (:func:`_stackable`)."""
+    return (projections for projections in _projection_groups(model) if _stackable(projections))
 
 
 def _check_module(op: str, model) -> None:
@@ -383,20 +387,26 @@ def stacked_weight(projections: Sequence[torch.nn.Module]) -> Optional[torch.Ten
     """The weights of ``projections`` (plain bias-free Linear layers without hooks) as one [sum N, K] tensor when
     they lie one after another in one storage (:func:`stack_projections`), else None. Checked per call: a weight
     reassigned or loaded into new storage since simply ends the stacking."""
+    if not _stackable(projections):
+        return None
     first = projections[0].weight
-    k, size, ptr, rows = first.shape[-1], first.element_size(), first.data_ptr(), 0
+    k, size, ptr, rows = first.shape[1], first.element_size(), first.data_ptr(), 0
     for p in projections:
-        w = p.weight
-        if (
-            type(p) is not torch.nn.Linear or p.bias is not None or not _plain_module(p) or w.dim() != 2
-            or w.shape[1] != k or w.dtype != first.dtype or w.device != first.device or not w.is_contiguous()
-            or w.data_ptr() != ptr + rows * k * size
-        ):
+        if not p.weight.is_contiguous() or p.weight.data_ptr() != ptr + rows * k * size:
             return None
-        rows += w.shape[0]
+        rows += p.weight.shape[0]
     if (first.storage_offset() + rows * k) * size > first.untyped_storage().nbytes():
         return None  # adjacent by chance, in two storages
     return first.as_strided((rows, k), (k, 1))
+
+
+def stacked_outputs(projections: Sequence[torch.nn.Module], x: torch.Tensor) -> Optional[Tuple[torch.Tensor, ...]]:
+    """Each projection's output over x, from one GEMM over their stacked weight (slices of its output), when they are
+    stacked, the ops apply and :func:`stacked_gemm_pays`; else None (the caller runs them apart)."""
+    stacked = stacked_weight(projections) if ops_apply(x) else None
+    if stacked is None or not stacked_gemm_pays(x, stacked.shape[0]):
+        return None
+    return project(stacked, x).split([p.weight.shape[0] for p in projections], dim=-1)
 
 
 def stacked_gemm_pays(x: torch.Tensor, width: int) -> bool:
@@ -495,10 +505,9 @@ class _KVPrefetch:
     def q_forward(self, x: torch.Tensor) -> torch.Tensor:
         attn = self.attn
         self.flush()
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        stacked = stacked_weight(projections) if ops_apply(x) else None
-        if stacked is not None and stacked_gemm_pays(x, stacked.shape[0]):  # one GEMM, nothing on a side stream
-            q, k, v = project(stacked, x).split([p.weight.shape[0] for p in projections], dim=-1)
+        outputs = stacked_outputs((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        if outputs is not None:  # one GEMM, nothing on a side stream
+            q, k, v = outputs
             self.pending = (x, None, k, None, v)
             return q
         if (x.device.type == "cuda" and "attn" in side_streams
@@ -548,11 +557,8 @@ def _kv_prefetch_swaps(attn: torch.nn.Module) -> Optional[List[Tuple[torch.nn.Mo
 
 
 def _mlp_forward(mlp: torch.nn.Module, x: torch.Tensor):
-    stacked = stacked_weight((mlp.gate_proj, mlp.up_proj)) if ops_apply(x) else None
-    if stacked is not None and stacked_gemm_pays(x, stacked.shape[0]):
-        gate, up = project(stacked, x).split([mlp.gate_proj.weight.shape[0], mlp.up_proj.weight.shape[0]], dim=-1)
-    else:
-        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    outputs = stacked_outputs((mlp.gate_proj, mlp.up_proj), x)
+    gate, up = outputs if outputs is not None else (mlp.gate_proj(x), mlp.up_proj(x))
     if gate.shape != up.shape or not ops_apply(gate, up):
         return mlp.down_proj(mlp.act_fn(gate) * up)
     return mlp.down_proj(ops.silu_mul(gate, up))

@@ -17,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from e2e import copy_bandwidth  # noqa: E402
 from test_bench_cuda import _captured, _median_event_ms  # noqa: E402
 
 # name -> (K, [N of the main-stream projection, N of each side-stream projection...], side stream used)
@@ -29,20 +30,11 @@ GROUPS = {
 }
 
 
-def copy_rate() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    ms = _median_event_ms(lambda: dst.copy_(src), 20)
-    return 2 * src.numel() / (ms * 1e-3)
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 65])
     args = p.parse_args()
-    rate = copy_rate()
+    rate = copy_bandwidth()
     print(f"copy rate {rate / 1e9:.0f} GB/s (read + write)")
     side = torch.cuda.Stream()
     for name, (k, widths, use_side) in GROUPS.items():
