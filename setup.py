@@ -44,6 +44,26 @@ def want_cuda(torch_cuda_available_in_build, cuda_home):
     return torch_cuda_available_in_build and cuda_home is not None
 
 
+def cublaslt_link_args(cuda_home):
+    """Linker flags for cuBLASLt (csrc/linear_cublaslt_cuda.cpp): the toolkit's libcublasLt.so, else the versioned
+    library of the nvidia wheel that a pip-installed torch loads (no unversioned name there). At run time torch
+    has already loaded that library, which satisfies the extension's dependency on its soname."""
+    import glob
+    import torch
+
+    site = Path(torch.__file__).resolve().parent.parent
+    dirs = [Path(cuda_home) / d for d in ("lib64", "lib")] + sorted(Path(cuda_home).glob("targets/*/lib"))
+    dirs += sorted(Path(p) for p in glob.glob(str(site / "nvidia" / "*" / "lib")))
+    for d in dirs:
+        if (d / "libcublasLt.so").exists():
+            return [f"-L{d}", "-lcublasLt"]
+    for d in dirs:
+        versioned = sorted(d.glob("libcublasLt.so.[0-9]*"), key=lambda p: len(p.name))
+        if versioned:
+            return [f"-L{d}", f"-l:{versioned[0].name}"]
+    raise RuntimeError(f"libcublasLt not found under {cuda_home} or {site / 'nvidia'} (needed by the CUDA build)")
+
+
 def make_extension():
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
@@ -66,7 +86,7 @@ def make_extension():
             include_dirs=include_dirs,
             define_macros=define,
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
-            extra_link_args=link_flags,
+            extra_link_args=link_flags + cublaslt_link_args(CUDA_HOME),
         )
     else:
         ext = CppExtension(

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ddtree_ext  # noqa: E402
-from ddtree_ext import fused, generate  # noqa: E402
+from ddtree_ext import fused, gemm_tuning, generate  # noqa: E402
 from ddtree_ext.draft import DFlashDraftModel  # noqa: E402
 from ddtree_ext.target import TargetAdapter, record_layer_outputs  # noqa: E402
 from ddtree_ext.tiny import tiny_draft_config  # noqa: E402
@@ -359,6 +359,7 @@ def load_checkpoints(target_path: str, draft_path: str):
 
 def run_preset(name: str, args, bandwidth: float) -> dict:
     torch.cuda.reset_peak_memory_stats()
+    gemm_tuning.reset()  # each preset's picks timed and reported on their own
     start = time.perf_counter()
     if args.target:
         target, draft = load_checkpoints(args.target, args.draft)
@@ -416,6 +417,8 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
     result["max_length"] = args.max_length
     print(f"[{name}] peak memory {result['peak_memory_gb']:.1f} GB; static buffers at {args.max_length} tokens "
           f"{result['static_buffers_max_length_gb']:.2f} GB", flush=True)
+    if gemm_tuning.enabled:
+        result["gemm_picks"] = gemm_tuning.picks()
     del adapter, target, draft
     torch.cuda.empty_cache()
     return result
@@ -516,6 +519,16 @@ def markdown(report: dict) -> str:
         if targets:
             lines += ["", "Against the issue #5 targets (graph rounds; computed by this script):", "",
                       "| target | measured | verdict |", "| --- | --- | --- |"] + targets
+        if res.get("gemm_picks"):
+            lines += ["", "GEMM algorithms timed by `ddtree_ext.gemm_tuning` in this run (us per call, weights rotated "
+                      "out of L2; floor = weight bytes / the copy rate):", "",
+                      "| rows | N x K | candidates | torch matmul | pick | floor | pick / floor | the pick |",
+                      "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+            for p in res["gemm_picks"]:
+                floor_us = 1e6 * p["weight_bytes"] / (report["copy_gb_s"] * 1e9)
+                lines.append(f"| {p['rows']} | {p['n']} x {p['k']} | {p['candidates']} | {p['matmul_us']:.1f} | "
+                             f"{p['pick_us']:.1f} | {floor_us:.1f} | {p['pick_us'] / floor_us:.2f} | "
+                             f"{'torch matmul' if p['pick'] is None else str(p['pick']) + ': ' + p['pick_description']} |")
         for prof in res.get("profiles", []):
             what = "autoregressive steps" if prof["method"] == "autoregressive" else f"DDTree rounds at budget {prof['budget']}"
             lines += ["", f"Top kernels by CUDA time over {prof['rounds']} eager {what}, prefill excluded (torch "
@@ -549,9 +562,11 @@ def main(argv=None) -> None:
     parser.add_argument("--side-streams", type=lambda s: [] if s == "none" else s.split(","), default=["gdn", "attn"],
                         help="where layers overlap work on a second stream (ddtree_ext.fused.Fork): a comma list of "
                              "gdn, attn, or none")
-    parser.add_argument("--linear", choices=["ops", "torch"], default="ops" if fused.linear_kernel else "torch",
-                        help="the bias-free projections of a round: ops.linear (the weight-streaming kernel) or "
-                             "torch's F.linear (cuBLAS, the default), for A/B runs (ddtree_ext.fused.linear_kernel)")
+    parser.add_argument("--linear", choices=["ops", "torch", "tuned"],
+                        default="ops" if fused.linear_kernel else "tuned" if gemm_tuning.enabled else "torch",
+                        help="the bias-free projections of a round: ops.linear (the weight-streaming kernel), torch's "
+                             "F.linear (cuBLAS, the default), or per shape the fastest of F.linear and cuBLASLt's "
+                             "candidates (ddtree_ext.gemm_tuning), for A/B runs")
     parser.add_argument("--no-fused-adds", action="store_true",
                         help="run the decoder layers' residual adds apart from the norms after them, for A/B runs "
                              "(ddtree_ext.fused.fuse_residual_adds)")
@@ -564,6 +579,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     fused.side_streams = set(args.side_streams)
     fused.linear_kernel = args.linear == "ops"
+    gemm_tuning.enabled = args.linear == "tuned"
     fused.fuse_residual_adds = not args.no_fused_adds
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
@@ -586,7 +602,9 @@ def main(argv=None) -> None:
         command="python benchmarks/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         torch=torch.__version__, transformers=transformers.__version__, fla=has_fla, copy_gb_s=bandwidth / 1e9,
         gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9, presets=[],
-        projections="ops.linear (the weight-streaming kernel)" if fused.linear_kernel else "cuBLAS (F.linear)",
+        projections=("ops.linear (the weight-streaming kernel)" if fused.linear_kernel else
+                     "per shape the fastest of cuBLAS (F.linear) and cuBLASLt's candidates (gemm_tuning)"
+                     if gemm_tuning.enabled else "cuBLAS (F.linear)"),
         residual_adds="fused into the next norm" if fused.fuse_residual_adds else "apart (torch add, then the norm)",
         stacked_projections=not args.no_stacked_projections,
         cuda_archs=ddtree_ext.build_info().get("cuda_archs", "unknown"),

@@ -335,8 +335,7 @@ void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::
   }
 }
 
-void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
-  constexpr const char* op = "linear";
+void check_linear(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
   check_input_rows(op, x);
   const int64_t rows = x.size(0), features = x.size(1);
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == features, op, ": weight must have shape [N, ", features,
@@ -350,6 +349,19 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
     DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
                  "out must not overlap ", t == &x ? "x" : "weight");
   }
+}
+
+void check_linear_cublaslt(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  check_linear(op, x, weight, out);
+  // cuBLASLt reads each operand as a matrix whose leading dimension spans a row: rows may lie further apart than
+  // their length (a row block of a stacked weight, a slice of wider rows), never closer.
+  const int64_t rows = x.size(0), n = weight.size(0), k = x.size(1);
+  DDTREE_CHECK(op, rows == 1 || x.stride(0) >= k, "x's rows must lie at least K = ", k,
+               " elements apart, got strides ", shape_str(x.strides()));
+  DDTREE_CHECK(op, n == 1 || weight.stride(0) >= k, "weight's rows must lie at least K = ", k,
+               " elements apart, got strides ", shape_str(weight.strides()));
+  DDTREE_CHECK(op, rows == 1 || out.stride(0) >= n, "out's rows must lie at least N = ", n,
+               " elements apart, got strides ", shape_str(out.strides()));
 }
 
 // ---- CPU implementations ---------------------------------------------------------------------------
@@ -387,7 +399,28 @@ void silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out)
 void linear_mm(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) { at::mm_out(out, x, weight.t()); }
 
 void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool /*prefetch_weight*/) {
-  check_linear(x, weight, out);
+  check_linear("linear", x, weight, out);
+  if (out.numel() == 0) return;
+  linear_mm(x, weight, out);
+}
+
+// The CPU op has one algorithm, at::mm (the CUDA op's are cuBLASLt's candidates: csrc/linear_cublaslt_cuda.cpp).
+int64_t linear_cublaslt_algorithms_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  check_linear_cublaslt("linear_cublaslt_algorithms", x, weight, out);
+  return 1;
+}
+
+std::string linear_cublaslt_describe_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out,
+                                         int64_t algorithm) {
+  check_linear_cublaslt("linear_cublaslt_describe", x, weight, out);
+  TORCH_CHECK_VALUE(algorithm == 0, "linear_cublaslt_describe: algorithm must be 0 on the CPU (at::mm), got ",
+                    algorithm);
+  return "at::mm";
+}
+
+void linear_cublaslt_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t algorithm, at::Tensor& out) {
+  check_linear_cublaslt("linear_cublaslt", x, weight, out);
+  TORCH_CHECK_VALUE(algorithm == 0, "linear_cublaslt: algorithm must be 0 on the CPU (at::mm), got ", algorithm);
   if (out.numel() == 0) return;
   linear_mm(x, weight, out);
 }

@@ -495,7 +495,7 @@ bool cluster_kernels_built(at::ScalarType dtype) {
 // GPUs (and builds) of compute capability >= 9.0 with the shared memory for its deepest stages; anything
 // else runs at::mm (cuBLAS), as the CPU op does.
 void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight) {
-  check_linear(x, weight, out);
+  check_linear("linear", x, weight, out);
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), n = weight.size(0), k = x.size(1);

@@ -9,11 +9,13 @@
 //   D  longest accepted path the caller makes room for (root included), usually L + 1
 // Token ids, prefix lengths and positions are int64; node indices, depths and counts are int32.
 // Every op writes into caller-provided buffers and returns nothing: no allocation, no host sync
-// (on CUDA), safe under CUDA graphs and torch.compile.
+// (on CUDA), safe under CUDA graphs and torch.compile. The two exceptions are host queries that launch nothing:
+// linear_cublaslt_algorithms (a count) and linear_cublaslt_describe (a string).
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <vector>
 
 namespace ddtree {
@@ -68,7 +70,13 @@ void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::
                      const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& g, const at::Tensor& beta);
 void gdn_gates_cpu(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
                    const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta);
-void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
+void check_linear(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
+// check_linear, and row strides a matrix's leading dimension can express (rows never closer than their length).
+void check_linear_cublaslt(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
+int64_t linear_cublaslt_algorithms_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
+std::string linear_cublaslt_describe_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out,
+                                         int64_t algorithm);
+void linear_cublaslt_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t algorithm, at::Tensor& out);
 // out = x weight^T through at::mm: the CPU op, and the CUDA op's path for what its kernel does not take.
 void linear_mm(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out);
 void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
@@ -139,6 +147,10 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual, const at
 void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);
 void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
+int64_t linear_cublaslt_algorithms_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
+std::string linear_cublaslt_describe_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out,
+                                          int64_t algorithm);
+void linear_cublaslt_cuda(const at::Tensor& x, const at::Tensor& weight, int64_t algorithm, at::Tensor& out);
 void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                         double scale, at::Tensor& out);
 void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,

@@ -1,5 +1,6 @@
 """Fake (meta) kernels so torch.compile can trace the ops. Every op only writes into buffers the caller
-passed and returns nothing, so each fake kernel has nothing to compute."""
+passed and returns nothing, so each fake kernel has nothing to compute. The host queries
+linear_cublaslt_algorithms and linear_cublaslt_describe have none: they run before tracing, not inside it."""
 
 import torch
 
@@ -14,6 +15,7 @@ _OPS = (
     "silu_mul",
     "rope",
     "linear",
+    "linear_cublaslt",
     "gqa_attention",
     "gdn_gates",
     "walk_greedy",

@@ -22,7 +22,8 @@ module                     fused forward
 =========================  ===================================================
 
 and every bias-free ``torch.nn.Linear`` (the projections: ``ops.linear`` on a GPU when ``linear_kernel`` is on, which
-it is not by default, since cuBLAS is faster at almost every round shape measured; torch's ``F.linear`` otherwise).
+it is not by default, since cuBLAS is faster at almost every round shape measured; with ``gemm_tuning.enabled``, the
+cuBLASLt algorithm timed fastest per shape; torch's ``F.linear`` otherwise).
 For the attention layers:
 
 * the forwards of ``q_proj``, ``k_proj`` and ``v_proj`` (plain Linear layers): on a GPU the q_proj call
@@ -53,7 +54,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.nn.modules import module as _torch_module  # its global hook registries
 
-from ddtree_ext import ops
+from ddtree_ext import gemm_tuning, ops
 
 _MISSING = object()
 
@@ -274,9 +275,16 @@ def linear(module: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noq
 
 def project(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N], a model's bias-free projection: ``ops.linear`` when ``linear_kernel``
-    is on and the op takes the tensors, F.linear otherwise."""
+    is on and the op takes the tensors; with ``gemm_tuning.enabled``, the GEMM algorithm timed fastest for the
+    problem (``ops.linear_cublaslt``, or F.linear where cuBLAS's own pick was); F.linear otherwise."""
     if linear_kernel and x.is_cuda and x.shape[-1] == weight.shape[1] and ops_apply(x, weight):
         return ops.linear(x, weight, prefetch_weight=True)  # a model's weight: nothing writes it meanwhile
+    if gemm_tuning.enabled and x.is_cuda and not torch.is_grad_enabled():
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if gemm_tuning.applies(rows, weight):
+            algorithm = gemm_tuning.algorithm(rows, weight)
+            if algorithm is not None:
+                return ops.linear_cublaslt(rows, weight, algorithm).view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, weight)
 
 

@@ -446,13 +446,52 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor]
     during generation), since nothing orders those reads after the preceding kernels.
     """
     rows = _rows(x)
+    out = _linear_out("linear", x, weight, out)
+    load_ops().linear(rows, weight, out.view(-1, out.shape[-1]) if out.dim() != 2 else out, bool(prefetch_weight))
+    return out
+
+
+def _linear_out(op: str, x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """out [..., N] for x [..., K] and weight [N, K] (a new contiguous one unless given), as [rows, N]."""
     shape = (*x.shape[:-1], weight.shape[0])
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     elif out.dim() != 2 and tuple(out.shape) != shape:
-        raise ValueError(f"linear: out must have shape {list(shape)}, got {list(out.shape)}")
-    load_ops().linear(rows, weight, out.view(-1, out.shape[-1]) if out.dim() != 2 else out, bool(prefetch_weight))
+        raise ValueError(f"{op}: out must have shape {list(shape)}, got {list(out.shape)}")
     return out
+
+
+def linear_cublaslt(x: torch.Tensor, weight: torch.Tensor, algorithm: int, *,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The bias-free projection of :func:`linear`, out [..., N] = x [..., K] weight [N, K]^T, by one chosen algorithm:
+    on CUDA cuBLASLt's ``algorithm``-th candidate for the problem (0: its heuristic's first pick; the count is
+    :func:`linear_cublaslt_algorithms`), float32 sums; on the CPU ``torch.mm`` (algorithm 0, the only one).
+
+    Rows may lie further apart than their length (x, weight and out rows with any stride >= K, K and N), so a row
+    block of a stacked weight needs no copy. Graph-safe: the candidate's workspace comes from torch's allocator on
+    the current stream. ``ddtree_ext.gemm`` times the candidates per shape and picks one.
+    """
+    rows = _rows(x)
+    out = _linear_out("linear_cublaslt", x, weight, out)
+    load_ops().linear_cublaslt(rows, weight, int(algorithm), out.view(-1, out.shape[-1]) if out.dim() != 2 else out)
+    return out
+
+
+def linear_cublaslt_algorithms(x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> int:
+    """How many algorithms :func:`linear_cublaslt` offers for x [..., K], weight [N, K] and out (default: a new
+    contiguous one): cuBLASLt's heuristic candidates for the problem on CUDA (up to 32; 0 where it has none), 1 on
+    the CPU. They depend on the device, dtype, sizes, row strides and the pointers' alignments, not on values.
+    A host query: it launches nothing."""
+    out = _linear_out("linear_cublaslt_algorithms", x, weight, out)
+    return int(load_ops().linear_cublaslt_algorithms(_rows(x), weight, out.view(-1, out.shape[-1])))
+
+
+def linear_cublaslt_describe(x: torch.Tensor, weight: torch.Tensor, algorithm: int,
+                             out: Optional[torch.Tensor] = None) -> str:
+    """What :func:`linear_cublaslt`'s ``algorithm`` is for these tensors, for reports: cuBLASLt's algorithm id, tile,
+    stages, split of K, reduction scheme, swizzle, workspace and waves ("at::mm" on the CPU). A host query."""
+    out = _linear_out("linear_cublaslt_describe", x, weight, out)
+    return str(load_ops().linear_cublaslt_describe(_rows(x), weight, out.view(-1, out.shape[-1]), int(algorithm)))
 
 
 def gqa_attention(

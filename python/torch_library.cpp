@@ -1,8 +1,8 @@
 // The ddtree op library: one schema per op, registered once, and the per-device implementations.
 //
-// Every op writes into caller-provided buffers, marked mutable in the schema (Tensor(a!)), and returns
-// nothing, so the ops need no allocation, are safe under CUDA graphs, and torch.compile handles them
-// through auto-functionalization. Argument meanings are documented in ddtree_ext/ops.py; the readable
+// Every op but two host queries (linear_cublaslt_algorithms, linear_cublaslt_describe) writes into
+// caller-provided buffers, marked mutable in the schema (Tensor(a!)), and returns nothing, so the ops need
+// no allocation, are safe under CUDA graphs, and torch.compile handles them through auto-functionalization. Argument meanings are documented in ddtree_ext/ops.py; the readable
 // specification is ddtree_ext/reference.py.
 #include <torch/library.h>
 
@@ -32,6 +32,10 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
   m.def("linear(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False) -> ()");
+  m.def("linear_cublaslt(Tensor x, Tensor weight, int algorithm, Tensor(a!) out) -> ()");
+  // host queries: how many cuBLASLt candidates a problem has, and what one of them is
+  m.def("linear_cublaslt_algorithms(Tensor x, Tensor weight, Tensor out) -> int");
+  m.def("linear_cublaslt_describe(Tensor x, Tensor weight, Tensor out, int algorithm) -> str");
   m.def("gqa_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor(a!) out) -> ()");
   m.def(
       "gdn_gates(Tensor x, Tensor weight_a, Tensor weight_b, Tensor A_log, Tensor dt_bias, Tensor(a!) g, "
@@ -65,6 +69,9 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("silu_mul", &ddtree::silu_mul_cpu);
   m.impl("rope", &ddtree::rope_cpu);
   m.impl("linear", &ddtree::linear_cpu);
+  m.impl("linear_cublaslt", &ddtree::linear_cublaslt_cpu);
+  m.impl("linear_cublaslt_algorithms", &ddtree::linear_cublaslt_algorithms_cpu);
+  m.impl("linear_cublaslt_describe", &ddtree::linear_cublaslt_describe_cpu);
   m.impl("gqa_attention", &ddtree::gqa_attention_cpu);
   m.impl("gdn_gates", &ddtree::gdn_gates_cpu);
   m.impl("walk_greedy", &ddtree::walk_greedy_cpu);

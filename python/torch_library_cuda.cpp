@@ -15,6 +15,9 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("silu_mul", &ddtree::silu_mul_cuda);
   m.impl("rope", &ddtree::rope_cuda);
   m.impl("linear", &ddtree::linear_cuda);
+  m.impl("linear_cublaslt", &ddtree::linear_cublaslt_cuda);
+  m.impl("linear_cublaslt_algorithms", &ddtree::linear_cublaslt_algorithms_cuda);
+  m.impl("linear_cublaslt_describe", &ddtree::linear_cublaslt_describe_cuda);
   m.impl("gqa_attention", &ddtree::gqa_attention_cuda);
   m.impl("gdn_gates", &ddtree::gdn_gates_cuda);
   m.impl("walk_greedy", &ddtree::walk_greedy_cuda);

@@ -8,6 +8,7 @@ and run twice to check determinism. Skipped as a whole without a CUDA device or 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Dict, List, NamedTuple
 
 import pytest
@@ -1108,6 +1109,106 @@ def test_linear_rows_with_infinities_stay_in_their_rows():
     assert torch.isfinite(got[finite.to(DEV)]).all()
     assert not torch.isfinite(got[4]).any()
     assert_close(got[finite.to(DEV)], reference.linear(x[finite.to(DEV)], weight), torch.bfloat16)
+
+
+# ---- linear_cublaslt and gemm_tuning -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "rows,n,k",
+    [
+        (1, 1024, 5120),   # a decode step's K/V projection at 27B widths
+        (17, 768, 1024),   # a DFlash block + 1
+        (65, 512, 2048),   # a budget-64 verify
+        (3, 100, 72),      # sizes no tile divides
+    ],
+)
+def test_linear_cublaslt_every_candidate(rows, n, k, dtype):
+    """Every cuBLASLt candidate against the float64 reference, twice with the same bits: x rows from a wider
+    buffer, the weight a row block of a stacked tensor, out a strided view (nothing written past it)."""
+    gen = make_gen(rows + n + k)
+    x = torch.randn(rows, k + 64, generator=gen).to(dtype).to(DEV)[:, 32:32 + k]
+    stacked = (torch.randn(n + 64, k, generator=gen) * k**-0.5).to(dtype).to(DEV)
+    weight = stacked[32:32 + n]
+    expected = reference.linear(x, weight)
+    out_wide = torch.empty(rows, n + 32, dtype=dtype, device=DEV)
+    out = out_wide[:, :n]
+    count = ops.linear_cublaslt_algorithms(x, weight, out)
+    assert count >= 1, "cuBLASLt offered no algorithm"
+    for algorithm in range(count):
+        poison(out_wide)
+        ops.linear_cublaslt(x, weight, algorithm, out=out)
+        first = out.clone()
+        assert torch.isnan(out_wide[:, n:]).all(), f"algorithm {algorithm} wrote past the output view"
+        assert_close(first, expected, dtype, f"algorithm {algorithm}: {ops.linear_cublaslt_describe(x, weight, algorithm, out)}")
+        ops.linear_cublaslt(x, weight, algorithm, out=out)
+        assert torch.equal(out, first), f"algorithm {algorithm} is not deterministic"
+    with pytest.raises(ValueError, match=rf"linear_cublaslt: algorithm must be in \[0, {count}\)"):
+        ops.linear_cublaslt(x, weight, count, out=out)
+
+
+def test_linear_cublaslt_replays_from_a_graph_on_a_side_stream():
+    """Captured (workspace from the graph's pool) and replayed on new inputs: the eager bits, every candidate, also
+    on a second stream that waits for the kernel writing x."""
+    gen = make_gen(41)
+    x0 = torch.randn(65, 4096, generator=gen).to(torch.bfloat16).to(DEV)
+    weight = (torch.randn(6144, 4096, generator=gen) * 0.02).to(torch.bfloat16).to(DEV)
+    x = torch.empty_like(x0)
+    count = ops.linear_cublaslt_algorithms(x, weight)
+    outs = [torch.empty(65, 6144, dtype=torch.bfloat16, device=DEV) for _ in range(count)]
+    side = torch.cuda.Stream()
+    for algorithm in range(count):  # warm-up outside the capture
+        ops.linear_cublaslt(x0, weight, algorithm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(x0, 2, out=x)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for algorithm in range(count):
+                ops.linear_cublaslt(x, weight, algorithm, out=outs[algorithm])
+        torch.cuda.current_stream().wait_stream(side)
+    for scale in (1.0, -3.0):
+        x0.mul_(scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        for algorithm in range(count):
+            assert torch.equal(outs[algorithm], ops.linear_cublaslt(x0 * 2, weight, algorithm)), algorithm
+
+
+def test_gemm_tuning_picks_once_per_problem(monkeypatch):
+    """fused.project with gemm_tuning on: a problem is timed at its first sight (one record, F.linear's results up to
+    rounding), then reused; a problem first seen inside a capture runs F.linear and is not recorded; float32 and
+    CPU tensors are not tuned."""
+    from ddtree_ext import fused, gemm_tuning
+
+    monkeypatch.setattr(gemm_tuning, "enabled", True)
+    monkeypatch.setattr(gemm_tuning, "MARGIN", -math.inf)  # take the fastest candidate: the cuBLASLt path runs
+    gemm_tuning.reset()
+    gen = make_gen(42)
+    weight = (torch.randn(1024, 2048, generator=gen) * 0.02).to(torch.bfloat16).to(DEV)
+    x = torch.randn(2, 9, 2048, generator=gen).to(torch.bfloat16).to(DEV)
+    with torch.no_grad():
+        got = fused.project(weight, x)
+        picks = gemm_tuning.picks()
+        assert len(picks) == 1 and picks[0]["rows"] == 18 and picks[0]["pick"] is not None, picks
+        assert picks[0]["candidates"] >= 1 and picks[0]["pick_us"] <= picks[0]["best_candidate_us"] + 1e-9
+        assert_close(got, F.linear(x, weight), torch.bfloat16)
+        assert torch.equal(fused.project(weight, x), got)
+        assert len(gemm_tuning.picks()) == 1, "timed twice"
+        graph = torch.cuda.CUDAGraph()
+        x1 = x[:, :1]
+        with torch.cuda.graph(graph):
+            captured = fused.project(weight, x1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, F.linear(x1, weight))
+        assert len(gemm_tuning.picks()) == 1, "a problem first seen during capture was timed"
+        fused.project(weight.float(), x.float())
+        fused.project(weight.cpu(), x.cpu())
+        assert len(gemm_tuning.picks()) == 1
+    gemm_tuning.reset()
+    assert gemm_tuning.picks() == []
 
 
 # ---- CUDA graphs and determinism ---------------------------------------------------------------

@@ -178,6 +178,36 @@ def test_side_streams_do_not_change_the_output(cuda_graph, monkeypatch):
     assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"
 
 
+def test_tuned_gemms_in_rounds_replay_exactly(monkeypatch):
+    """With gemm_tuning on (and every problem taking its fastest cuBLASLt candidate, so that the cuBLASLt path runs
+    whatever the timings), graph rounds give the eager rounds' tokens; in float32 also HF's own greedy output."""
+    import math
+
+    from ddtree_ext import gemm_tuning, ops
+
+    monkeypatch.setattr(gemm_tuning, "enabled", True)
+    monkeypatch.setattr(gemm_tuning, "MARGIN", -math.inf)
+    calls = [0]
+    stock = ops.linear_cublaslt
+    monkeypatch.setattr(ops, "linear_cublaslt", lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or stock(*a, **k))
+    gemm_tuning.reset()
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            target, draft = small_real_shaped_hybrid(dtype)
+            prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
+            for method, (graphed, stats) in assert_graphs_equal_eager(target, draft, prompt, 300).items():
+                assert sum(stats.round_replayed) > stats.rounds // 2
+                if dtype == torch.float32:  # not tuned (float32): the rounds stay HF's
+                    diff = (graphed != tiny.hf_greedy(target, prompt, 300))[0].nonzero()
+                    assert diff.numel() == 0, f"{method} vs HF: first mismatch at position {int(diff[0])}"
+        picks = gemm_tuning.picks()
+        assert {p["rows"] for p in picks} >= {1, 65}, sorted({p["rows"] for p in picks})  # AR step, verify
+        assert all(p["dtype"] == "bfloat16" for p in picks)
+        assert calls[0] > 0
+    finally:
+        gemm_tuning.reset()
+
+
 def test_projection_kernel_in_rounds_replays_exactly(monkeypatch):
     """With the projection kernel switched on (fused.linear_kernel; off by default) the rounds run it, through
     captured graphs too (its weight tensor maps and cluster launches replay): the same tokens as eager."""

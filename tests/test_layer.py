@@ -380,6 +380,44 @@ def test_linear_op_equals_torch(rows, n, k, dtype, gen):
     assert torch.equal(ops.linear(x3, weight, prefetch_weight=True), torch.nn.functional.linear(x3, weight))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cublaslt_cpu_is_torch_mm(dtype, gen):
+    """On the CPU linear_cublaslt has one algorithm, torch.mm: x rows wider than K, a row block of a stacked weight,
+    out written as a strided view, leading dims folded."""
+    x = torch.randn(7, 200, generator=gen).to(dtype)[:, 3:131]
+    stacked = torch.randn(96, 128, generator=gen).to(dtype)
+    weight = stacked[32:80]
+    assert ops.linear_cublaslt_algorithms(x, weight) == 1
+    assert ops.linear_cublaslt_describe(x, weight, 0) == "at::mm"
+    out = poison(torch.empty(7, 53, dtype=dtype))[:, :48]
+    assert torch.equal(ops.linear_cublaslt(x, weight, 0, out=out), torch.nn.functional.linear(x, weight))
+    x3 = torch.randn(2, 3, 128, generator=gen).to(dtype)
+    assert torch.equal(ops.linear_cublaslt(x3, weight, 0), torch.nn.functional.linear(x3, weight))
+
+
+def test_linear_cublaslt_bad_inputs():
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"linear_cublaslt: algorithm must be 0 on the CPU \(at::mm\), got 1"):
+        ops.linear_cublaslt(x, w, 1)
+    with pytest.raises(ValueError, match="linear_cublaslt_describe: algorithm must be 0 on the CPU"):
+        ops.linear_cublaslt_describe(x, w, -1)
+    with pytest.raises(ValueError, match="linear_cublaslt: weight must have shape"):
+        ops.linear_cublaslt(x, torch.randn(8, 15), 0)
+    with pytest.raises(ValueError, match="linear_cublaslt_algorithms: weight must have dtype"):
+        ops.linear_cublaslt_algorithms(x, w.double())
+    with pytest.raises(ValueError, match="linear_cublaslt: x's rows must lie at least K = 16 elements apart"):
+        ops.linear_cublaslt(x[:1].expand(3, 16), w, 0)
+    with pytest.raises(ValueError, match="linear_cublaslt: weight's rows must lie at least K = 16 elements apart"):
+        ops.linear_cublaslt(x, torch.randn(1, 16).expand(8, 16), 0)
+    with pytest.raises(ValueError, match="linear_cublaslt: out's rows must lie at least N = 8 elements apart"):
+        ops.linear_cublaslt(x, w, 0, out=torch.empty(1, 8).expand(3, 8))
+    with pytest.raises(ValueError, match="linear_cublaslt: out must have shape"):
+        ops.linear_cublaslt(x, w, 0, out=torch.empty(3, 7))
+    with pytest.raises(ValueError, match="linear_cublaslt: out must not overlap x"):
+        buffer = torch.randn(3, 16)
+        ops.linear_cublaslt(buffer, torch.randn(16, 16), 0, out=buffer)
+
+
 def test_linear_bad_inputs():
     x, w = torch.randn(3, 16), torch.randn(8, 16)
     with pytest.raises(ValueError, match="linear: weight must have shape"):
@@ -417,6 +455,7 @@ def test_layer_ops_opcheck(gen):
     q = torch.randn(1, 2, 5, 8, generator=gen)
     torch.library.opcheck(lib.rope.default, (q, torch.randn(1, 5, 8), torch.randn(1, 5, 8), torch.empty(1, 2, 5, 8)))
     torch.library.opcheck(lib.linear.default, (x, w, torch.empty(3, 6)))
+    torch.library.opcheck(lib.linear_cublaslt.default, (x, w, 0, torch.empty(3, 6)))
     kv = torch.randn(1, 1, 7, 8, generator=gen)
     torch.library.opcheck(lib.gqa_attention.default,
                           (q, kv, kv.clone(), torch.ones(1, 1, 5, 7, dtype=torch.bool), 0.5, torch.empty(1, 2, 5, 8)))
