@@ -11,6 +11,8 @@
 // column-major [K, N]) times x^T [K, M]. Row strides become leading dimensions, so a weight that is a row block of a
 // stacked tensor, and x rows further apart than K, need no copy.
 //
+// Beside the heuristic's candidates each problem offers their variants with other splits of K (add_split_variants).
+//
 // A problem's descriptors and candidates are built once (the heuristic costs host time) and kept per key: device,
 // dtype, sizes, leading dimensions and the pointers' alignments, everything the candidates depend on. A launch
 // allocates the candidate's workspace from torch's caching allocator on the current stream, so it is safe on side
@@ -21,6 +23,7 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <iterator>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -87,6 +90,45 @@ ProblemKey problem_key(const at::Tensor& x, const at::Tensor& weight, const at::
           alignment_bytes(weight.data_ptr()), alignment_bytes(out.data_ptr())};
 }
 
+bool same_algorithm(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
+  return std::equal(std::begin(a.data), std::end(a.data), std::begin(b.data));
+}
+
+// The heuristic offers few candidates per problem (8 on the H200 for the round shapes) and few splits of K among
+// them, though at a round's few rows a projection's time hangs on how many CTAs stream its weight. So each candidate
+// is also offered with K split kSplits ways (partial sums reduced in float32 through the workspace), where cuBLASLt
+// accepts the configuration (cublasLtMatmulAlgoCheck, for 16-byte aligned operands); duplicates are dropped. They follow the heuristic's own, so
+// candidate 0 stays its first pick.
+void add_split_variants(Problem& problem) {
+  constexpr uint32_t kSplits[] = {1, 2, 3, 4, 6, 8, 12, 16};
+  const size_t heuristic = problem.candidates.size();
+  for (size_t c = 0; c < heuristic; ++c) {
+    for (const uint32_t split : kSplits) {
+      cublasLtMatmulAlgo_t algo = problem.candidates[c].algo;
+      const uint32_t scheme = split == 1 ? CUBLASLT_REDUCTION_SCHEME_NONE : CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+      if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split, sizeof(split)) !=
+              CUBLAS_STATUS_SUCCESS ||
+          cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                               sizeof(scheme)) != CUBLAS_STATUS_SUCCESS) {
+        continue;
+      }
+      const bool seen = std::any_of(problem.candidates.begin(), problem.candidates.end(),
+                                    [&](const auto& known) { return same_algorithm(known.algo, algo); });
+      if (seen) continue;
+      cublasLtMatmulHeuristicResult_t checked{};
+      if (cublasLtMatmulAlgoCheck(at::cuda::getCurrentCUDABlasLtHandle(), problem.matmul, problem.weight_layout,
+                                  problem.x_layout, problem.out_layout, problem.out_layout, &algo,
+                                  &checked) != CUBLAS_STATUS_SUCCESS ||
+          checked.workspaceSize > kMaxWorkspaceBytes) {
+        continue;
+      }
+      checked.algo = algo;
+      checked.state = CUBLAS_STATUS_SUCCESS;
+      problem.candidates.push_back(checked);
+    }
+  }
+}
+
 std::unique_ptr<Problem> make_problem(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
   auto problem = std::make_unique<Problem>();
   const cudaDataType_t type = cuda_type(x.scalar_type());
@@ -138,6 +180,8 @@ std::unique_ptr<Problem> make_problem(const at::Tensor& x, const at::Tensor& wei
   for (int i = 0; i < returned; ++i) {
     if (results[i].state == CUBLAS_STATUS_SUCCESS) problem->candidates.push_back(results[i]);
   }
+  // cublasLtMatmulAlgoCheck knows no pointers: variants only where every operand has the widest alignment.
+  if (align_w == 16 && align_x == 16 && align_out == 16) add_split_variants(*problem);
   return problem;
 }
 

@@ -48,6 +48,11 @@ def main(argv=None) -> int:
     gen.add_argument(
         "--no-chat-template", action="store_true", help="feed the prompt as raw text instead of a chat turn"
     )
+    gen.add_argument(
+        "--tune-gemms", action="store_true",
+        help="on a GPU, time the GEMM algorithms of each projection shape once (seconds at the start) and run the "
+             "fastest (ddtree_ext.gemm_tuning): pays off over long or many generations",
+    )
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -63,6 +68,10 @@ def main(argv=None) -> int:
         gen.error("--draft needs --target")
     if args.target is not None and args.draft is None and args.method != "autoregressive":
         gen.error(f"--method {args.method} needs --draft (only autoregressive runs without)")
+    if args.tune_gemms:
+        from ddtree_ext import gemm_tuning
+
+        gemm_tuning.enabled = True
     try:
         return _demo(args) if args.target is None else _generate(args)
     except ValueError as e:  # generate()'s argument checks: a usage error, not a crash

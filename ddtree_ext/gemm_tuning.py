@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -89,7 +90,8 @@ def algorithm(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:
 def picks() -> List[dict]:
     """One record per tuned problem, in the order they were tuned: rows, N, K, dtype, device, the number of
     candidates, the pick (None: torch's matmul) and its description, the microseconds per call of torch's matmul,
-    of the pick and of the fastest candidate, and the weight's bytes (for a floor at a measured copy rate)."""
+    of the pick and of the fastest candidate, the weight's bytes (for a floor at a measured copy rate) and the
+    seconds the timing took."""
     return [dict(r) for r in _reports]
 
 
@@ -137,6 +139,7 @@ def _time(run, copies: List[torch.Tensor], calls: int) -> float:
 
 
 def _tune(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:
+    began = time.perf_counter()
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     count = ops.linear_cublaslt_algorithms(x, weight, out)
     if count == 0:
@@ -156,6 +159,6 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:
         "device": str(x.device), "candidates": count, "pick": pick,
         "pick_description": "torch matmul" if pick is None else ops.linear_cublaslt_describe(x, weight, pick, out),
         "matmul_us": default * 1e6, "pick_us": (default if pick is None else times[pick]) * 1e6,
-        "best_candidate_us": times[best] * 1e6, "weight_bytes": nbytes,
+        "best_candidate_us": times[best] * 1e6, "weight_bytes": nbytes, "seconds": time.perf_counter() - began,
     })
     return pick

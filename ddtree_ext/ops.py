@@ -479,8 +479,9 @@ def linear_cublaslt(x: torch.Tensor, weight: torch.Tensor, algorithm: int, *,
 
 def linear_cublaslt_algorithms(x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> int:
     """How many algorithms :func:`linear_cublaslt` offers for x [..., K], weight [N, K] and out (default: a new
-    contiguous one): cuBLASLt's heuristic candidates for the problem on CUDA (up to 32; 0 where it has none), 1 on
-    the CPU. They depend on the device, dtype, sizes, row strides and the pointers' alignments, not on values.
+    contiguous one): on CUDA cuBLASLt's heuristic candidates for the problem (0 where it has none), then, where x,
+    weight and out are 16-byte aligned, their variants with K split 1 to 16 ways that cuBLASLt accepts; 1 on the
+    CPU. They depend on the device, dtype, sizes, row strides and the pointers' alignments, not on values.
     A host query: it launches nothing."""
     out = _linear_out("linear_cublaslt_algorithms", x, weight, out)
     return int(load_ops().linear_cublaslt_algorithms(_rows(x), weight, out.view(-1, out.shape[-1])))

@@ -114,15 +114,16 @@ class DecodeRound:
             context, num_context = self._first_context, None
         else:
             context, num_context = self.context_rows, self.num_context
-        self.tmp["draft_logits"] = self.draft.propose(
-            context,
-            self.root,
-            self.draft_cache,
-            embed_tokens=self.adapter.embed_tokens,
-            lm_head=self.adapter.lm_head,
-            num_context=num_context,
-            kv_len=kv_len,
-        )
+        with self.adapter.fused_lm_head():
+            self.tmp["draft_logits"] = self.draft.propose(
+                context,
+                self.root,
+                self.draft_cache,
+                embed_tokens=self.adapter.embed_tokens,
+                lm_head=self.adapter.lm_head,
+                num_context=num_context,
+                kv_len=kv_len,
+            )
 
     def _build(self) -> None:
         prefix_len = self.state.prefix_len

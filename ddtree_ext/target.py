@@ -228,6 +228,7 @@ class TargetAdapter:
         # Norms, SwiGLUs, RoPE and GQA attention run as fused ops in verify (ddtree_ext.fused); the prefill
         # stays the stock forward.
         self._fusion = LayerFusion(self.text_model)
+        self._head_fusion = LayerFusion(self.lm_head)  # a plain Linear's fused forward (fused.project)
 
     @property
     def device(self) -> torch.device:
@@ -468,9 +469,15 @@ class TargetAdapter:
         if int(state.prefix_len.max()) + max(r[0] for r in rows) > state.capacity:
             raise ValueError(f"{op}: the accepted path would overrun the state's capacity {state.capacity}")
 
+    def fused_lm_head(self) -> contextlib.AbstractContextManager:
+        """A context in which the LM head runs its fused forward (``fused.project``, like the layers' projections:
+        tuned GEMMs included), for the verify's logits and the draft's, which reads the target's head."""
+        return self._head_fusion.active()
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head logits as float32 on the adapter's device."""
-        return self.lm_head(hidden.to(module_device(self.lm_head))).float().to(self.device)
+        with self.fused_lm_head():
+            return self.lm_head(hidden.to(module_device(self.lm_head))).float().to(self.device)
 
     def _run(self, tokens, position_ids, attention_mask, cache) -> Tuple[torch.Tensor, torch.Tensor]:
         """One text-model forward; returns (final hidden states [B, T, hidden], taps on the adapter's device)."""

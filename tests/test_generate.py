@@ -244,6 +244,26 @@ def test_conditional_generation_target(tmp_path, capsys):
     assert "autoregressive: 5 new tokens" in capsys.readouterr().out
 
 
+def test_cli_tune_gemms_switches_gemm_tuning_on(tmp_path, capsys, monkeypatch):
+    """--tune-gemms turns ddtree_ext.gemm_tuning on for the command's process (on the CPU nothing is tuned: the
+    same tokens)."""
+    from ddtree_ext import gemm_tuning
+    from ddtree_ext.__main__ import main
+
+    monkeypatch.setattr(gemm_tuning, "enabled", False)
+    make_tiny_target("qwen3", seed=0).save_pretrained(tmp_path)
+    _save_byte_tokenizer(tmp_path)
+    argv = ["generate", "--target", str(tmp_path), "--method", "autoregressive", "--max-new-tokens", "5",
+            "--device", "cpu", "--no-chat-template"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert not gemm_tuning.enabled
+    assert main(argv + ["--tune-gemms"]) == 0
+    assert gemm_tuning.enabled and gemm_tuning.picks() == []
+    tuned = capsys.readouterr().out
+    assert plain.splitlines()[0] == tuned.splitlines()[0]
+
+
 def test_bfloat16_pair_runs():
     """bf16 weights (the GPU dtype) flow through every stage; tree and chain rounding differ from the stock
     decode step in bf16, so only the prefill's token is compared with HF."""
