@@ -57,9 +57,10 @@ def cublaslt_link_args(cuda_home):
     for d in dirs:
         if (d / "libcublasLt.so").exists():
             return [f"-L{d}", "-lcublasLt"]
+    major = (torch.version.cuda or "").split(".")[0]  # torch's own cuBLASLt, not another CUDA's wheel
     for d in dirs:
-        versioned = sorted(d.glob("libcublasLt.so.[0-9]*"), key=lambda p: len(p.name))
-        if versioned:
+        versioned = sorted(d.glob(f"libcublasLt.so.{major}*"), key=lambda p: len(p.name))
+        if major and versioned:
             return [f"-L{d}", f"-l:{versioned[0].name}"]
     raise RuntimeError(f"libcublasLt not found under {cuda_home} or {site / 'nvidia'} (needed by the CUDA build)")
 

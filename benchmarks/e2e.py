@@ -398,12 +398,10 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
 
     if family == "qwen3":
         result["reference_round_ms"] = {}
-        tuned, gemm_tuning.enabled = gemm_tuning.enabled, False  # the reference's GEMMs are cuBLAS's own picks
-        for budget in (64, 256):
+        for budget in (64, 256):  # outside rounds: its GEMMs are cuBLAS's own picks (gemm_tuning.round_shapes)
             ms = reference_round_pattern_ms(adapter, draft, prompt, budget, args.eager_rounds)
             result["reference_round_ms"][budget] = ms
             print(f"[{name}] reference implementation's round pattern, budget {budget}: {ms:.2f} ms", flush=True)
-        gemm_tuning.enabled = tuned
     if args.profile:
         result["profiles"] = [profile_round(adapter, draft, prompt, "autoregressive", 1, top=args.profile_top),
                               profile_round(adapter, draft, prompt, "ddtree", 64, top=args.profile_top)]

@@ -84,10 +84,22 @@ cudaDataType_t cuda_type(at::ScalarType dtype) {
   }
 }
 
+// The leading dimensions of x, weight and out: their row strides, except for a single row (or weight row), whose
+// stride cuBLASLt never reads (so a prefill's last row and a decode step's row are one problem).
+struct LeadingDims {
+  int64_t x, weight, out;
+};
+
+LeadingDims leading_dims(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  const int64_t m = x.size(0), n = weight.size(0), k = x.size(1);
+  return {m == 1 ? k : x.stride(0), n == 1 ? k : weight.stride(0), m == 1 ? n : out.stride(0)};
+}
+
 ProblemKey problem_key(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  const LeadingDims ld = leading_dims(x, weight, out);
   return {static_cast<int>(x.get_device()), static_cast<int>(x.scalar_type()), x.size(0), weight.size(0), x.size(1),
-          x.stride(0), weight.stride(0), out.stride(0), alignment_bytes(x.data_ptr()),
-          alignment_bytes(weight.data_ptr()), alignment_bytes(out.data_ptr())};
+          ld.x, ld.weight, ld.out, alignment_bytes(x.data_ptr()), alignment_bytes(weight.data_ptr()),
+          alignment_bytes(out.data_ptr())};
 }
 
 bool same_algorithm(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
@@ -133,8 +145,8 @@ std::unique_ptr<Problem> make_problem(const at::Tensor& x, const at::Tensor& wei
   auto problem = std::make_unique<Problem>();
   const cudaDataType_t type = cuda_type(x.scalar_type());
   const int64_t m = x.size(0), n = weight.size(0), k = x.size(1);
-  // A single row's (or feature's) stride is free: cuBLASLt only needs a leading dimension >= the rows it spans.
-  const int64_t ldx = m == 1 ? k : x.stride(0), ldw = n == 1 ? k : weight.stride(0), ldo = m == 1 ? n : out.stride(0);
+  const LeadingDims ld = leading_dims(x, weight, out);
+  const int64_t ldx = ld.x, ldw = ld.weight, ldo = ld.out;
   // float32 sums and scalars; float32 inputs keep full float32 products (no TF32), as torch's default matmul does.
   DDTREE_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&problem->matmul, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
@@ -150,12 +162,15 @@ std::unique_ptr<Problem> make_problem(const at::Tensor& x, const at::Tensor& wei
   DDTREE_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&preference));
   const uint32_t align_w = alignment_bytes(weight.data_ptr()), align_x = alignment_bytes(x.data_ptr()),
                  align_out = alignment_bytes(out.data_ptr());
+  // Split-K partial sums reduced in float32 only (no reduction in the output type), as the op promises.
+  const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
   struct {
     cublasLtMatmulPreferenceAttributes_t attribute;
     const void* value;
     size_t size;
   } const settings[] = {
       {CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &kMaxWorkspaceBytes, sizeof(kMaxWorkspaceBytes)},
+      {CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions, sizeof(reductions)},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_w, sizeof(align_w)},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_x, sizeof(align_x)},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_out, sizeof(align_out)},
@@ -225,6 +240,8 @@ int64_t linear_cublaslt_algorithms_cuda(const at::Tensor& x, const at::Tensor& w
 std::string linear_cublaslt_describe_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out,
                                           int64_t algorithm) {
   check_linear_cublaslt("linear_cublaslt_describe", x, weight, out);
+  TORCH_CHECK_VALUE(out.numel() > 0, "linear_cublaslt_describe: an empty problem has no algorithm, got out of shape ",
+                    shape_str(out.sizes()));
   const c10::cuda::CUDAGuard guard(x.device());
   const Problem& problem = problem_for(x, weight, out);
   check_algorithm(problem, algorithm);
@@ -242,7 +259,10 @@ std::string linear_cublaslt_describe_cuda(const at::Tensor& x, const at::Tensor&
 void linear_cublaslt_cuda(const at::Tensor& x, const at::Tensor& weight, int64_t algorithm, at::Tensor& out) {
   check_linear_cublaslt("linear_cublaslt", x, weight, out);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (out.numel() == 0) return;
+  if (out.numel() == 0) {  // no candidates (linear_cublaslt_algorithms counts 0): only 0 names "nothing to do"
+    TORCH_CHECK_VALUE(algorithm == 0, "linear_cublaslt: algorithm must be 0 for an empty problem, got ", algorithm);
+    return;
+  }
   const Problem& problem = problem_for(x, weight, out);
   check_algorithm(problem, algorithm);
   const auto& candidate = problem.candidates[algorithm];

@@ -275,11 +275,12 @@ def linear(module: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noq
 
 def project(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N], a model's bias-free projection: ``ops.linear`` when ``linear_kernel``
-    is on and the op takes the tensors; with ``gemm_tuning.enabled``, the GEMM algorithm timed fastest for the
-    problem (``ops.linear_cublaslt``, or F.linear where cuBLAS's own pick was); F.linear otherwise."""
+    is on and the op takes the tensors; with ``gemm_tuning`` active (enabled, inside its ``round_shapes``), the GEMM
+    algorithm timed fastest for the problem (``ops.linear_cublaslt``, or F.linear where cuBLAS's own pick was);
+    F.linear otherwise."""
     if linear_kernel and x.is_cuda and x.shape[-1] == weight.shape[1] and ops_apply(x, weight):
         return ops.linear(x, weight, prefetch_weight=True)  # a model's weight: nothing writes it meanwhile
-    if gemm_tuning.enabled and x.is_cuda and not torch.is_grad_enabled():
+    if gemm_tuning.active() and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled():
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         if gemm_tuning.applies(rows, weight):
             algorithm = gemm_tuning.algorithm(rows, weight)

@@ -5,25 +5,29 @@ verify, a projection only streams its weight, and the heuristic's pick is not al
 27B MLP's stacked gate/up weight at 65 rows ran at 1.19 x its weight-read floor, its two halves apart at 1.13 x
 (``benchmarks/results/2026-12-01-h200-stacked-projections.md``).
 
-With ``enabled`` on, every projection of the fused forwards (``fused.project``) of a 16-bit CUDA model asks
-:func:`algorithm` for its problem. The first time a problem (device, dtype, sizes, row strides, alignments) is seen
-outside CUDA graph capture, this times torch's own matmul and each of cuBLASLt's candidates
+With ``enabled`` on, every projection of the fused forwards (``fused.project``) of a 16-bit CUDA model inside
+:func:`round_shapes` asks :func:`algorithm` for its problem. ``round.DecodeRound`` opens that context for every round
+of a generation but its first, whose draft reads the prompt (a length that changes from one generation to the next);
+the prefill and the first round run torch's matmul, so every generation runs the same algorithms round by round. The
+first time a problem (device, dtype, sizes, row strides, alignments) is seen outside CUDA graph capture, this times torch's own matmul and each of cuBLASLt's candidates
 (``ops.linear_cublaslt``) on the weight itself and on copies of it, called in turn so that every call streams its
-weight from memory as in a round, queued ahead so that launch gaps do not count, and keeps the fastest for the
-process. A candidate replaces torch's matmul only when it is faster by more than ``MARGIN``. Later calls, eager or
+weight from memory as in a round, queued ahead so that launch gaps do not count (one batch screens each candidate,
+the three fastest are timed over five), and keeps the fastest for the process. A candidate replaces torch's matmul only when it is faster by more than ``MARGIN``. Later calls, eager or
 captured, reuse the pick; a problem first seen during a capture runs torch's matmul (nothing is timed then).
 
 The picks are timed, so two processes may pick differently where candidates are close, and their outputs may then
 differ in the last bits (as with cuBLAS on two GPU models). Within a process the eager and the graph rounds use the
-same picks, and each algorithm is deterministic.
+same picks (a problem first seen while a graph is captured keeps torch's matmul for good), and each algorithm is
+deterministic. A candidate that fails to run is dropped; a problem none of whose candidates runs keeps torch's matmul.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -42,13 +46,15 @@ MAX_ROWS = 257
 _ROTATED_BYTES = 3  # times the L2 size: the weights called in turn, so none is still in L2 at its next call
 _MAX_COPIES = 64
 _BATCH_SECONDS = 2e-3  # device time per timed batch
-_MAX_CALLS = 512  # per batch: well inside the launch queue
-_LAUNCH_SECONDS = 20e-6  # host time to queue one call, generously
-_REPLAYS = 5
+_MAX_CALLS = 256  # per batch: with a split-K reduce kernel each, still well inside the launch queue
+_LAUNCH_SECONDS = 10e-6  # host time to queue one call, a first guess (_time lengthens the sleep if needed)
+_BATCHES = 5  # timed batches per finalist
+_FINALISTS = 3
 
 # problem key -> the pick (None: torch's matmul), and what was measured for it.
 _picks: Dict[Tuple, Optional[int]] = {}
 _reports: List[dict] = []
+_open_scopes = 0  # round_shapes() contexts open
 
 
 def _alignment(t: torch.Tensor) -> int:
@@ -60,9 +66,28 @@ def _alignment(t: torch.Tensor) -> int:
 
 
 def _problem(x: torch.Tensor, weight: torch.Tensor) -> Tuple:
-    """What cuBLASLt's candidates depend on (with a new contiguous out, as ops.linear_cublaslt allocates)."""
-    return (x.device, x.dtype, x.shape[0], weight.shape[0], x.shape[1], x.stride(0), weight.stride(0),
+    """What cuBLASLt's candidates depend on (with a new contiguous out, as ops.linear_cublaslt allocates): the row
+    strides as the op's leading dimensions (those of a single row or weight row are free)."""
+    rows, n, k = x.shape[0], weight.shape[0], x.shape[1]
+    return (x.device, x.dtype, rows, n, k, k if rows == 1 else x.stride(0), k if n == 1 else weight.stride(0),
             _alignment(x), _alignment(weight))
+
+
+@contextlib.contextmanager
+def round_shapes() -> Iterator[None]:
+    """A context in which the projections of ``fused.project`` run their picks (timing unseen problems): rounds whose
+    shapes repeat. Outside it they run torch's matmul."""
+    global _open_scopes
+    _open_scopes += 1
+    try:
+        yield
+    finally:
+        _open_scopes -= 1
+
+
+def active() -> bool:
+    """Whether projections run picks now: ``enabled``, inside :func:`round_shapes`."""
+    return enabled and _open_scopes > 0
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -81,9 +106,13 @@ def algorithm(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:
     key = _problem(x, weight)
     if key in _picks:
         return _picks[key]
-    if torch.cuda.is_current_stream_capturing():
-        return None  # nothing can be timed inside a capture; a later eager call tunes the problem
-    pick = _picks[key] = _tune(x, weight)
+    with torch.cuda.device(x.device):  # the capture, sleep and events of x's device
+        if torch.cuda.is_current_stream_capturing():
+            # Nothing can be timed inside a capture. The graph keeps torch's matmul, and so does every later call, so
+            # that eager rounds give the graph's bits.
+            _picks[key] = None
+            return None
+        pick = _picks[key] = _tune(x, weight)
     return pick
 
 
@@ -113,27 +142,33 @@ def _rotation(weight: torch.Tensor) -> List[torch.Tensor]:
     return copies
 
 
-def _time(run, copies: List[torch.Tensor], calls: int) -> float:
-    """Median device seconds per call of run(weight), the weights taken in turn, over _REPLAYS batches of ``calls``.
+def _time(run, copies: List[torch.Tensor], calls: int, batches: int) -> float:
+    """Median device seconds per call of run(weight), the weights taken in turn, over ``batches`` batches of
+    ``calls``.
 
-    Each batch is queued behind a sleep kernel longer than its launches take, so the calls run back to back, as in a
-    graph, without host gaps. Not a CUDA graph: on torch 2.11 destroying a graph frees the cuBLAS workspaces of the
-    stream it was captured on, also those that live round graphs captured on that (pooled) stream still use
-    (pytorch/pytorch#193402)."""
+    Each batch is queued behind a sleep kernel that outlasts its launches (checked: a batch queued slower than the
+    sleep is queued again behind a longer one), so the calls run back to back, as in a graph, without host gaps. Not a
+    CUDA graph: on torch 2.11 destroying a graph frees the cuBLAS workspaces of the stream it was captured on, also
+    those that live round graphs captured on that (pooled) stream still use (pytorch/pytorch#193402)."""
     device = copies[0].device
     for w in copies:  # first calls: lazy initialisation, the problem's candidates, the stream's cuBLAS workspace
         run(w)
     clock_hz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 2_000_000) * 1e3
-    sleep_cycles = int(calls * _LAUNCH_SECONDS * clock_hz)
-    times = []
-    for _ in range(_REPLAYS):
+    sleep_s = calls * _LAUNCH_SECONDS
+    times, retries = [], 0
+    while len(times) < batches:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(sleep_cycles)
+        torch.cuda._sleep(int(sleep_s * clock_hz))
+        began = time.perf_counter()
         start.record()
         for c in range(calls):
             run(copies[c % len(copies)])
         end.record()
+        queued = time.perf_counter() - began
         end.synchronize()
+        if queued > 0.9 * sleep_s and retries < 4:  # the device may have waited for launches: again, sleeping longer
+            sleep_s, retries = 2 * queued, retries + 1
+            continue
         times.append(start.elapsed_time(end) * 1e-3 / calls)
     return statistics.median(times)
 
@@ -141,7 +176,10 @@ def _time(run, copies: List[torch.Tensor], calls: int) -> float:
 def _tune(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:
     began = time.perf_counter()
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    count = ops.linear_cublaslt_algorithms(x, weight, out)
+    try:
+        count = ops.linear_cublaslt_algorithms(x, weight, out)
+    except RuntimeError:  # cuBLASLt refused the problem: torch's matmul serves it
+        return None
     if count == 0:
         return None
     torch.cuda.synchronize(x.device)  # x may come from any stream of the round
@@ -149,14 +187,27 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:
     nbytes = weight.shape[0] * weight.shape[1] * weight.element_size()
     estimate = nbytes / 3e12  # seconds per call at about the copy rate of a current GPU
     calls = max(len(copies), min(_MAX_CALLS, math.ceil(_BATCH_SECONDS / max(estimate, 1e-7))))
+    def candidate(i):
+        return lambda w: ops.linear_cublaslt(x, w, i, out=out)
+
     with torch.no_grad():
-        default = _time(lambda w: torch.mm(x, w.t(), out=out), copies, calls)
-        times = [_time(lambda w, i=i: ops.linear_cublaslt(x, w, i, out=out), copies, calls) for i in range(count)]
-    best = min(range(count), key=times.__getitem__)
+        # One batch per candidate screens them; the _FINALISTS fastest and torch's matmul are then timed in full.
+        screened = {}
+        for i in range(count):
+            try:
+                screened[i] = _time(candidate(i), copies, calls, 1)
+            except RuntimeError:  # a configuration cuBLASLt accepted but cannot launch here: dropped
+                torch.cuda.synchronize(x.device)
+        if not screened:
+            return None
+        finalists = sorted(screened, key=screened.__getitem__)[:_FINALISTS]
+        default = _time(lambda w: torch.mm(x, w.t(), out=out), copies, calls, _BATCHES)
+        times = {i: _time(candidate(i), copies, calls, _BATCHES) for i in finalists}
+    best = min(times, key=times.__getitem__)
     pick = best if times[best] < (1 - MARGIN) * default else None
     _reports.append({
         "rows": x.shape[0], "n": weight.shape[0], "k": weight.shape[1], "dtype": str(x.dtype).replace("torch.", ""),
-        "device": str(x.device), "candidates": count, "pick": pick,
+        "device": str(x.device), "candidates": len(screened), "pick": pick,
         "pick_description": "torch matmul" if pick is None else ops.linear_cublaslt_describe(x, weight, pick, out),
         "matmul_us": default * 1e6, "pick_us": (default if pick is None else times[pick]) * 1e6,
         "best_candidate_us": times[best] * 1e6, "weight_bytes": nbytes, "seconds": time.perf_counter() - began,

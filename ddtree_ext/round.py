@@ -17,11 +17,12 @@ rounds at that width replay them. Only the current width's graphs are kept (widt
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ddtree_ext import ops
+from ddtree_ext import gemm_tuning, ops
 
 EAGER_ROUNDS_BEFORE_CAPTURE = 2
 
@@ -172,7 +173,8 @@ class DecodeRound:
         context manager timing each stage. Returns the result row (see ``result``) as host ints."""
         captured = self._graphs.get(kv_len)
         if captured is None and self._ready_to_capture(kv_len):
-            captured = self._capture(kv_len)
+            with gemm_tuning.round_shapes():
+                captured = self._capture(kv_len)
         if captured is not None:
             for name, graph in captured[0]:
                 with clock(name):
@@ -180,9 +182,13 @@ class DecodeRound:
             self.replays += 1
         else:
             self.tmp = {}
-            for name, stage in self._stages(kv_len):
-                with clock(name):
-                    stage()
+            # The first round's draft reads the prompt, whose length changes from one generation to the next: it runs
+            # torch's matmuls; later rounds repeat their shapes and run the tuned ones (ddtree_ext.gemm_tuning).
+            repeating = gemm_tuning.round_shapes() if self._first_context is None else contextlib.nullcontext()
+            with repeating:
+                for name, stage in self._stages(kv_len):
+                    with clock(name):
+                        stage()
             self.tmp = {}
             self._eager_rounds[kv_len] = self._eager_rounds.get(kv_len, 0) + 1
             self._first_context = None

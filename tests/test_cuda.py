@@ -1177,9 +1177,10 @@ def test_linear_cublaslt_replays_from_a_graph_on_a_side_stream():
 
 
 def test_gemm_tuning_picks_once_per_problem(monkeypatch):
-    """fused.project with gemm_tuning on: a problem is timed at its first sight (one record, F.linear's results up to
-    rounding), then reused; a problem first seen inside a capture runs F.linear and is not recorded; float32 and
-    CPU tensors are not tuned."""
+    """fused.project with gemm_tuning on, inside round_shapes: a problem is timed at its first sight (one record,
+    F.linear's results up to rounding), then reused; a single row's stride does not make a new problem; a problem
+    first seen inside a capture keeps F.linear, also in later eager calls; outside round_shapes, and for float32 or
+    CPU tensors, nothing is tuned."""
     from ddtree_ext import fused, gemm_tuning
 
     monkeypatch.setattr(gemm_tuning, "enabled", True)
@@ -1189,24 +1190,37 @@ def test_gemm_tuning_picks_once_per_problem(monkeypatch):
     weight = (torch.randn(1024, 2048, generator=gen) * 0.02).to(torch.bfloat16).to(DEV)
     x = torch.randn(2, 9, 2048, generator=gen).to(torch.bfloat16).to(DEV)
     with torch.no_grad():
-        got = fused.project(weight, x)
-        picks = gemm_tuning.picks()
-        assert len(picks) == 1 and picks[0]["rows"] == 18 and picks[0]["pick"] is not None, picks
-        assert picks[0]["candidates"] >= 1 and picks[0]["pick_us"] <= picks[0]["best_candidate_us"] + 1e-9
-        assert_close(got, F.linear(x, weight), torch.bfloat16)
-        assert torch.equal(fused.project(weight, x), got)
-        assert len(gemm_tuning.picks()) == 1, "timed twice"
-        graph = torch.cuda.CUDAGraph()
-        x1 = x[:, :1]
-        with torch.cuda.graph(graph):
-            captured = fused.project(weight, x1)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, F.linear(x1, weight))
-        assert len(gemm_tuning.picks()) == 1, "a problem first seen during capture was timed"
-        fused.project(weight.float(), x.float())
-        fused.project(weight.cpu(), x.cpu())
-        assert len(gemm_tuning.picks()) == 1
+        assert torch.equal(fused.project(weight, x), F.linear(x, weight)) and gemm_tuning.picks() == []
+        with gemm_tuning.round_shapes():
+            got = fused.project(weight, x)
+            picks = gemm_tuning.picks()
+            assert len(picks) == 1 and picks[0]["rows"] == 18 and picks[0]["pick"] is not None, picks
+            assert picks[0]["candidates"] >= 1 and picks[0]["pick_us"] <= picks[0]["best_candidate_us"] + 1e-9
+            assert_close(got, F.linear(x, weight), torch.bfloat16)
+            assert torch.equal(fused.project(weight, x), got)
+            assert len(gemm_tuning.picks()) == 1, "timed twice"
+            row = fused.project(weight, x[0, 3])  # one row
+            assert len(gemm_tuning.picks()) == 2
+            lone = fused.project(weight, x[0, ::2][:1])  # one row of a view with row stride 2 * 2048
+            assert len(gemm_tuning.picks()) == 2, "a single row's stride made a new problem"
+            strided = fused.project(weight, x[:, 3])  # two rows 9 * 2048 apart
+            assert len(gemm_tuning.picks()) == 3
+            assert_close(row, F.linear(x[0, 3], weight), torch.bfloat16)
+            assert_close(lone, F.linear(x[0, :1], weight), torch.bfloat16)
+            assert_close(strided, F.linear(x[:, 3], weight), torch.bfloat16)
+            graph = torch.cuda.CUDAGraph()
+            x5 = x[:, :5]
+            with torch.cuda.graph(graph):
+                captured = fused.project(weight, x5)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, F.linear(x5, weight))
+            assert len(gemm_tuning.picks()) == 3, "a problem first seen during capture was timed"
+            assert torch.equal(fused.project(weight, x5), captured), "eager differs from the graph"
+            assert len(gemm_tuning.picks()) == 3
+            fused.project(weight.float(), x.float())
+            fused.project(weight.cpu(), x.cpu())
+            assert len(gemm_tuning.picks()) == 3
     gemm_tuning.reset()
     assert gemm_tuning.picks() == []
 

@@ -187,9 +187,22 @@ def test_tuned_gemms_in_rounds_replay_exactly(monkeypatch):
 
     monkeypatch.setattr(gemm_tuning, "enabled", True)
     monkeypatch.setattr(gemm_tuning, "MARGIN", -math.inf)
-    calls = [0]
-    stock = ops.linear_cublaslt
-    monkeypatch.setattr(ops, "linear_cublaslt", lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or stock(*a, **k))
+    calls, timing = [0], [False]  # the rounds' own cuBLASLt calls, not the tuner's
+    stock_op, stock_tune = ops.linear_cublaslt, gemm_tuning._tune
+
+    def counted(*args, **kwargs):
+        calls[0] += not timing[0]
+        return stock_op(*args, **kwargs)
+
+    def tune(*args):
+        timing[0] = True
+        try:
+            return stock_tune(*args)
+        finally:
+            timing[0] = False
+
+    monkeypatch.setattr(ops, "linear_cublaslt", counted)
+    monkeypatch.setattr(gemm_tuning, "_tune", tune)
     gemm_tuning.reset()
     try:
         for dtype in (torch.bfloat16, torch.float32):
