@@ -395,6 +395,33 @@ def test_linear_cublaslt_cpu_is_torch_mm(dtype, gen):
     assert torch.equal(ops.linear_cublaslt(x3, weight, 0), torch.nn.functional.linear(x3, weight))
 
 
+def test_gemm_tuning_scope_and_problem_keys(monkeypatch):
+    """gemm_tuning is active only when enabled and inside round_shapes (nested contexts count); a single row's
+    stride is not part of a problem, two rows' is; CPU tensors are never tuned, so project stays F.linear."""
+    from ddtree_ext import fused, gemm_tuning
+
+    monkeypatch.setattr(gemm_tuning, "enabled", False)
+    with gemm_tuning.round_shapes():
+        assert not gemm_tuning.active()
+    monkeypatch.setattr(gemm_tuning, "enabled", True)
+    assert not gemm_tuning.active()
+    with gemm_tuning.round_shapes():
+        with gemm_tuning.round_shapes():
+            assert gemm_tuning.active()
+        assert gemm_tuning.active()
+    assert not gemm_tuning.active()
+    x = torch.randn(4, 6, 64).to(torch.bfloat16)
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    key = gemm_tuning._problem
+    assert key(x[0, :1], w) == key(x[1, ::3][:1], w)  # one row: its stride is free
+    assert key(x[0, :2], w) != key(x[:2, 0], w)  # two rows 64 or 6 * 64 apart
+    assert key(x[0, :1], w[:1]) == key(x[0, :1], w[::2][:1])  # one weight row
+    assert not gemm_tuning.applies(x[0], w)  # not CUDA
+    with gemm_tuning.round_shapes(), torch.no_grad():
+        assert torch.equal(fused.project(w, x), torch.nn.functional.linear(x, w))
+    assert gemm_tuning.picks() == []
+
+
 def test_linear_cublaslt_bad_inputs():
     x, w = torch.randn(3, 16), torch.randn(8, 16)
     with pytest.raises(ValueError, match=r"linear_cublaslt: algorithm must be 0 on the CPU \(at::mm\), got 1"):
