@@ -48,12 +48,11 @@ def cublaslt_link_args(cuda_home):
     """Linker flags for cuBLASLt (csrc/linear_cublaslt_cuda.cpp): the toolkit's libcublasLt.so, else the versioned
     library of the nvidia wheel that a pip-installed torch loads (no unversioned name there). At run time torch
     has already loaded that library, which satisfies the extension's dependency on its soname."""
-    import glob
     import torch
 
     site = Path(torch.__file__).resolve().parent.parent
     dirs = [Path(cuda_home) / d for d in ("lib64", "lib")] + sorted(Path(cuda_home).glob("targets/*/lib"))
-    dirs += sorted(Path(p) for p in glob.glob(str(site / "nvidia" / "*" / "lib")))
+    dirs += sorted((site / "nvidia").glob("*/lib"))
     for d in dirs:
         if (d / "libcublasLt.so").exists():
             return [f"-L{d}", "-lcublasLt"]

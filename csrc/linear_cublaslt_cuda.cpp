@@ -59,7 +59,7 @@ int alignment_bytes(const void* ptr) {
 
 using ProblemKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int>;
 
-// One problem's descriptors and its heuristic's candidates, in the heuristic's order.
+// One problem's descriptors and its candidates: the heuristic's, in its order, then their split-K variants.
 struct Problem {
   cublasLtMatmulDesc_t matmul = nullptr;
   cublasLtMatrixLayout_t weight_layout = nullptr, x_layout = nullptr, out_layout = nullptr;
@@ -109,8 +109,8 @@ bool same_algorithm(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b
 // The heuristic offers few candidates per problem (8 on the H200 for the round shapes) and few splits of K among
 // them, though at a round's few rows a projection's time hangs on how many CTAs stream its weight. So each candidate
 // is also offered with K split kSplits ways (partial sums reduced in float32 through the workspace), where cuBLASLt
-// accepts the configuration (cublasLtMatmulAlgoCheck, for 16-byte aligned operands); duplicates are dropped. They follow the heuristic's own, so
-// candidate 0 stays its first pick.
+// accepts the configuration (cublasLtMatmulAlgoCheck, for 16-byte aligned operands); duplicates are dropped. They
+// follow the heuristic's own, so candidate 0 stays its first pick.
 void add_split_variants(Problem& problem) {
   constexpr uint32_t kSplits[] = {1, 2, 3, 4, 6, 8, 12, 16};
   const size_t heuristic = problem.candidates.size();

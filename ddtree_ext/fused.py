@@ -280,12 +280,11 @@ def project(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     F.linear otherwise."""
     if linear_kernel and x.is_cuda and x.shape[-1] == weight.shape[1] and ops_apply(x, weight):
         return ops.linear(x, weight, prefetch_weight=True)  # a model's weight: nothing writes it meanwhile
-    if gemm_tuning.active() and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled():
+    if gemm_tuning.active() and not torch.is_grad_enabled() and gemm_tuning.applies(x, weight):
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        if gemm_tuning.applies(rows, weight):
-            algorithm = gemm_tuning.algorithm(rows, weight)
-            if algorithm is not None:
-                return ops.linear_cublaslt(rows, weight, algorithm).view(*x.shape[:-1], weight.shape[0])
+        algorithm = gemm_tuning.algorithm(rows, weight)
+        if algorithm is not None:
+            return ops.linear_cublaslt(rows, weight, algorithm).view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, weight)
 
 

@@ -8,17 +8,18 @@ verify, a projection only streams its weight, and the heuristic's pick is not al
 With ``enabled`` on, every projection of the fused forwards (``fused.project``) of a 16-bit CUDA model inside
 :func:`round_shapes` asks :func:`algorithm` for its problem. ``round.DecodeRound`` opens that context for every round
 of a generation but its first, whose draft reads the prompt (a length that changes from one generation to the next);
-the prefill and the first round run torch's matmul, so every generation runs the same algorithms round by round. The
-first time a problem (device, dtype, sizes, row strides, alignments) is seen outside CUDA graph capture, this times torch's own matmul and each of cuBLASLt's candidates
-(``ops.linear_cublaslt``) on the weight itself and on copies of it, called in turn so that every call streams its
-weight from memory as in a round, queued ahead so that launch gaps do not count (one batch screens each candidate,
-the three fastest are timed over five), and keeps the fastest for the process. A candidate replaces torch's matmul only when it is faster by more than ``MARGIN``. Later calls, eager or
-captured, reuse the pick; a problem first seen during a capture runs torch's matmul (nothing is timed then).
+the prefill and the first round run torch's matmul, so every generation runs the same algorithms round by round.
+
+The first time a problem (device, dtype, sizes, row strides, alignments) is seen outside CUDA graph capture, this
+times torch's own matmul and each of cuBLASLt's candidates (``ops.linear_cublaslt``) on the weight itself and on
+copies of it, called in turn so that every call streams its weight from memory as in a round, queued ahead so that
+launch gaps do not count (one batch screens each candidate, the three fastest are timed over five). It keeps the
+fastest for the process; a candidate replaces torch's matmul only when faster by more than ``MARGIN``, and one that
+fails to run is dropped. Later calls, eager or captured, reuse the pick. A problem first seen while a graph is
+captured keeps torch's matmul for good (nothing can be timed then), so eager rounds give the graph's bits.
 
 The picks are timed, so two processes may pick differently where candidates are close, and their outputs may then
-differ in the last bits (as with cuBLAS on two GPU models). Within a process the eager and the graph rounds use the
-same picks (a problem first seen while a graph is captured keeps torch's matmul for good), and each algorithm is
-deterministic. A candidate that fails to run is dropped; a problem none of whose candidates runs keeps torch's matmul.
+differ in the last bits (as with cuBLAS on two GPU models). Each algorithm is deterministic.
 """
 
 from __future__ import annotations
@@ -91,13 +92,14 @@ def active() -> bool:
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a projection of x [M, K] over weight [N, K] is one this module tunes: 1 to MAX_ROWS rows, 16-bit CUDA
-    tensors of one dtype and device, last dims contiguous, the weight 16-byte aligned (so that copies of it are the
-    same problem)."""
-    return (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+    """Whether a projection of x [..., K] over weight [N, K] is one this module tunes: 1 to MAX_ROWS rows, 16-bit
+    CUDA tensors of one dtype and device, last dims contiguous, the weight 16-byte aligned (so that copies of it are
+    the same problem)."""
+    rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+    return (x.is_cuda and x.dim() >= 1 and weight.dim() == 2 and 1 <= rows <= MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.device == x.device and x.shape[1] == weight.shape[1]
-            and x.stride(1) == 1 and weight.stride(1) == 1 and _alignment(weight) == 16)
+            and weight.dtype == x.dtype and weight.device == x.device and x.shape[-1] == weight.shape[1]
+            and x.stride(-1) == 1 and weight.stride(1) == 1 and _alignment(weight) == 16)
 
 
 def algorithm(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:

@@ -469,7 +469,7 @@ def linear_cublaslt(x: torch.Tensor, weight: torch.Tensor, algorithm: int, *,
 
     Rows may lie further apart than their length (x, weight and out rows with any stride >= K, K and N), so a row
     block of a stacked weight needs no copy. Graph-safe: the candidate's workspace comes from torch's allocator on
-    the current stream. ``ddtree_ext.gemm`` times the candidates per shape and picks one.
+    the current stream. ``ddtree_ext.gemm_tuning`` times the candidates per shape and picks one.
     """
     rows = _rows(x)
     out = _linear_out("linear_cublaslt", x, weight, out)
