@@ -4,8 +4,8 @@
 // replayed from a CUDA graph, where every small kernel still costs its GPU time: on the H200 a 27B-shaped
 // RMSNorm took 16 us as HF's chain and 2.8 us as one launch (benchmarks/results/2026-11-29-h200-layer-ops.md).
 //
-// rms_norm gives each row a group of threads: a warp when the row is short (attention heads, GDN value
-// heads: 128-256 features), a 256-thread block when it is a hidden state (thousands). A thread keeps its
+// rms_norm gives each row a group of threads: half a warp or a warp when the row is short (GDN value heads: 128
+// features, attention heads: 128-256), a 256-thread block when it is a hidden state (thousands). A thread keeps its
 // chunks of the row in registers between the sum of squares and the output (kCachedChunks).
 //
 // Determinism: an op's bits never depend on the alignment of its inputs (a captured graph and an eager
@@ -111,15 +111,24 @@ __device__ __forceinline__ void rms_norm_chunk(const float (&v)[C], const float 
   }
 }
 
-// GROUP threads per row (a warp or the whole block); thread t takes the row's chunks t, t + GROUP, ...
+// The sum of x over each group of GROUP consecutive lanes (GROUP <= 32, a power of two), butterflies from GROUP / 2
+// down. A row of at most GROUP chunks gets the same bits from any larger group: the lanes past its chunks add zeros.
+template <int GROUP>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int off = GROUP / 2; off > 0; off >>= 1) x += __shfl_xor_sync(cuda::kFullMask, x, off);
+  return x;
+}
+
+// GROUP threads per row (half a warp, a warp or the whole block); thread t takes the row's chunks t, t + GROUP, ...
 template <typename T, int GROUP, bool PACKED>
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T> p) {
   constexpr int kRowsPerBlock = kThreads / GROUP;
-  constexpr int kWarpsPerGroup = GROUP / cuda::kWarp;
+  constexpr int kWarpsPerGroup = GROUP >= cuda::kWarp ? GROUP / cuda::kWarp : 1;
   constexpr int C = 16 / sizeof(T);
   // A warp's rows are heads (128-256 features: one chunk per lane in 16-bit dtypes); more cached chunks there cost
   // registers, and at 65 rows x 48 heads the 390 blocks then took two waves (measured: 3.6 against 2.9 us a call).
-  constexpr int K = GROUP == cuda::kWarp ? 1 : kCachedChunks;
+  constexpr int K = GROUP <= cuda::kWarp ? 1 : kCachedChunks;
   __shared__ float partial[kRowsPerBlock][kWarpsPerGroup];
   const int slot = threadIdx.x / GROUP, t = threadIdx.x % GROUP;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + slot;
@@ -180,7 +189,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
     // order makes them visible), and sum_out may be x or the residual itself.
     if (sum_out != nullptr) x = sum_out;
   }
-  sum = cuda::warp_sum(sum);
+  sum = group_sum<GROUP < cuda::kWarp ? GROUP : cuda::kWarp>(sum);
   if (kWarpsPerGroup > 1) {
     if (t % cuda::kWarp == 0) partial[slot][t / cuda::kWarp] = sum;
     __syncthreads();
@@ -437,11 +446,18 @@ void launch_rms_norm(const RmsNormArgs<T>& args) {
   cuda::launch_programmatic(rms_norm_kernel<T, GROUP, PACKED>, dim3(blocks), dim3(kThreads), 0, args);
 }
 
-// rms_norm's and add_rms_norm's launch: a block per row for hidden states, a warp per row for heads.
+// rms_norm's and add_rms_norm's launch: a block per row for hidden states, a warp per row for heads, half a warp for
+// heads of at most 16 chunks (128 features in 16-bit dtypes: a GDN value head). A warp there left half its lanes
+// idle, and the 27B GDN layers' gated norm at 65 rows (3120 heads) was bound by its warps' instruction issue (Nsight
+// Compute in a replayed round: 8.3 us, 22 of 32 lanes active on average). The sums run in the order a warp ran them
+// (its lanes past the row's chunks only added zeros).
 template <typename T>
 void launch_rms_norm_rows(const RmsNormArgs<T>& args, bool packed) {
+  constexpr int kHalfWarp = cuda::kWarp / 2;
   if (args.dim > kLongRowFeatures) {
     packed ? launch_rms_norm<T, kThreads, true>(args) : launch_rms_norm<T, kThreads, false>(args);
+  } else if (args.dim <= kHalfWarp * static_cast<int>(16 / sizeof(T))) {
+    packed ? launch_rms_norm<T, kHalfWarp, true>(args) : launch_rms_norm<T, kHalfWarp, false>(args);
   } else {
     packed ? launch_rms_norm<T, cuda::kWarp, true>(args) : launch_rms_norm<T, cuda::kWarp, false>(args);
   }
