@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ddtree_ext.fused import LayerFusion, gqa_attention, rotary
+from ddtree_ext.fused import LayerFusion, add_norm, gqa_attention, rotary
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -88,10 +88,11 @@ class DFlashAttention(nn.Module):
         """[B, S, hidden] -> [B, heads, S, head_dim]."""
         return proj(x).view(*x.shape[:-1], heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, block, context, cos, sin, cache_keys, cache_values, context_rows, block_rows, kv_len):
+    def forward(self, block, context, cos, sin, cache_keys, cache_values, context_rows, block_rows, kv_len, mask=None):
         """block [B, S, hidden] (normed), context [B, T, hidden] (new context rows, maybe padded),
         cos/sin [B, 1, T + S, head_dim] at the rows' positions; cache_keys/values this layer's buffers;
-        context_rows [B, T] / block_rows [B, S] int64 the cache rows (= positions) they go to.
+        context_rows [B, T] / block_rows [B, S] int64 the cache rows (= positions) they go to; mask this
+        layer's :meth:`mask` when the caller has it already (layers with one attention rule share it).
         Writes the context K/V, then the block's (which overwrites any padding rows), then attends over
         the first kv_len rows. Returns [B, S, hidden]."""
         ctx_len = context.shape[1]
@@ -108,8 +109,8 @@ class DFlashAttention(nn.Module):
             cache_keys.scatter_(2, index, key[:, :, part])
             cache_values.scatter_(2, index, value[:, :, part])
         attn = gqa_attention(
-            query, cache_keys[:, :, :kv_len], cache_values[:, :, :kv_len], self.mask(block_rows, kv_len),
-            self.head_dim**-0.5,
+            query, cache_keys[:, :, :kv_len], cache_values[:, :, :kv_len],
+            self.mask(block_rows, kv_len) if mask is None else mask, self.head_dim**-0.5,
         )
         return self.o_proj(attn.transpose(1, 2).reshape(*block.shape[:-1], self.num_heads * self.head_dim))
 
@@ -130,7 +131,8 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    """Pre-norm residual layer: block attention over [context ; block], then a SwiGLU MLP."""
+    """Pre-norm residual layer: block attention over [context ; block], then a SwiGLU MLP. ``propose`` runs its parts
+    itself, each residual add fused into the next norm (the same bits as this forward)."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -175,6 +177,9 @@ def _validate_config(config) -> None:
         raise ValueError(
             f"{where}: dflash_config.target_layer_ids must be a non-empty list of layer indices, got {ids!r}"
         )
+    layers = config.num_hidden_layers
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise ValueError(f"{where}: num_hidden_layers must be an int >= 1, got {layers!r}")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         if len(layer_types) != config.num_hidden_layers:
@@ -384,10 +389,23 @@ class DFlashDraftModel(nn.Module):
         hidden = (embed_tokens(block_ids.to(embed_device)) * self.input_embedding_scale).to(device=device, dtype=dtype)
         positions = torch.cat([context_rows, block_rows], dim=1)
         cos, sin = (t.unsqueeze(1) for t in self.rotary_emb(hidden, positions))
+        # The layers' forwards, with two launches fewer per layer: each residual add runs fused into the norm after it
+        # (the next layer's input norm, the last one into the final norm; the same bits as the add, then the norm),
+        # and the attention mask is built once per attention rule (causal, window), not per layer.
+        masks = {}
+        normed = self.layers[0].input_layernorm(hidden)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], context_rows, block_rows, kv_len)
+            attn = layer.self_attn
+            rule = (attn.is_causal, attn.sliding_window)
+            if rule not in masks:
+                masks[rule] = attn.mask(block_rows, kv_len)
+            out = attn(normed, context, cos, sin, cache.keys[i], cache.values[i], context_rows, block_rows, kv_len,
+                       mask=masks[rule])
+            normed, hidden = add_norm(layer.post_attention_layernorm, out, hidden)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            normed, hidden = add_norm(next_norm, layer.mlp(normed), hidden)
 
-        normed = self.norm(hidden[:, 1:])
+        normed = normed[:, 1:]  # the block's first row is the bonus token's: no logits
         logits = lm_head(normed.to(_callable_device(lm_head, device))).float().to(device)
         if self.output_multiplier != 1.0:
             logits = logits * self.output_multiplier

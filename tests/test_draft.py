@@ -163,6 +163,7 @@ def test_from_pretrained_without_weights(target, tmp_path):
         (dict(layer_types=["full_attention"]), "layer_types has 1 entries for 2 layers"),
         (dict(sliding_window=None), "sliding_window"),
         (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(num_hidden_layers=0, layer_types=[]), "num_hidden_layers must be an int >= 1, got 0"),
     ],
 )
 def test_config_validation(target, attributes, message):
@@ -441,6 +442,28 @@ def test_propose_matches_dense_reference(target, case):
         draft.propose(context[:, :9], random_bonus(2, 256, seed=9), cache, **propose_args(target))
         actual = draft.propose(context[:, 9:], bonus, cache, **propose_args(target))
     assert_close(actual, expected.float(), torch.float32, case)
+
+
+@pytest.mark.parametrize("case", ["sliding+full", "is_causal=True"])
+def test_fused_residual_adds_give_the_layers_own_bits(target, case, monkeypatch):
+    """propose runs each residual add fused into the norm after it and one mask per attention rule; with the adds
+    apart (fused.fuse_residual_adds off: the add, then the norm's own forward) the logits and the cache are the same
+    bits."""
+    from ddtree_ext import fused
+
+    kw = {"sliding_window": 6, **ATTENTION_CASES[case]}
+    draft = make_tiny_draft(target, seed=1, **kw)
+    context, bonus = random_context(draft, 2, 13, seed=2), random_bonus(2, 256, seed=2)
+    runs = []
+    for fuse in (True, False):
+        monkeypatch.setattr(fused, "fuse_residual_adds", fuse)
+        cache = draft.new_cache(2, capacity=CAPACITY)
+        with torch.no_grad():
+            draft.propose(context[:, :9], random_bonus(2, 256, seed=9), cache, **propose_args(target))
+            runs.append((draft.propose(context[:, 9:], bonus, cache, **propose_args(target)), cache))
+    (fused_logits, fused_cache), (apart_logits, apart_cache) = runs
+    assert torch.equal(fused_logits, apart_logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_cache.keys + fused_cache.values, apart_cache.keys + apart_cache.values))
 
 
 def test_dense_reference_sees_the_window(target):
