@@ -132,7 +132,8 @@ class DFlashAttention(nn.Module):
 
 class DFlashDecoderLayer(nn.Module):
     """Pre-norm residual layer: block attention over [context ; block], then a SwiGLU MLP. ``propose`` runs its parts
-    itself, each residual add fused into the next norm (the same bits as this forward)."""
+    itself, each residual add fused into the next norm (``DFlashDraftModel._run_layers``: the same bits as this
+    forward, which a test checks)."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -225,9 +226,9 @@ class DFlashDraftModel(nn.Module):
         super().__init__()
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+        _validate_config(config)
         if getattr(config, "layer_types", None) is None:
             config.layer_types = [FULL_ATTENTION] * config.num_hidden_layers
-        _validate_config(config)
         self.config = config
         self.block_size: int = _draft_value(config, "block_size", 16)
         self.mask_token_id: int = _draft_value(config, "mask_token_id")
@@ -389,9 +390,22 @@ class DFlashDraftModel(nn.Module):
         hidden = (embed_tokens(block_ids.to(embed_device)) * self.input_embedding_scale).to(device=device, dtype=dtype)
         positions = torch.cat([context_rows, block_rows], dim=1)
         cos, sin = (t.unsqueeze(1) for t in self.rotary_emb(hidden, positions))
-        # The layers' forwards, with two launches fewer per layer: each residual add runs fused into the norm after it
-        # (the next layer's input norm, the last one into the final norm; the same bits as the add, then the norm),
-        # and the attention mask is built once per attention rule (causal, window), not per layer.
+        normed = self._run_layers(hidden, context, cos, sin, cache, context_rows, block_rows, kv_len)
+        logits = lm_head(normed.to(_callable_device(lm_head, device))).float().to(device)
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
+
+    def _run_layers(self, hidden, context, cos, sin, cache, context_rows, block_rows, kv_len) -> torch.Tensor:
+        """The decoder layers and the final norm over the block's hidden states [B, S, hidden] (the other arguments:
+        _forward_block's); returns the normed rows 1 .. S - 1 (row 0 is the bonus token's: no logits).
+
+        The layers' own forwards in turn, then the final norm, with two launches fewer per layer: each residual add
+        runs fused into the norm after it (the next layer's input norm, the last one into the final norm; the same
+        bits as the add, then the norm), and the attention mask is built once per attention rule (causal, window),
+        not per layer."""
         masks = {}
         normed = self.layers[0].input_layernorm(hidden)
         for i, layer in enumerate(self.layers):
@@ -404,14 +418,7 @@ class DFlashDraftModel(nn.Module):
             normed, hidden = add_norm(layer.post_attention_layernorm, out, hidden)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             normed, hidden = add_norm(next_norm, layer.mlp(normed), hidden)
-
-        normed = normed[:, 1:]  # the block's first row is the bonus token's: no logits
-        logits = lm_head(normed.to(_callable_device(lm_head, device))).float().to(device)
-        if self.output_multiplier != 1.0:
-            logits = logits * self.output_multiplier
-        if self.final_logit_softcapping is not None:
-            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
-        return logits
+        return normed[:, 1:]
 
     @classmethod
     def from_pretrained(

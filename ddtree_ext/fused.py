@@ -115,7 +115,8 @@ def _gated_norm_forward(norm: torch.nn.Module, hidden_states: torch.Tensor, gate
 # ---- residual adds, fused into the norm after them ---------------------------------------------------------
 
 # Whether decoder layers (the target's and the draft's) run their residual adds fused into the RMSNorm that reads the
-# sum (ops.add_rms_norm: one launch where HF runs an add and a norm). ``benchmarks/e2e.py --no-fused-adds`` turns it off for A/B runs.
+# sum (ops.add_rms_norm: one launch where HF runs an add and a norm). ``benchmarks/e2e.py --no-fused-adds`` turns
+# it off for A/B runs.
 fuse_residual_adds = True
 
 

@@ -1,5 +1,5 @@
 """One decode round replayed from CUDA graphs at a benchmark preset's shapes, for Nsight Compute, and a summary of
-what it measured: each kernel's time beside the DRAM bytes it moved, in the round's own order and cache state.
+what it measured: each kernel's time beside the DRAM bytes it moved (in the round's cache state), by kernel.
 
     ncu --profile-from-start off --graph-profiling node --cache-control none --clock-control none \\
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv --log-file round.csv \\
@@ -17,8 +17,6 @@ import os
 import re
 import sys
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, ROOT)
@@ -32,10 +30,13 @@ class _ProfileOneRound:
         self.first, self.calls = first, 0
 
     def put(self, value):
+        import torch
+
         self.calls += 1
         if self.calls in (self.first, self.first + 1):
             torch.cuda.synchronize()
-            (torch.cuda.cudart().cudaProfilerStart if self.calls == self.first else torch.cuda.cudart().cudaProfilerStop)()
+            cudart = torch.cuda.cudart()
+            (cudart.cudaProfilerStart if self.calls == self.first else cudart.cudaProfilerStop)()
 
     def end(self):
         pass
@@ -43,6 +44,7 @@ class _ProfileOneRound:
 
 def run(args) -> None:
     import e2e
+    import torch
 
     import ddtree_ext
     from ddtree_ext import generate, round as round_module
@@ -54,13 +56,19 @@ def run(args) -> None:
     ddtree_ext.stack_projections(target)
     ddtree_ext.stack_projections(draft)
     adapter = TargetAdapter(target, draft.target_layer_ids)
-    prompt = torch.randint(0, adapter.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).cuda()
-    # Eager rounds, then the capturing round, then args.skip replayed rounds before the profiled one.
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, adapter.vocab_size, (1, args.prompt_len), generator=gen).cuda()
+    # Eager rounds, then the capturing round, then args.skip replayed rounds before the profiled one (0-based round
+    # first - 2: the streamer's first two calls are the prompt and the prefill's token). Enough tokens that the
+    # generation lasts past it even where every round accepts a whole block.
     first = 2 + round_module.EAGER_ROUNDS_BEFORE_CAPTURE + 1 + args.skip
-    kw = dict(method=args.method, tree_budget=max(args.budget, 1), cuda_graph=True)
-    generate(adapter, draft, prompt, first + 4, streamer=_ProfileOneRound(first), **kw)
+    kw = dict(method=args.method, tree_budget=max(args.budget, 1), cuda_graph=True, return_stats=True)
+    _, stats = generate(adapter, draft, prompt, (first + 2) * draft.block_size, streamer=_ProfileOneRound(first), **kw)
     torch.cuda.synchronize()
-    print(f"profiled round {first - 1} of {args.preset} {args.method} budget {args.budget}")
+    profiled = first - 2
+    if stats.rounds <= profiled or not stats.round_replayed[profiled]:
+        raise SystemExit(f"round {profiled} was not replayed from graphs (a new attention width?): profile not valid")
+    print(f"profiled round {profiled} (0-based) of {args.preset} {args.method} budget {args.budget}")
 
 
 def _short(name: str) -> str:
@@ -70,16 +78,21 @@ def _short(name: str) -> str:
     return name[:70]
 
 
+# Nsight Compute's units of the metrics read here, to microseconds and bytes.
+_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "byte": 1.0,
+          "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}
+
+
 def summarize(path: str, top: int) -> None:
     kernels = collections.OrderedDict()  # ncu's kernel ID -> {name, metrics}
     with open(path, newline="") as f:
         lines = [line for line in f if line.startswith('"')]  # the CSV rows (ncu's own messages start with ==)
     for row in csv.DictReader(lines):
-        k = kernels.setdefault(row["ID"], {"name": _short(row["Kernel Name"]), "grid": row.get("Grid Size", "")})
-        value = float(row["Metric Value"].replace(",", "")) if row["Metric Value"] not in ("", "n/a") else 0.0
-        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "byte": 1.0,
-                 "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}[row["Metric Unit"]]  # to microseconds and bytes
-        k[row["Metric Name"]] = value * scale
+        k = kernels.setdefault(row["ID"], {"name": _short(row["Kernel Name"])})
+        scale = _UNITS.get(row["Metric Unit"])
+        if scale is None or row["Metric Value"] in ("", "n/a"):
+            continue  # a metric this summary does not read
+        k[row["Metric Name"]] = float(row["Metric Value"].replace(",", "")) * scale
     rows = list(kernels.values())
     total_us = sum(k.get("gpu__time_duration.sum", 0.0) for k in rows)
     total_mb = sum(k.get("dram__bytes_read.sum", 0.0) + k.get("dram__bytes_write.sum", 0.0) for k in rows) / 1e6

@@ -766,9 +766,10 @@ def test_store_kv_skips_slots_outside_the_caches():
 
 # ---- layer bodies ---------------------------------------------------------------------------------
 
-# (rows, features): a decode step, head sizes (3121 x 128: the 27B GDN heads of a 65-node tree, and a row past them),
-# odd sizes (single-element path), 27B hidden and MLP rows.
-LAYER_SHAPES = [(1, 5120), (65, 5120), (130, 256), (7, 128), (3121, 128), (5, 7), (3, 129), (3, 1037), (2, 17408)]
+# (rows, features): a decode step, head sizes (3121 x 128: the 27B GDN heads of a 65-node tree, and a row past them;
+# 64: half-warp rows of 8 or 16 chunks), odd sizes (single-element path), 27B hidden and MLP rows.
+LAYER_SHAPES = [(1, 5120), (65, 5120), (130, 256), (7, 128), (3121, 128), (9, 64), (5, 7), (3, 129), (3, 1037),
+                (2, 17408)]
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

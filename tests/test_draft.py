@@ -444,26 +444,46 @@ def test_propose_matches_dense_reference(target, case):
     assert_close(actual, expected.float(), torch.float32, case)
 
 
+def _layers_one_by_one(self, hidden, context, cos, sin, cache, context_rows, block_rows, kv_len):
+    """DFlashDraftModel._run_layers as the layers' own forwards in turn, then the final norm."""
+    for i, layer in enumerate(self.layers):
+        hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], context_rows, block_rows, kv_len)
+    return self.norm(hidden[:, 1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", ["sliding+full", "is_causal=True"])
-def test_fused_residual_adds_give_the_layers_own_bits(target, case, monkeypatch):
-    """propose runs each residual add fused into the norm after it and one mask per attention rule; with the adds
-    apart (fused.fuse_residual_adds off: the add, then the norm's own forward) the logits and the cache are the same
-    bits."""
-    from ddtree_ext import fused
+def test_propose_gives_its_layers_own_bits(target, case, dtype, monkeypatch):
+    """propose runs the layers with each residual add fused into the norm after it (ops.add_rms_norm) and one mask per
+    attention rule: the logits and the cache are the bits of the layers' own forwards run in turn, in both bf16 and
+    float32, over two calls (the second reads the first one's cache)."""
+    from ddtree_ext import ops
+    from ddtree_ext.draft import DFlashDraftModel
 
     kw = {"sliding_window": 6, **ATTENTION_CASES[case]}
-    draft = make_tiny_draft(target, seed=1, **kw)
-    context, bonus = random_context(draft, 2, 13, seed=2), random_bonus(2, 256, seed=2)
+    draft = make_tiny_draft(target, seed=1, **kw).to(dtype)
+    head = torch.nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=False).to(dtype)
+    head.weight.data.copy_(target.get_output_embeddings().weight.to(dtype))
+    embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.to(dtype))
+    context, bonus = random_context(draft, 2, 13, seed=2).to(dtype), random_bonus(2, 256, seed=2)
+    fused_calls, stock = [0], ops.add_rms_norm
+
+    def counted(*args, **kwargs):
+        fused_calls[0] += 1
+        return stock(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "add_rms_norm", counted)
     runs = []
-    for fuse in (True, False):
-        monkeypatch.setattr(fused, "fuse_residual_adds", fuse)
+    for run_layers in (DFlashDraftModel._run_layers, _layers_one_by_one):
+        monkeypatch.setattr(DFlashDraftModel, "_run_layers", run_layers)
         cache = draft.new_cache(2, capacity=CAPACITY)
         with torch.no_grad():
-            draft.propose(context[:, :9], random_bonus(2, 256, seed=9), cache, **propose_args(target))
-            runs.append((draft.propose(context[:, 9:], bonus, cache, **propose_args(target)), cache))
-    (fused_logits, fused_cache), (apart_logits, apart_cache) = runs
-    assert torch.equal(fused_logits, apart_logits)
-    assert all(torch.equal(a, b) for a, b in zip(fused_cache.keys + fused_cache.values, apart_cache.keys + apart_cache.values))
+            first = draft.propose(context[:, :9], random_bonus(2, 256, seed=9), cache, embed_tokens=embed, lm_head=head)
+            runs.append((first, draft.propose(context[:, 9:], bonus, cache, embed_tokens=embed, lm_head=head), cache))
+    assert fused_calls[0] == 2 * 2 * len(draft.layers)  # two per layer and call, in the first run only
+    (first_a, second_a, cache_a), (first_b, second_b, cache_b) = runs
+    assert torch.equal(first_a, first_b) and torch.equal(second_a, second_b)
+    assert all(torch.equal(a, b) for a, b in zip(cache_a.keys + cache_a.values, cache_b.keys + cache_b.values))
 
 
 def test_dense_reference_sees_the_window(target):
