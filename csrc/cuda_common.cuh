@@ -199,9 +199,13 @@ __device__ __forceinline__ void store_pack_float(T* p, const float (&in)[N]) {
   *reinterpret_cast<Pack<T, N>*>(p) = pk;
 }
 
+// The sum of x over each group of LANES consecutive lanes (a power of two <= 32; the whole warp by default),
+// butterflies from LANES / 2 down; every lane of the warp must call it.
+template <int LANES = kWarp>
 __device__ __forceinline__ float warp_sum(float x) {
+  static_assert(LANES >= 1 && LANES <= kWarp && (LANES & (LANES - 1)) == 0, "LANES: a power of two <= 32");
 #pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
+  for (int off = LANES / 2; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
   return x;
 }
 

@@ -111,15 +111,6 @@ __device__ __forceinline__ void rms_norm_chunk(const float (&v)[C], const float 
   }
 }
 
-// The sum of x over each group of GROUP consecutive lanes (GROUP <= 32, a power of two), butterflies from GROUP / 2
-// down. A row of at most GROUP chunks gets the same bits from any larger group: the lanes past its chunks add zeros.
-template <int GROUP>
-__device__ __forceinline__ float group_sum(float x) {
-#pragma unroll
-  for (int off = GROUP / 2; off > 0; off >>= 1) x += __shfl_xor_sync(cuda::kFullMask, x, off);
-  return x;
-}
-
 // GROUP threads per row (half a warp, a warp or the whole block); thread t takes the row's chunks t, t + GROUP, ...
 template <typename T, int GROUP, bool PACKED>
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T> p) {
@@ -189,7 +180,8 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
     // order makes them visible), and sum_out may be x or the residual itself.
     if (sum_out != nullptr) x = sum_out;
   }
-  sum = group_sum<GROUP < cuda::kWarp ? GROUP : cuda::kWarp>(sum);
+  // Half a warp's rows sum over their 16 lanes: the bits a whole warp gave them, whose other lanes only added zeros.
+  sum = cuda::warp_sum<(GROUP < cuda::kWarp ? GROUP : cuda::kWarp)>(sum);
   if (kWarpsPerGroup > 1) {
     if (t % cuda::kWarp == 0) partial[slot][t / cuda::kWarp] = sum;
     __syncthreads();

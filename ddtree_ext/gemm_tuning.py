@@ -189,6 +189,7 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:
     nbytes = weight.shape[0] * weight.shape[1] * weight.element_size()
     estimate = nbytes / 3e12  # seconds per call at about the copy rate of a current GPU
     calls = max(len(copies), min(_MAX_CALLS, math.ceil(_BATCH_SECONDS / max(estimate, 1e-7))))
+
     def candidate(i):
         return lambda w: ops.linear_cublaslt(x, w, i, out=out)
 
