@@ -371,11 +371,13 @@ void check_store_kv(const at::Tensor& keys, const at::Tensor& values, const at::
   DDTREE_CHECK_DTYPE(op, values, keys.scalar_type());
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, values);
   DDTREE_CHECK_SAME_DEVICE(op, keys, values);
-  DDTREE_CHECK_DIM(op, slots, 1);
+  TORCH_CHECK_VALUE(slots.dim() == 1 || (slots.dim() == 2 && slots.size(0) == bsz), op,
+                    ": slots must have shape [N] (one slot table for every batch row) or [B, N] = [", bsz,
+                    ", N], got ", shape_str(slots.sizes()));
   DDTREE_CHECK_DTYPE(op, slots, at::kLong);
   DDTREE_CHECK_CONTIGUOUS(op, slots);
   DDTREE_CHECK_SAME_DEVICE(op, keys, slots);
-  const int64_t n = slots.size(0);
+  const int64_t n = slots.size(-1);
   for (const auto* t : {&key_states, &value_states}) {
     const char* name = t == &key_states ? "key_states" : "value_states";
     TORCH_CHECK_VALUE(t->dim() == 4 && t->size(0) == bsz && t->size(1) == heads && t->size(2) == n &&
@@ -401,13 +403,22 @@ void store_kv_cpu(at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
                   const at::Tensor& value_states) {
   constexpr const char* op = "store_kv";
   check_store_kv(keys, values, slots, key_states, value_states);
+  // Every slot is checked before anything is written: a bad one leaves the caches as they were.
   const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t n = slots.size(-1);
   for (int64_t i = 0; i < slots.numel(); ++i) {
-    DDTREE_CHECK(op, 0 <= s[i] && s[i] < keys.size(2), "slots[", i, "] = ", s[i], " must be in [0, ", keys.size(2),
-                 ") (the caches' slots)");
+    DDTREE_CHECK(op, s[i] < keys.size(2), "slots[",
+                 slots.dim() == 2 ? std::to_string(i / n) + ", " + std::to_string(i % n) : std::to_string(i), "] = ",
+                 s[i], " must be below ", keys.size(2), " (the caches' slots; a negative slot stores nothing)");
   }
-  keys.index_copy_(2, slots, key_states);
-  values.index_copy_(2, slots, value_states);
+  for (int64_t b = 0; b < keys.size(0); ++b) {
+    const at::Tensor row = slots.dim() == 2 ? slots[b] : slots;
+    const at::Tensor keep = (row >= 0).nonzero().view(-1);  // the rows stored, in order
+    const bool all = keep.numel() == n;
+    const at::Tensor to = all ? row : row.index_select(0, keep);
+    keys[b].index_copy_(1, to, all ? key_states[b] : key_states[b].index_select(1, keep));
+    values[b].index_copy_(1, to, all ? value_states[b] : value_states[b].index_select(1, keep));
+  }
 }
 
 }  // namespace ddtree

@@ -508,13 +508,15 @@ struct StoreKvArgs {
   const char* key_states;
   const char* value_states;
   const int64_t* slots;
+  int64_t slots_sb;             // 0: one slot table for every batch row
   int64_t cache_strides[2][3];  // keys, values: B, H, slot (in elements)
   int64_t state_strides[2][3];  // key_states, value_states: B, H, N
   int64_t batch, heads, nodes, num_slots, packs_per_row, total;
 };
 
-// One thread per (b, h, n, pack of W bytes): copies that pack of the node's key row and of its value row to slot
-// slots[n]. A slot outside the caches is skipped (no device-side check can raise; the caller guarantees the range).
+// One thread per (b, h, n, pack of W bytes): copies that pack of row n's key and value to slot slots[b, n] (slots[n]
+// for a shared table). A negative slot stores nothing (a padding row); one past the caches is skipped too (no
+// device-side check can raise; the caller guarantees the range).
 template <typename W, int ELEMENT>
 __global__ void __launch_bounds__(256) store_kv_kernel(const StoreKvArgs a) {
   cuda::allow_dependent_launch();
@@ -523,7 +525,7 @@ __global__ void __launch_bounds__(256) store_kv_kernel(const StoreKvArgs a) {
   if (idx >= a.total) return;
   const int64_t pack = idx % a.packs_per_row, row = idx / a.packs_per_row;
   const int64_t n = row % a.nodes, bh = row / a.nodes, h = bh % a.heads, b = bh / a.heads;
-  const int64_t slot = a.slots[n];
+  const int64_t slot = a.slots[b * a.slots_sb + n];
   if (slot < 0 || slot >= a.num_slots) return;
   constexpr int64_t kElements = sizeof(W) / ELEMENT;  // elements per pack
   const char* src[2] = {a.key_states, a.value_states};
@@ -565,6 +567,7 @@ void store_kv_cuda(at::Tensor& keys, at::Tensor& values, const at::Tensor& slots
   a.key_states = static_cast<const char*>(key_states.data_ptr());
   a.value_states = static_cast<const char*>(value_states.data_ptr());
   a.slots = slots.data_ptr<int64_t>();
+  a.slots_sb = slots.dim() == 2 ? slots.stride(0) : 0;
   const at::Tensor* caches[2] = {&keys, &values};
   const at::Tensor* states[2] = {&key_states, &value_states};
   // 16-byte packs when every row of all four tensors starts 16-byte aligned.
@@ -578,7 +581,7 @@ void store_kv_cuda(at::Tensor& keys, at::Tensor& values, const at::Tensor& slots
     packed = packed && cuda::is_aligned(caches[t]->data_ptr(), 16) && cuda::is_aligned(states[t]->data_ptr(), 16);
   }
   a.heads = keys.size(1);
-  a.nodes = slots.size(0);
+  a.nodes = slots.size(-1);
   a.num_slots = keys.size(2);
   a.batch = keys.size(0);
   if (element == 2) {

@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ddtree_ext.fused import LayerFusion, add_norm, gqa_attention, rotary
+from ddtree_ext import ops
+from ddtree_ext.fused import LayerFusion, add_norm, gqa_attention, ops_apply, rotary
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -88,13 +89,14 @@ class DFlashAttention(nn.Module):
         """[B, S, hidden] -> [B, heads, S, head_dim]."""
         return proj(x).view(*x.shape[:-1], heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, block, context, cos, sin, cache_keys, cache_values, context_rows, block_rows, kv_len, mask=None):
+    def forward(self, block, context, cos, sin, cache_keys, cache_values, kv_slots, block_rows, kv_len, mask=None):
         """block [B, S, hidden] (normed), context [B, T, hidden] (new context rows, maybe padded),
         cos/sin [B, 1, T + S, head_dim] at the rows' positions; cache_keys/values this layer's buffers;
-        context_rows [B, T] / block_rows [B, S] int64 the cache rows (= positions) they go to; mask this
-        layer's :meth:`mask` when the caller has it already (layers with one attention rule share it).
-        Writes the context K/V, then the block's (which overwrites any padding rows), then attends over
-        the first kv_len rows. Returns [B, S, hidden]."""
+        kv_slots [B, T + S] int64 the cache row (= position) of each context and block row, negative for a
+        padding context row (not stored); block_rows [B, S] int64 the block's positions; mask this layer's
+        :meth:`mask` when the caller has it already (layers with one attention rule share it).
+        Writes the K/V of the context and the block, then attends over the first kv_len rows. Returns
+        [B, S, hidden]."""
         ctx_len = context.shape[1]
         query = self.q_norm(self._heads(self.q_proj, block, self.num_heads))
         kv_input = torch.cat([context, block], dim=1)
@@ -102,12 +104,13 @@ class DFlashAttention(nn.Module):
         value = self._heads(self.v_proj, kv_input, self.num_kv_heads)
         query = rotary(query, cos[:, 0, ctx_len:], sin[:, 0, ctx_len:])
         key = rotary(key, cos[:, 0], sin[:, 0])
-
-        # Two scatters in this order: a padding context row and a block row may share a cache row.
-        for rows, part in ((context_rows, slice(0, ctx_len)), (block_rows, slice(ctx_len, None))):
-            index = rows[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
-            cache_keys.scatter_(2, index, key[:, :, part])
-            cache_values.scatter_(2, index, value[:, :, part])
+        if ops_apply(key, value, cache_keys, cache_values):
+            ops.store_kv(cache_keys, cache_values, kv_slots, key, value)  # one launch for K and V, every row
+        else:  # autograd or a dtype the ops do not take: index copies, which read which rows are padding
+            for b, slots in enumerate(kv_slots):
+                keep = slots >= 0
+                cache_keys[b].index_copy_(1, slots[keep], key[b][:, keep])
+                cache_values[b].index_copy_(1, slots[keep], value[b][:, keep])
         attn = gqa_attention(
             query, cache_keys[:, :, :kv_len], cache_values[:, :, :kv_len],
             self.mask(block_rows, kv_len) if mask is None else mask, self.head_dim**-0.5,
@@ -144,9 +147,9 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, context, cos, sin, cache_keys, cache_values, context_rows, block_rows, kv_len):
+    def forward(self, hidden, context, cos, sin, cache_keys, cache_values, kv_slots, block_rows, kv_len):
         hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), context, cos, sin, cache_keys, cache_values, context_rows, block_rows, kv_len
+            self.input_layernorm(hidden), context, cos, sin, cache_keys, cache_values, kv_slots, block_rows, kv_len
         )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -370,17 +373,20 @@ class DFlashDraftModel(nn.Module):
         context_rows = cache.length[:, None] + steps[:ctx_len]
         start = cache.length + appended  # position of the bonus token, [B]
         block_rows = start[:, None] + steps[: self.block_size]
+        # Where each context and block row's K/V goes. A padding context row (past num_context) is not stored: the
+        # block's rows, which start right after the real context rows, cover its cache row.
+        kv_slots = torch.cat([torch.where(steps[:ctx_len] < appended[:, None], context_rows, -1), block_rows], dim=1)
 
         with self._fusion.active():
             logits = self._forward_block(context_hidden, bonus_token, cache, embed_tokens, lm_head, context_rows,
-                                         block_rows, kv_len)
+                                         block_rows, kv_slots, kv_len)
         # Only now the context rows count as appended: a call that raised before this line leaves the
         # cache as it was (the rows it wrote are scratch), so a retry does not append them twice.
         cache.length += appended
         return logits
 
     def _forward_block(self, context_hidden, bonus_token, cache, embed_tokens, lm_head, context_rows, block_rows,
-                       kv_len) -> torch.Tensor:
+                       kv_slots, kv_len) -> torch.Tensor:
         """The layers over the context rows and the block (propose's arguments); returns the logits."""
         batch, device, dtype = bonus_token.shape[0], self.fc.weight.device, self.fc.weight.dtype
         context = self.hidden_norm(self.fc(context_hidden.to(device=device, dtype=dtype)))
@@ -390,7 +396,7 @@ class DFlashDraftModel(nn.Module):
         hidden = (embed_tokens(block_ids.to(embed_device)) * self.input_embedding_scale).to(device=device, dtype=dtype)
         positions = torch.cat([context_rows, block_rows], dim=1)
         cos, sin = (t.unsqueeze(1) for t in self.rotary_emb(hidden, positions))
-        normed = self._run_layers(hidden, context, cos, sin, cache, context_rows, block_rows, kv_len)
+        normed = self._run_layers(hidden, context, cos, sin, cache, kv_slots, block_rows, kv_len)
         logits = lm_head(normed.to(_callable_device(lm_head, device))).float().to(device)
         if self.output_multiplier != 1.0:
             logits = logits * self.output_multiplier
@@ -398,7 +404,7 @@ class DFlashDraftModel(nn.Module):
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
 
-    def _run_layers(self, hidden, context, cos, sin, cache, context_rows, block_rows, kv_len) -> torch.Tensor:
+    def _run_layers(self, hidden, context, cos, sin, cache, kv_slots, block_rows, kv_len) -> torch.Tensor:
         """The decoder layers and the final norm over the block's hidden states [B, S, hidden] (the other arguments:
         _forward_block's); returns the normed rows 1 .. S - 1 (row 0 is the bonus token's: no logits).
 
@@ -413,7 +419,7 @@ class DFlashDraftModel(nn.Module):
             rule = (attn.is_causal, attn.sliding_window)
             if rule not in masks:
                 masks[rule] = attn.mask(block_rows, kv_len)
-            out = attn(normed, context, cos, sin, cache.keys[i], cache.values[i], context_rows, block_rows, kv_len,
+            out = attn(normed, context, cos, sin, cache.keys[i], cache.values[i], kv_slots, block_rows, kv_len,
                        mask=masks[rule])
             normed, hidden = add_norm(layer.post_attention_layernorm, out, hidden)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm

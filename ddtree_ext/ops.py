@@ -620,12 +620,14 @@ def commit_kv(
 def store_kv(
     keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
 ) -> None:
-    """A verify's new attention rows into the static caches, K and V in one launch: ``keys[:, :, slots[n]] =
-    key_states[:, :, n]`` and the same for the values (what two ``index_copy_`` calls along dim 2 do).
+    """New attention rows into static caches, K and V in one launch: ``keys[b, :, slots[b, n]] = key_states[b, :, n]``
+    and the same for the values (what two ``index_copy_`` calls along dim 2 do, per batch row).
 
-    keys, values [B, H, S, D] one float dtype (last dim contiguous), slots [N] int64 on their device, key_states,
-    value_states [B, H, N, D] in their dtype (any strides, last dim contiguous). The CPU op checks that every slot
-    is in [0, S); on CUDA (no host reads) a slot outside is skipped.
+    keys, values [B, H, S, D] one float dtype (last dim contiguous); slots int64 on their device, [B, N] (a table per
+    batch row) or [N] (one for all), a negative slot storing nothing (a padding row, as vLLM's slot mappings have
+    it); key_states, value_states [B, H, N, D] in their dtype (any strides, last dim contiguous). The stored slots of
+    a batch row must differ. The CPU op checks that every slot is below S before it writes; on CUDA (no host reads)
+    a slot past the caches is skipped.
     """
     load_ops().store_kv(keys, values, slots, key_states, value_states)
 

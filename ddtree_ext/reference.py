@@ -430,9 +430,12 @@ def commit_kv(
 
 
 def store_kv(keys, values, slots, key_states, value_states) -> None:
-    for n, slot in enumerate(slots.tolist()):
-        keys[:, :, slot] = key_states[:, :, n]
-        values[:, :, slot] = value_states[:, :, n]
+    table = slots.expand(keys.shape[0], slots.shape[-1]).tolist()  # [N] is every batch row's table
+    for b, row in enumerate(table):
+        for n, slot in enumerate(row):
+            if slot >= 0:  # a negative slot stores nothing
+                keys[b, :, slot] = key_states[b, :, n]
+                values[b, :, slot] = value_states[b, :, n]
 
 
 def gather_rows(src: torch.Tensor, accepted: torch.Tensor, accept_len: torch.Tensor) -> torch.Tensor:

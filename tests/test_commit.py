@@ -386,13 +386,36 @@ def test_store_kv_is_two_index_copies(dtype):
     assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
 
 
-@pytest.mark.parametrize("mistake", ["slot_out_of_range", "negative_slot", "int32_slots", "strided_slots",
-                                     "state_shape", "state_dtype", "values_shape", "overlap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_per_batch_row_slots_skip_negatives(dtype):
+    """slots [B, N]: each batch row its own table; a negative slot stores nothing (a padding row), as the reference
+    and per-row index copies of the kept rows do."""
+    gen = torch.Generator().manual_seed(6)
+    keys, values = (torch.randn(3, 2, 12, 4, generator=gen).to(dtype) for _ in range(2))
+    key_states = torch.randn(3, 2, 5, 4, generator=gen).to(dtype)
+    value_states = torch.randn(3, 5, 2, 4, generator=gen).to(dtype).transpose(1, 2)
+    slots = torch.tensor([[3, 4, -1, -1, 5], [0, 1, 2, 3, 4], [-1, -1, -1, -1, -1]])
+    original, expected_k, expected_v = keys.clone(), keys.clone(), values.clone()
+    for b in range(3):
+        keep = slots[b] >= 0
+        expected_k[b].index_copy_(1, slots[b][keep], key_states[b][:, keep])
+        expected_v[b].index_copy_(1, slots[b][keep], value_states[b][:, keep])
+    ref_k, ref_v = keys.clone(), values.clone()
+    ref.store_kv(ref_k, ref_v, slots, key_states, value_states)
+    ops.store_kv(keys, values, slots, key_states, value_states)
+    assert torch.equal(keys, expected_k) and torch.equal(values, expected_v)
+    assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+    assert torch.equal(keys[2], original[2]) and not torch.equal(keys[1], original[1])  # skipped / stored
+
+
+@pytest.mark.parametrize("mistake", ["slot_out_of_range", "batch_slot_out_of_range", "slots_batch", "int32_slots",
+                                     "strided_slots", "state_shape", "state_dtype", "values_shape", "overlap"])
 def test_store_kv_bad_input(mistake):
     keys, values, slots, key_states, value_states = _store_kv_case()
     message = {
-        "slot_out_of_range": r"store_kv: slots\[4\] = 20 must be in \[0, 20\)",
-        "negative_slot": r"store_kv: slots\[0\] = -1 must be in \[0, 20\)",
+        "slot_out_of_range": r"store_kv: slots\[4\] = 20 must be below 20 \(the caches' slots",
+        "batch_slot_out_of_range": r"store_kv: slots\[0, 2\] = 25 must be below 20",
+        "slots_batch": r"store_kv: slots must have shape \[N\] .* or \[B, N\] = \[1, N\], got \[2, 5\]",
         "int32_slots": "store_kv: slots must have dtype Long",
         "strided_slots": "store_kv: slots must be contiguous",
         "state_shape": r"store_kv: key_states must have shape \[B, H, N, D\] = \[1, 3, 5, 8\]",
@@ -402,8 +425,10 @@ def test_store_kv_bad_input(mistake):
     }[mistake]
     if mistake == "slot_out_of_range":
         slots = torch.tensor([7, 8, 9, 10, 20])
-    elif mistake == "negative_slot":
-        slots = torch.tensor([-1, 8, 9, 10, 11])
+    elif mistake == "batch_slot_out_of_range":
+        slots = torch.tensor([[-1, 8, 25, 10, 11]])  # the negative one is fine: a row not stored
+    elif mistake == "slots_batch":
+        slots = torch.stack([slots, slots])
     elif mistake == "int32_slots":
         slots = slots.int()
     elif mistake == "strided_slots":
@@ -424,3 +449,5 @@ def test_store_kv_bad_input(mistake):
 
 def test_opcheck_store_kv():
     torch.library.opcheck(load_ops().store_kv, _store_kv_case())
+    keys, values, slots, key_states, value_states = _store_kv_case()
+    torch.library.opcheck(load_ops().store_kv, (keys, values, slots[None].clone(), key_states, value_states))

@@ -756,6 +756,22 @@ def test_store_kv(dtype, head_dim):
     assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
 
 
+@pytest.mark.parametrize("head_dim", [128, 7])
+def test_store_kv_per_batch_row_slots(head_dim):
+    """slots [B, N] (the draft's context and block rows, padding rows negative) as the CPU op stores them."""
+    gen = make_gen(head_dim + 1)
+    keys, values = (torch.randn(2, 4, 40, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    key_states = torch.randn(2, 4, 8, head_dim, generator=gen).to(torch.bfloat16)
+    value_states = torch.randn(2, 8, 4, head_dim, generator=gen).to(torch.bfloat16).transpose(1, 2)
+    slots = torch.tensor([[10, 11, -1, -1, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25, 26, 27]])
+    expected = [keys.clone(), values.clone()]
+    ops.store_kv(*expected, slots, key_states, value_states)
+    got = to([keys, values], DEV)
+    ops.store_kv(*got, *to([slots, key_states], DEV), value_states.to(DEV))
+    assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
+    assert not torch.equal(expected[0][1], keys[1])  # the guard: batch row 1 was stored
+
+
 def test_store_kv_skips_slots_outside_the_caches():
     keys, values = torch.zeros(1, 2, 10, 8, device=DEV), torch.zeros(1, 2, 10, 8, device=DEV)
     states = torch.ones(1, 2, 3, 8, device=DEV)

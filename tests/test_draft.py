@@ -265,16 +265,18 @@ def test_context_appended_in_pieces_equals_one_call(target, splits):
             assert_close(pieces[i][:, :, :start], whole[i][:, :, :start], torch.float32, name)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["ops", "autograd"])
 @pytest.mark.parametrize("sliding_window", [None, 3])
-def test_padded_context_equals_exact_context(target, sliding_window):
+def test_padded_context_equals_exact_context(target, sliding_window, grad):
     """The fixed-shape call of a captured round: block_size context rows of which num_context[b] are
     real, with an explicit kv_len, gives the logits and cache of a call with exactly the real rows,
-    row by row (each batch row its own count), over several calls."""
+    row by row (each batch row its own count), over several calls. Without grad the K/V rows go through
+    ops.store_kv (padding rows skipped by their negative slots); with grad through index copies."""
     kw = {} if sliding_window is None else dict(sliding_window=sliding_window)
     draft = make_tiny_draft(target, seed=4, block_size=5, **kw)
     counts = [(3, 1), (5, 2), (1, 5), (2, 2)]
     context = random_context(draft, 2, 5 * len(counts), seed=7)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         exact = [draft.new_cache(1, capacity=CAPACITY) for _ in range(2)]
         padded = draft.new_cache(2, capacity=CAPACITY)
         offsets = [0, 0]
@@ -296,7 +298,9 @@ def test_padded_context_equals_exact_context(target, sliding_window):
             assert_close(actual, torch.cat(expected), torch.float32, f"call {r}")
     for b in range(2):
         for i in range(len(draft.layers)):
-            assert_close(padded.keys[i][b, :, : offsets[b]], exact[b].keys[i][0, :, : offsets[b]], torch.float32, "keys")
+            for name in ("keys", "values"):
+                got, want = getattr(padded, name)[i][b, :, : offsets[b]], getattr(exact[b], name)[i][0, :, : offsets[b]]
+                assert_close(got, want, torch.float32, name)
 
 
 def test_propose_checks_capacity_and_padding(target):
@@ -444,10 +448,10 @@ def test_propose_matches_dense_reference(target, case):
     assert_close(actual, expected.float(), torch.float32, case)
 
 
-def _layers_one_by_one(self, hidden, context, cos, sin, cache, context_rows, block_rows, kv_len):
+def _layers_one_by_one(self, hidden, context, cos, sin, cache, kv_slots, block_rows, kv_len):
     """DFlashDraftModel._run_layers as the layers' own forwards in turn, then the final norm."""
     for i, layer in enumerate(self.layers):
-        hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], context_rows, block_rows, kv_len)
+        hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], kv_slots, block_rows, kv_len)
     return self.norm(hidden[:, 1:])
 
 
@@ -466,13 +470,19 @@ def test_propose_gives_its_layers_own_bits(target, case, dtype, monkeypatch):
     head.weight.data.copy_(target.get_output_embeddings().weight.to(dtype))
     embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.to(dtype))
     context, bonus = random_context(draft, 2, 13, seed=2).to(dtype), random_bonus(2, 256, seed=2)
-    fused_calls, stock = [0], ops.add_rms_norm
+    calls = {"add_rms_norm": 0, "store_kv": 0}
 
-    def counted(*args, **kwargs):
-        fused_calls[0] += 1
-        return stock(*args, **kwargs)
+    def counted(name):
+        stock = getattr(ops, name)
 
-    monkeypatch.setattr(ops, "add_rms_norm", counted)
+        def count(*args, **kwargs):
+            calls[name] += 1
+            return stock(*args, **kwargs)
+
+        return count
+
+    for name in calls:
+        monkeypatch.setattr(ops, name, counted(name))
     runs = []
     for run_layers in (DFlashDraftModel._run_layers, _layers_one_by_one):
         monkeypatch.setattr(DFlashDraftModel, "_run_layers", run_layers)
@@ -480,7 +490,8 @@ def test_propose_gives_its_layers_own_bits(target, case, dtype, monkeypatch):
         with torch.no_grad():
             first = draft.propose(context[:, :9], random_bonus(2, 256, seed=9), cache, embed_tokens=embed, lm_head=head)
             runs.append((first, draft.propose(context[:, 9:], bonus, cache, embed_tokens=embed, lm_head=head), cache))
-    assert fused_calls[0] == 2 * 2 * len(draft.layers)  # two per layer and call, in the first run only
+    assert calls["add_rms_norm"] == 2 * 2 * len(draft.layers)  # two per layer and call, in the first run only
+    assert calls["store_kv"] == 2 * 2 * len(draft.layers)  # one per layer and call (context and block), both runs
     (first_a, second_a, cache_a), (first_b, second_b, cache_b) = runs
     assert torch.equal(first_a, first_b) and torch.equal(second_a, second_b)
     assert all(torch.equal(a, b) for a, b in zip(cache_a.keys + cache_a.values, cache_b.keys + cache_b.values))
