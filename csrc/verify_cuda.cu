@@ -972,8 +972,9 @@ __device__ __forceinline__ void mma_16x8x8_tf32(float (&d)[4], const uint32_t (&
 }
 
 // KH and QH of one chunk for 16-bit inputs, on tensor cores (m16n8k8 TF32). Staged key and query elements are exact
-// in TF32; each H0 element is split into two TF32 parts, hi + lo, whose residual is at most 2^-22 of the element (a
-// few float32 ulps), so two products per tile keep about float32 accuracy. Warp w takes the 16-row tiles w, w + 9, ...
+// in TF32; each H0 element is split into two parts, hi = its TF32 rounding and lo = the exact remainder, which the
+// tensor cores truncate to TF32: what is lost is at most 2^-21 of the element (four float32 ulps), so two products per
+// tile keep about float32 accuracy (the error-corrected TF32 split of Ootomo and Yokota, 2022). Warp w takes the 16-row tiles w, w + 9, ...
 // of the chunk's `rows` staged rows (key and query of node 0, then of node 1, ...) against all 32 columns; rows past
 // the end are read from row 0 and their sums dropped. Fragments as in the PTX ISA's m16n8k8 layout: lane (gid, tig)
 // holds rows gid and gid + 8 of a tile at depths tig and tig + 4, and column gid of each 8-column tile.
@@ -996,7 +997,10 @@ __device__ __forceinline__ void stage_gemm_tensor_cores(const T* stage, int kpad
       for (int nt = 0; nt < kTileV / 8; ++nt) {
         const float x0 = b_col[k0 * kH0Stride + 8 * nt], x1 = b_col[(k0 + 4) * kH0Stride + 8 * nt];
         const uint32_t hi0 = round_to_tf32(x0), hi1 = round_to_tf32(x1);
-        const uint32_t lo0 = round_to_tf32(x0 - __uint_as_float(hi0)), lo1 = round_to_tf32(x1 - __uint_as_float(hi1));
+        // The residual goes in as float32 bits: the tensor cores read its top 19 (rounding toward zero). Rounding it
+        // as well (cvt.rna, emulated in four instructions) took a quarter of the kernel's instructions.
+        const uint32_t lo0 = __float_as_uint(x0 - __uint_as_float(hi0));
+        const uint32_t lo1 = __float_as_uint(x1 - __uint_as_float(hi1));
         mma_16x8x8_tf32(acc[nt], a, lo0, lo1);
         mma_16x8x8_tf32(acc[nt], a, hi0, hi1);
       }
@@ -1018,9 +1022,9 @@ template <typename T, bool PACKED>
 __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
     GdnShapes sh, GdnMainLayout lay, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh,
     const T* __restrict__ k, int64_t k_sb, int64_t k_sn, int64_t k_sh, const T* __restrict__ v, int64_t v_sb,
-    int64_t v_sn, int64_t v_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn, int64_t be_sh,
-    const float* __restrict__ state, int64_t st_sb, int64_t st_sh, int64_t st_sk, int64_t st_sv, bool state_vec4,
-    const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, const float* __restrict__ g, int64_t g_sb,
+    int64_t v_sn, int64_t v_sh, bool v_packed, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn,
+    int64_t be_sh, const float* __restrict__ state, int64_t st_sb, int64_t st_sh, int64_t st_sk, int64_t st_sv,
+    bool state_vec4, const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, const float* __restrict__ g, int64_t g_sb,
     int64_t g_sn, int64_t g_sh, const float2* __restrict__ coef, const float2* __restrict__ norms,
     T* __restrict__ out, int64_t o_sb, int64_t o_sn, int64_t o_sh, float* __restrict__ stash_u, int64_t su_sb,
     int64_t su_sn, int64_t su_sh) {
@@ -1097,10 +1101,17 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
         });
   }
   stage_chunk(0, lay.chunk);
-  batched_copy<kMainThreads, 8>(
-      n * kTileV,
-      [&](int e) { return v[b * v_sb + (e / kTileV) * v_sn + hv * v_sh + min(v0 + e % kTileV, sh.vdim - 1)]; },
-      [&](int e, T x) { vt[e] = v0 + e % kTileV < sh.vdim ? cuda::to_float(x) : 0.f; });
+  const T* v_base = v + b * v_sb + hv * v_sh + v0;
+  if (v_packed && v0 + kTileV <= sh.vdim) {  // 16-byte packs: one load a thread for N <= 72 (16-bit inputs)
+    constexpr int kVPacks = kTileV / kPack<T, true>;
+    batched_copy<kMainThreads, 4>(
+        n * kVPacks, [&](int e) { return load_group<T, true>(v_base + (e / kVPacks) * v_sn, e % kVPacks); },
+        [&](int e, const uint4& x) { store_group<T, true>(vt + (e / kVPacks) * kTileV, e % kVPacks, x); });
+  } else {  // element by element; columns past V are zero
+    batched_copy<kMainThreads, 8>(
+        n * kTileV, [&](int e) { return v_base[(e / kTileV) * v_sn + min(e % kTileV, sh.vdim - 1 - v0)]; },
+        [&](int e, T x) { vt[e] = v0 + e % kTileV < sh.vdim ? cuda::to_float(x) : 0.f; });
+  }
   cuda::wait_async_copies();
   for (int i = tid; i < n; i += kMainThreads) par[i] = cuda::checked_parent(par[i], i);  // this thread's copies
   __syncthreads();
@@ -1398,6 +1409,7 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   auto* coef_ptr = reinterpret_cast<float2*>(coef.data_ptr<float>());
   auto* norms_ptr = reinterpret_cast<float2*>(norms.data_ptr<float>());
   const bool packed = rows_in_packs<T>(q) && rows_in_packs<T>(k);
+  const bool v_packed = rows_in_packs<T>(v);
 
   auto launch_prep = [&](auto kernel, const auto& layout) {
     cuda::allow_dynamic_smem(kernel, layout.total);
@@ -1424,7 +1436,7 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
              static_cast<unsigned>(bsz)),
         dim3(kMainThreads), lay.total, sh, lay, static_cast<const T*>(q.data_ptr<T>()), q.stride(0), q.stride(1),
         q.stride(2), static_cast<const T*>(k.data_ptr<T>()), k.stride(0), k.stride(1), k.stride(2),
-        static_cast<const T*>(v.data_ptr<T>()), v.stride(0), v.stride(1), v.stride(2),
+        static_cast<const T*>(v.data_ptr<T>()), v.stride(0), v.stride(1), v.stride(2), v_packed,
         static_cast<const float*>(beta.data_ptr<float>()), beta.stride(0), beta.stride(1), beta.stride(2),
         static_cast<const float*>(state.data_ptr<float>()), state.stride(0), state.stride(1), state.stride(2),
         state.stride(3), state_vec4, static_cast<const int32_t*>(parent.data_ptr<int32_t>()), parent.stride(0),
