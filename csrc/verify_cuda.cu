@@ -889,11 +889,12 @@ int gated_norm_lanes(int64_t vdim) {
   return chunks <= 16 ? 16 : chunks <= 32 ? 32 : 0;
 }
 
-// Normalises the block's tile of n nodes: o_s [n][kTileV] holds its outputs rounded to T (zero past V); part
-// [n][kTileV / chunk] and inv_s [n] are shared-memory scratch at the same offsets in every block of the cluster.
+// Normalises the block's tile of n nodes: o_s [n][kTileV] holds its outputs rounded to T (zero past V). Shared-memory
+// scratch at the same offsets in every block of the cluster: gate_s [n][kTileV] (the gate tile, loaded before the
+// first barrier so that its round trip overlaps it) and sums [n][kTileV / chunk + 1] (chunk sums, then 1/rms).
 // Every thread of the block calls it (THREADS of them): the cluster barriers wait for all.
 template <typename T, int THREADS>
-__device__ void gated_norm_tile(const GatedNorm<T>& nm, const float* o_s, float* part, float* inv_s, int n, int b,
+__device__ void gated_norm_tile(const GatedNorm<T>& nm, const float* o_s, float* gate_s, float* sums, int n, int b,
                                 int hv, int v0, int vdim, T* __restrict__ out, int64_t o_sb, int64_t o_sn,
                                 int64_t o_sh) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -901,6 +902,12 @@ __device__ void gated_norm_tile(const GatedNorm<T>& nm, const float* o_s, float*
   constexpr int kTileChunks = kTileV / C;
   constexpr int kWarps = THREADS / kWarp;
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  float* part = sums;               // [n][kTileChunks]
+  float* inv_s = sums + n * kTileChunks;  // [n]
+  for (int e = tid; e < n * kTileV; e += THREADS) {
+    const int i = e / kTileV, c = v0 + e % kTileV;
+    gate_s[e] = c < vdim ? cuda::to_float(nm.gate[b * nm.gate_sb + i * nm.gate_sn + hv * nm.gate_sh + c]) : 0.f;
+  }
   for (int e = tid; e < n * kTileChunks; e += THREADS) {  // this tile's chunk sums
     const float* x = o_s + (e / kTileChunks) * kTileV + (e % kTileChunks) * C;
     float s = 0.f;
@@ -933,10 +940,9 @@ __device__ void gated_norm_tile(const GatedNorm<T>& nm, const float* o_s, float*
   for (int e = tid; e < n * kTileV; e += THREADS) {
     const int i = e / kTileV, c = v0 + e % kTileV;
     if (c >= vdim) continue;
-    const float w = cuda::to_float(nm.weight[c]);
-    const float g = cuda::to_float(nm.gate[b * nm.gate_sb + i * nm.gate_sn + hv * nm.gate_sh + c]);
-    out[b * o_sb + i * o_sn + hv * o_sh + c] =
-        cuda::from_float<T>(cuda::rms_norm_element<T>(o_s[e], w, g, /*gated=*/true, /*zero_centered=*/false, inv_s[i]));
+    const float y = cuda::rms_norm_element<T>(o_s[e], cuda::to_float(nm.weight[c]), gate_s[e], /*gated=*/true,
+                                              /*zero_centered=*/false, inv_s[i]);
+    out[b * o_sb + i * o_sn + hv * o_sh + c] = cuda::from_float<T>(y);
   }
 #else
   __trap();  // launch_tree_gdn fuses the norm only where cuda::clusters_supported()
@@ -1343,8 +1349,8 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
     }
   }
   if (nm.weight != nullptr) {
-    __syncthreads();  // o; kh (r) and vt (u) are dead: the norm's scratch
-    gated_norm_tile<T, kMainThreads>(nm, qh, kh, vt, n, b, hv, v0, sh.vdim, out, o_sb, o_sn, o_sh);
+    __syncthreads();  // o; vt (u) and kh (r) are dead: the norm's scratch
+    gated_norm_tile<T, kMainThreads>(nm, qh, vt, kh, n, b, hv, v0, sh.vdim, out, o_sb, o_sn, o_sh);
   }
 }
 
@@ -1371,7 +1377,7 @@ __global__ void __launch_bounds__(kNodeThreads) gdn_single_node_kernel(
   float* qrow = krow + kdim;                         // [K] raw query
   float* part = qrow + kdim;                         // [2][kNodeWarps][32] partial sums of k.H0, q.H0
   __shared__ float inv_k, factor_q, qk;
-  __shared__ float norm_o[kTileV], norm_part[kTileV], norm_inv[1];  // the fused norm's tile and scratch
+  __shared__ float norm_o[kTileV], norm_gate[kTileV], norm_sums[kTileV + 1];  // the fused norm's tile and scratch
   const int v0 = blockIdx.x * kTileV, hv = blockIdx.y, b = blockIdx.z;
   const int group = sh.value_heads / sh.heads, h = hv / group;
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
@@ -1450,7 +1456,7 @@ __global__ void __launch_bounds__(kNodeThreads) gdn_single_node_kernel(
   }
   if (nm.weight != nullptr) {
     __syncthreads();  // norm_o
-    gated_norm_tile<T, kNodeThreads>(nm, norm_o, norm_part, norm_inv, 1, b, hv, v0, sh.vdim, out, o_sb, 0, o_sh);
+    gated_norm_tile<T, kNodeThreads>(nm, norm_o, norm_gate, norm_sums, 1, b, hv, v0, sh.vdim, out, o_sb, 0, o_sh);
   }
 }
 
