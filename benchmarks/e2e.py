@@ -473,8 +473,7 @@ def markdown(report: dict) -> str:
         f"fla importable: {report['fla']}.",
         f"- Command: `{report['command']}`",
         f"- Projections: {report.get('projections', 'cuBLAS (F.linear)')}; residual adds: "
-        f"{report.get('residual_adds', 'apart (torch add, then the norm)')}; GDN output norm: "
-        f"{report.get('gdn_norm', 'apart (its own op after the delta rule)')}; projections reading one input: "
+        f"{report.get('residual_adds', 'apart (torch add, then the norm)')}; projections reading one input: "
         f"{'one GEMM over their stacked weights' if report.get('stacked_projections') else 'apart'}; "
         f"the core built for CUDA architectures "
         f"{report.get('cuda_archs', 'unknown')}.",
@@ -572,9 +571,6 @@ def main(argv=None) -> None:
     parser.add_argument("--no-fused-adds", action="store_true",
                         help="run the decoder layers' residual adds apart from the norms after them, for A/B runs "
                              "(ddtree_ext.fused.fuse_residual_adds)")
-    parser.add_argument("--no-fused-gdn-norm", action="store_true",
-                        help="run each GDN layer's gated output norm as its own op after the delta rule, for A/B runs "
-                             "(ddtree_ext.fused.fuse_gdn_norm)")
     parser.add_argument("--no-stacked-projections", action="store_true",
                         help="keep each projection's weight apart (else ddtree_ext.stack_projections stacks those that "
                              "read the same input, one GEMM for each group), for A/B runs")
@@ -586,7 +582,6 @@ def main(argv=None) -> None:
     fused.linear_kernel = args.linear == "ops"
     gemm_tuning.enabled = args.linear == "tuned"
     fused.fuse_residual_adds = not args.no_fused_adds
-    fused.fuse_gdn_norm = not args.no_fused_gdn_norm
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
     if bool(args.target) != bool(args.draft):
@@ -612,7 +607,6 @@ def main(argv=None) -> None:
                      "per shape the fastest of cuBLAS (F.linear) and cuBLASLt's candidates (gemm_tuning)"
                      if gemm_tuning.enabled else "cuBLAS (F.linear)"),
         residual_adds="fused into the next norm" if fused.fuse_residual_adds else "apart (torch add, then the norm)",
-        gdn_norm="fused into the delta rule" if fused.fuse_gdn_norm else "apart (its own op after the delta rule)",
         stacked_projections=not args.no_stacked_projections,
         cuda_archs=ddtree_ext.build_info().get("cuda_archs", "unknown"),
     )

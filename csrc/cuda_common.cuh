@@ -85,10 +85,10 @@ inline bool programmatic_launch_supported() {
 #endif
 }
 
-// Whether a kernel's code for this GPU was compiled from PTX for 9.0 or newer, so that its Hopper instructions are
-// there: griddepcontrol (a `8.0+PTX` build JIT-compiles compute_80 code on a Hopper GPU: without its waits, a
-// programmatic launch would race the kernel ahead) and thread-block clusters. Asked once per kernel.
-inline bool compiled_for_hopper(const void* kernel) {
+// Whether a kernel's code for this GPU was compiled from PTX for 9.0 or newer, so that its griddepcontrol
+// instructions are there (a `8.0+PTX` build JIT-compiles compute_80 code on a Hopper GPU: without its waits, a
+// programmatic launch would race the kernel ahead). Asked once per kernel.
+inline bool has_grid_dependency_control(const void* kernel) {
   static std::mutex mutex;
   static std::unordered_map<const void*, bool> known;
   const std::lock_guard<std::mutex> lock(mutex);
@@ -101,47 +101,21 @@ inline bool compiled_for_hopper(const void* kernel) {
   return it->second;
 }
 
-// Whether a kernel can run in thread-block clusters here: a GPU of compute capability 9.0 or newer, and code for it
-// compiled from PTX for 9.0 or newer (the cluster instructions are compiled only there).
-template <typename Kernel>
-bool clusters_supported(Kernel kernel) {
-  return at::cuda::getCurrentDeviceProperties()->major >= 9 && compiled_for_hopper(reinterpret_cast<const void*>(kernel));
-}
-
-// kernel<<<grid, block, smem, current stream>>>(args...) in thread-block clusters of cluster_x blocks along x (1: no
-// clusters; grid.x must be a multiple of it, and the GPU support clusters), as a programmatic dependent launch where
-// supported.
+// kernel<<<grid, block, smem, current stream>>>(args...), as a programmatic dependent launch where supported.
 template <typename... Params, typename... Args>
-void launch_programmatic_clusters(unsigned cluster_x, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                                  Args&&... args) {
+void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = current_stream();
-  cudaLaunchAttribute attributes[2]{};
-  unsigned count = 0;
-  if (programmatic_launch_supported() && compiled_for_hopper(reinterpret_cast<const void*>(kernel))) {
-    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[count].val.programmaticStreamSerializationAllowed = 1;
-    ++count;
-  }
-  if (cluster_x > 1) {
-    attributes[count].id = cudaLaunchAttributeClusterDimension;
-    attributes[count].val.clusterDim.x = cluster_x;
-    attributes[count].val.clusterDim.y = 1;
-    attributes[count].val.clusterDim.z = 1;
-    ++count;
-  }
-  config.attrs = attributes;
-  config.numAttrs = count;
+  cudaLaunchAttribute attribute[1]{};
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs =
+      programmatic_launch_supported() && has_grid_dependency_control(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-}
-
-// kernel<<<grid, block, smem, current stream>>>(args...), as a programmatic dependent launch where supported.
-template <typename... Params, typename... Args>
-void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
-  launch_programmatic_clusters(1, kernel, grid, block, smem, std::forward<Args>(args)...);
 }
 
 // ---- device side -----------------------------------------------------------------------------

@@ -13,19 +13,23 @@
 // 16-byte chunks and only the load instruction differs between aligned and unaligned inputs.
 #include "cuda_common.cuh"
 #include "ops.h"
-#include "rms_norm.cuh"
 
 namespace ddtree {
 namespace {
 
 using cuda::from_float;
-using cuda::rms_norm_element;
-using cuda::round_to;
-using cuda::silu;
 using cuda::to_float;
 
 constexpr int kThreads = 256;
 constexpr int kLongRowFeatures = 1024;  // rows longer than this get a whole block
+
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+// torch's CUDA silu and sigmoid: float math with expf (no fast-math intrinsics).
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // A chunk of N consecutive elements (16 bytes of T), as one aligned access (PACKED) or element by element
 // (the first `valid`, zeros after). Kernels that reduce assign work to threads by chunks, whichever way
@@ -94,8 +98,17 @@ __device__ __forceinline__ void load_input_chunk(const T* x, const T* residual, 
 template <typename T, int C>
 __device__ __forceinline__ void rms_norm_chunk(const float (&v)[C], const float (&w)[C], const float (&g)[C],
                                                bool gated, bool zero_centered, float inv_rms, float (&y)[C]) {
+  if (zero_centered) {
 #pragma unroll
-  for (int e = 0; e < C; ++e) y[e] = rms_norm_element<T>(v[e], w[e], g[e], gated, zero_centered, inv_rms);
+    for (int e = 0; e < C; ++e) y[e] = v[e] * inv_rms * (1.f + w[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < C; ++e) y[e] = w[e] * round_to<T>(v[e] * inv_rms);
+    if (gated) {
+#pragma unroll
+      for (int e = 0; e < C; ++e) y[e] = round_to<T>(y[e]) * silu(g[e]);
+    }
+  }
 }
 
 // GROUP threads per row (half a warp, a warp or the whole block); thread t takes the row's chunks t, t + GROUP, ...
@@ -177,7 +190,9 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
     for (int q = 0; q < kWarpsPerGroup; ++q) sum += partial[slot][q];  // same order in every thread
   }
   if (!active) return;
-  const float inv_rms = cuda::rms_inverse(sum, p.inv_dim, p.eps);
+  // torch.rsqrt on CUDA is rsqrtf; the mean is the sum times 1/n as in torch's reduction, rounded before the
+  // eps is added (no FMA contraction: torch runs the two as separate kernels).
+  const float inv_rms = rsqrtf(__fadd_rn(__fmul_rn(sum, p.inv_dim), p.eps));
   T* out = p.out + row * p.out_stride;
   const bool gated = gate != nullptr;
 #pragma unroll

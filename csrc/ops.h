@@ -44,18 +44,14 @@ void check_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10:
 void tree_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                      const at::Tensor& conv_state, const at::Tensor& parent, bool silu, at::Tensor& out);
 
-// norm_weight [V] and norm_gate z [B, N, HV, V] (both or neither): out receives the gated RMSNorm of each node's
-// output per value head (HF's Qwen3_5RMSNormGated, eps norm_eps), the bits of ops.rms_norm run on it.
 void check_tree_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
-                                 const at::Tensor& parent, const c10::optional<at::Tensor>& norm_weight,
-                                 const c10::optional<at::Tensor>& norm_gate, double norm_eps, const at::Tensor& out,
-                                 const at::Tensor& stash_u, const at::Tensor& stash_k, const at::Tensor& stash_cumg);
+                                 const at::Tensor& parent, const at::Tensor& out, const at::Tensor& stash_u,
+                                 const at::Tensor& stash_k, const at::Tensor& stash_cumg);
 void tree_gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                const at::Tensor& beta, const at::Tensor& state, const at::Tensor& parent,
-                               double scale, bool use_qk_l2norm, const c10::optional<at::Tensor>& norm_weight,
-                               const c10::optional<at::Tensor>& norm_gate, double norm_eps, at::Tensor& out,
-                               at::Tensor& stash_u, at::Tensor& stash_k, at::Tensor& stash_cumg);
+                               double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,
+                               at::Tensor& stash_k, at::Tensor& stash_cumg);
 
 // ---- layer bodies: fused norms, SwiGLU, RoPE, projections, GDN gates, GQA attention (csrc/layer.cpp) ----------
 void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
@@ -142,9 +138,8 @@ void tree_conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::
                       const at::Tensor& conv_state, const at::Tensor& parent, bool silu, at::Tensor& out);
 void tree_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                 const at::Tensor& beta, const at::Tensor& state, const at::Tensor& parent,
-                                double scale, bool use_qk_l2norm, const c10::optional<at::Tensor>& norm_weight,
-                                const c10::optional<at::Tensor>& norm_gate, double norm_eps, at::Tensor& out,
-                                at::Tensor& stash_u, at::Tensor& stash_k, at::Tensor& stash_cumg);
+                                double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,
+                                at::Tensor& stash_k, at::Tensor& stash_cumg);
 void rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                    bool zero_centered, at::Tensor& out);
 void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,

@@ -291,10 +291,8 @@ void tree_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::o
 
 void check_tree_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
-                                 const at::Tensor& parent, const c10::optional<at::Tensor>& norm_weight_opt,
-                                 const c10::optional<at::Tensor>& norm_gate_opt, double norm_eps,
-                                 const at::Tensor& out, const at::Tensor& stash_u, const at::Tensor& stash_k,
-                                 const at::Tensor& stash_cumg) {
+                                 const at::Tensor& parent, const at::Tensor& out, const at::Tensor& stash_u,
+                                 const at::Tensor& stash_k, const at::Tensor& stash_cumg) {
   constexpr const char* op = "tree_gated_delta_rule";
   DDTREE_CHECK_DIM(op, q, 4);
   DDTREE_CHECK_FLOAT(op, q);
@@ -323,20 +321,6 @@ void check_tree_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const
 
   CHECK_DENSE(op, q, parent, at::kInt, {bsz, n});
 
-  if (norm_weight_opt.has_value() || norm_gate_opt.has_value()) {  // the gated norm of the output, fused
-    DDTREE_CHECK(op, norm_weight_opt.has_value() && norm_gate_opt.has_value(),
-                 "norm_weight and norm_gate go together (the gated RMSNorm of the output), got only ",
-                 norm_weight_opt.has_value() ? "norm_weight" : "norm_gate");
-    const at::Tensor& norm_weight = *norm_weight_opt;
-    const at::Tensor& norm_gate = *norm_gate_opt;
-    CHECK_DENSE(op, q, norm_weight, v.scalar_type(), {vdim});
-    DDTREE_CHECK_SHAPE(op, norm_gate, {bsz, n, vheads, vdim});
-    DDTREE_CHECK_DTYPE(op, norm_gate, v.scalar_type());
-    DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, norm_gate);
-    DDTREE_CHECK_SAME_DEVICE(op, q, norm_gate);
-    DDTREE_CHECK(op, std::isfinite(norm_eps) && norm_eps >= 0, "norm_eps must be finite and >= 0, got ", norm_eps);
-  }
-
   CHECK_DENSE(op, q, out, v.scalar_type(), {bsz, n, vheads, vdim});
   CHECK_DENSE(op, q, stash_u, at::kFloat, {bsz, n, vheads, vdim});
   CHECK_DENSE(op, q, stash_k, at::kFloat, {bsz, n, heads, kdim});
@@ -345,27 +329,18 @@ void check_tree_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const
 
 void tree_gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                const at::Tensor& beta, const at::Tensor& state, const at::Tensor& parent,
-                               double scale, bool use_qk_l2norm, const c10::optional<at::Tensor>& norm_weight,
-                               const c10::optional<at::Tensor>& norm_gate, double norm_eps, at::Tensor& out,
-                               at::Tensor& stash_u, at::Tensor& stash_k, at::Tensor& stash_cumg) {
-  check_tree_gated_delta_rule(q, k, v, g, beta, state, parent, norm_weight, norm_gate, norm_eps, out, stash_u, stash_k,
-                              stash_cumg);
+                               double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,
+                               at::Tensor& stash_k, at::Tensor& stash_cumg) {
+  check_tree_gated_delta_rule(q, k, v, g, beta, state, parent, out, stash_u, stash_k, stash_cumg);
   check_parent_values("tree_gated_delta_rule", parent);
-  // With the gated norm, the delta rule's output goes to scratch and rms_norm writes out from it.
-  at::Tensor o = norm_weight.has_value() ? at::empty_like(out) : out;
   // Keys go straight to their stash; queries, normalised and scaled, to a scratch buffer.
   std::vector<float> queries(q.numel());
   DDTREE_DISPATCH_FLOAT(q.scalar_type(), "tree_gated_delta_rule", [&] {
     normalise_rows<scalar_t>(k, use_qk_l2norm, 1.f, stash_k.data_ptr<float>());
     normalise_rows<scalar_t>(q, use_qk_l2norm, static_cast<float>(scale), queries.data());
     tree_gated_delta_rule_kernel<scalar_t>(queries.data(), stash_k.data_ptr<float>(), q.size(2), v, g, beta, state,
-                                           parent, o, stash_u, stash_cumg);
+                                           parent, out, stash_u, stash_cumg);
   });
-  if (norm_weight.has_value()) {
-    const int64_t vdim = v.size(3);
-    at::Tensor normed = out.view({-1, vdim});
-    rms_norm_cpu(o.view({-1, vdim}), *norm_weight, norm_gate->reshape({-1, vdim}), norm_eps, false, normed);
-  }
 }
 
 }  // namespace ddtree

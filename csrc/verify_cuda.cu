@@ -1,18 +1,14 @@
 // CUDA implementations of the verify ops: GDN's short causal conv and the gated delta rule on a
 // tree. Semantics: ddtree_ext/reference.py; the parallel form of the GDN recurrence: DESIGN.md §4.
-#include <cooperative_groups.h>
-
 #include <algorithm>
 #include <type_traits>
 
 #include "cuda_common.cuh"
 #include "ops.h"
-#include "rms_norm.cuh"
 
 namespace ddtree {
 namespace {
 
-namespace cg = cooperative_groups;
 using cuda::kWarp;
 
 constexpr float kL2NormEps = 1e-6f;  // reference.L2NORM_EPS
@@ -861,94 +857,6 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
   }
 }
 
-// ---- the gated RMSNorm after the delta rule, fused (thread-block clusters: Hopper and newer) ----
-// A GDN layer normalises each node's output o per value head over all V columns, gated by z (HF's
-// Qwen3_5RMSNormGated). gdn_tree_main and gdn_single_node give a block one tile of kTileV columns of one head; with
-// the norm fused, a head's tiles run as one thread-block cluster and exchange their per-chunk sums of squares through
-// distributed shared memory, and the separate norm launch (8-11 us at 65 nodes and 48 heads, latency-bound) is gone.
-// A row's sum runs as ops.rms_norm's half-warp or warp row sums it (a thread's 16-byte chunk of T in order, then the
-// butterfly over the row's lanes) and each element is rms_norm_element: the fused output has the bits of the delta
-// rule followed by ops.rms_norm (tests compare the two with torch.equal).
-template <typename T>
-struct GatedNorm {
-  const T* weight = nullptr;  // [V]; nullptr: no norm, out receives o
-  const T* gate = nullptr;    // z, rows of V like o's
-  int64_t gate_sb = 0, gate_sn = 0, gate_sh = 0;
-  float eps = 0.f, inv_dim = 0.f;
-  int lanes = 0;  // the lanes ops.rms_norm gives a row of V elements: 16 or 32
-};
-
-// The lanes ops.rms_norm gives a row of vdim elements of T (launch_rms_norm_rows: half a warp up to 16 chunks of 16
-// bytes, else a warp up to 1024 features) where the fused norm can sum as it does: each chunk on a lane of its own,
-// and the head's tiles a portable cluster (<= 8 blocks). 0 where it cannot.
-template <typename T>
-int gated_norm_lanes(int64_t vdim) {
-  constexpr int64_t kChunk = 16 / sizeof(T);
-  const int64_t chunks = cuda::ceil_div(vdim, kChunk);
-  if (cuda::ceil_div(vdim, kTileV) > 8) return 0;
-  return chunks <= 16 ? 16 : chunks <= 32 ? 32 : 0;
-}
-
-// Normalises the block's tile of n nodes: o_s [n][kTileV] holds its outputs rounded to T (zero past V). Shared-memory
-// scratch at the same offsets in every block of the cluster: gate_s [n][kTileV] (the gate tile, loaded before the
-// first barrier so that its round trip overlaps it) and sums [n][kTileV / chunk + 1] (chunk sums, then 1/rms).
-// Every thread of the block calls it (THREADS of them): the cluster barriers wait for all.
-template <typename T, int THREADS>
-__device__ void gated_norm_tile(const GatedNorm<T>& nm, const float* o_s, float* gate_s, float* sums, int n, int b,
-                                int hv, int v0, int vdim, T* __restrict__ out, int64_t o_sb, int64_t o_sn,
-                                int64_t o_sh) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int C = 16 / sizeof(T);
-  constexpr int kTileChunks = kTileV / C;
-  constexpr int kWarps = THREADS / kWarp;
-  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
-  float* part = sums;               // [n][kTileChunks]
-  float* inv_s = sums + n * kTileChunks;  // [n]
-  for (int e = tid; e < n * kTileV; e += THREADS) {
-    const int i = e / kTileV, c = v0 + e % kTileV;
-    gate_s[e] = c < vdim ? cuda::to_float(nm.gate[b * nm.gate_sb + i * nm.gate_sn + hv * nm.gate_sh + c]) : 0.f;
-  }
-  for (int e = tid; e < n * kTileChunks; e += THREADS) {  // this tile's chunk sums
-    const float* x = o_s + (e / kTileChunks) * kTileV + (e % kTileChunks) * C;
-    float s = 0.f;
-#pragma unroll
-    for (int c = 0; c < C; ++c) s = fmaf(x[c], x[c], s);
-    part[e] = s;
-  }
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every tile's chunk sums, visible cluster-wide
-  // Chunk t of node i (zero past the row) on lane t of the node's row group, summed by ops.rms_norm's butterfly.
-  const int chunks = (vdim + C - 1) / C;
-  auto chunk_sum = [&](int i, int t) {
-    if (i >= n || t >= chunks) return 0.f;
-    const float* remote = cluster.map_shared_rank(part, static_cast<unsigned>(t / kTileChunks));
-    return remote[i * kTileChunks + t % kTileChunks];
-  };
-  if (nm.lanes == 16) {
-    for (int base = 2 * warp; base < n; base += 2 * kWarps) {  // two nodes a warp, as rms_norm's half-warp rows
-      const int i = base + lane / 16;
-      const float sum = cuda::warp_sum<16>(chunk_sum(i, lane % 16));
-      if (lane % 16 == 0 && i < n) inv_s[i] = cuda::rms_inverse(sum, nm.inv_dim, nm.eps);
-    }
-  } else {
-    for (int i = warp; i < n; i += kWarps) {
-      const float sum = cuda::warp_sum<kWarp>(chunk_sum(i, lane));
-      if (lane == 0) inv_s[i] = cuda::rms_inverse(sum, nm.inv_dim, nm.eps);
-    }
-  }
-  cluster.sync();  // inv_s for the block; and no block leaves while another still reads its sums
-  for (int e = tid; e < n * kTileV; e += THREADS) {
-    const int i = e / kTileV, c = v0 + e % kTileV;
-    if (c >= vdim) continue;
-    const float y = cuda::rms_norm_element<T>(o_s[e], cuda::to_float(nm.weight[c]), gate_s[e], /*gated=*/true,
-                                              /*zero_centered=*/false, inv_s[i]);
-    out[b * o_sb + i * o_sn + hv * o_sh + c] = cuda::from_float<T>(y);
-  }
-#else
-  __trap();  // launch_tree_gdn fuses the norm only where cuda::clusters_supported()
-#endif
-}
-
 // One term of a node's path sums in gdn_tree_main, read with one 16-byte load: the row (times kTileV) of its
 // a-th ancestor and T_i[a], M_i[a]. Distances past the root point at the node's own row with zero coefficients,
 // so every node sums kCachedDist terms without a branch.
@@ -1119,12 +1027,12 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
     bool state_vec4, const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, const float* __restrict__ g, int64_t g_sb,
     int64_t g_sn, int64_t g_sh, const float2* __restrict__ coef, const float2* __restrict__ norms,
     T* __restrict__ out, int64_t o_sb, int64_t o_sn, int64_t o_sh, float* __restrict__ stash_u, int64_t su_sb,
-    int64_t su_sn, int64_t su_sh, const GatedNorm<T> nm) {
+    int64_t su_sn, int64_t su_sh) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* h0 = reinterpret_cast<float*>(smem_raw + lay.h0);        // [krows][32]
   T* stage = reinterpret_cast<T*>(smem_raw + lay.stage);          // [2 chunk][kpad] during the GEMM
   float* kh = reinterpret_cast<float*>(smem_raw + lay.kh);        // [N][32]: K H0, then r
-  float* qh = reinterpret_cast<float*>(smem_raw + lay.qh);        // [N][32]: Q H0, then e^G H0^T q, then o (norm)
+  float* qh = reinterpret_cast<float*>(smem_raw + lay.qh);        // [N][32]: Q H0, then e^G H0^T q
   float* vt = reinterpret_cast<float*>(smem_raw + lay.vt);        // [N][32]: v, then u
   float* graw = reinterpret_cast<float*>(smem_raw + lay.graw);    // [N] log decays
   float* cumg = reinterpret_cast<float*>(smem_raw + lay.cumg);    // [N] G
@@ -1335,22 +1243,12 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
     const float4 m = path_sum4(i, vt, true);
     if (base + slot < n) {
       const float4 e0 = *reinterpret_cast<const float4*>(qh + i * kTileV + c4);
-      float ov[4] = {e0.x + m.x, e0.y + m.y, e0.z + m.z, e0.w + m.w};
-      if (nm.weight != nullptr) {  // o as the norm reads it: rounded to T, zero past V (in place of its own qh row)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) ov[e] = v0 + c4 + e < sh.vdim ? cuda::round_to<T>(ov[e]) : 0.f;
-        *reinterpret_cast<float4*>(qh + i * kTileV + c4) = make_float4(ov[0], ov[1], ov[2], ov[3]);
-        continue;
-      }
+      const float ov[4] = {e0.x + m.x, e0.y + m.y, e0.z + m.z, e0.w + m.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if (v0 + c4 + e < sh.vdim) out[b * o_sb + i * o_sn + hv * o_sh + v0 + c4 + e] = cuda::from_float<T>(ov[e]);
       }
     }
-  }
-  if (nm.weight != nullptr) {
-    __syncthreads();  // o; vt (u) and kh (r) are dead: the norm's scratch
-    gated_norm_tile<T, kMainThreads>(nm, qh, vt, kh, n, b, hv, v0, sh.vdim, out, o_sb, o_sn, o_sh);
   }
 }
 
@@ -1370,14 +1268,13 @@ __global__ void __launch_bounds__(kNodeThreads) gdn_single_node_kernel(
     int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sh, const float* __restrict__ state,
     int64_t st_sb, int64_t st_sh, int64_t st_sk, int64_t st_sv, T* __restrict__ out, int64_t o_sb, int64_t o_sh,
     float* __restrict__ stash_u, int64_t su_sb, int64_t su_sh, float* __restrict__ stash_k, int64_t sk_sb,
-    int64_t sk_sh, float* __restrict__ stash_cumg, int64_t cg_sb, int64_t cg_sh, const GatedNorm<T> nm) {
+    int64_t sk_sh, float* __restrict__ stash_cumg, int64_t cg_sb, int64_t cg_sh) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int kdim = sh.kdim;
   float* krow = reinterpret_cast<float*>(smem_raw);  // [K] raw key
   float* qrow = krow + kdim;                         // [K] raw query
   float* part = qrow + kdim;                         // [2][kNodeWarps][32] partial sums of k.H0, q.H0
   __shared__ float inv_k, factor_q, qk;
-  __shared__ float norm_o[kTileV], norm_gate[kTileV], norm_sums[kTileV + 1];  // the fused norm's tile and scratch
   const int v0 = blockIdx.x * kTileV, hv = blockIdx.y, b = blockIdx.z;
   const int group = sh.value_heads / sh.heads, h = hv / group;
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
@@ -1435,29 +1332,22 @@ __global__ void __launch_bounds__(kNodeThreads) gdn_single_node_kernel(
   part[warp * kWarp + lane] = pk;
   part[(kNodeWarps + warp) * kWarp + lane] = pq;
   __syncthreads();
-  if (warp == 0) {
-    float kh = 0.f, qh = 0.f;
+  if (warp != 0) return;
+  float kh = 0.f, qh = 0.f;
 #pragma unroll
-    for (int w = 0; w < kNodeWarps; ++w) {
-      kh += part[w * kWarp + lane];
-      qh += part[(kNodeWarps + w) * kWarp + lane];
-    }
-    // u = beta (v - e^g H0^T k), o = e^g H0^T q + (q.k) u, with q and k normalised (and q scaled).
-    const float decay = expf(gg);
-    const float u = bt * (vv - decay * (inv_k * kh));
-    const float o = decay * (factor_q * qh) + ((qk * inv_k) * factor_q) * u;
-    if (col_ok) stash_u[b * su_sb + hv * su_sh + v0 + lane] = u;
-    if (nm.weight != nullptr) {
-      norm_o[lane] = col_ok ? cuda::round_to<T>(o) : 0.f;  // o as the norm reads it
-    } else if (col_ok) {
-      out[b * o_sb + hv * o_sh + v0 + lane] = cuda::from_float<T>(o);
-    }
-    if (blockIdx.x == 0 && lane == 0) stash_cumg[b * cg_sb + hv * cg_sh] = 0.f + gg;  // G of the root, as summed
+  for (int w = 0; w < kNodeWarps; ++w) {
+    kh += part[w * kWarp + lane];
+    qh += part[(kNodeWarps + w) * kWarp + lane];
   }
-  if (nm.weight != nullptr) {
-    __syncthreads();  // norm_o
-    gated_norm_tile<T, kNodeThreads>(nm, norm_o, norm_gate, norm_sums, 1, b, hv, v0, sh.vdim, out, o_sb, 0, o_sh);
+  // u = beta (v - e^g H0^T k), o = e^g H0^T q + (q.k) u, with q and k normalised (and q scaled).
+  const float decay = expf(gg);
+  const float u = bt * (vv - decay * (inv_k * kh));
+  const float o = decay * (factor_q * qh) + ((qk * inv_k) * factor_q) * u;
+  if (col_ok) {
+    out[b * o_sb + hv * o_sh + v0 + lane] = cuda::from_float<T>(o);
+    stash_u[b * su_sb + hv * su_sh + v0 + lane] = u;
   }
+  if (blockIdx.x == 0 && lane == 0) stash_cumg[b * cg_sb + hv * cg_sh] = 0.f + gg;  // G of the root, as summed
 }
 
 // Rows of q and k move as 16-byte packs when every row starts aligned to one.
@@ -1472,7 +1362,7 @@ template <typename T>
 void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                      const at::Tensor& beta, const at::Tensor& state, const at::Tensor& parent, double scale,
                      bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u, at::Tensor& stash_k,
-                     at::Tensor& stash_cumg, const GatedNorm<T>& nm) {
+                     at::Tensor& stash_cumg) {
   const int64_t bsz = k.size(0), n = k.size(1), heads = k.size(2), kdim = k.size(3);
   const int64_t value_heads = v.size(2), vdim = v.size(3);
   const GdnShapes sh{static_cast<int>(n), static_cast<int>(heads), static_cast<int>(value_heads),
@@ -1496,22 +1386,19 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                     "tree_gated_delta_rule: N = ", n, " and K = ", kdim,
                     " need more shared memory than this GPU offers (", std::max(lay.total, prep_smem), " bytes)");
   const cudaStream_t stream = cuda::current_stream();
-  // With the norm fused, the blocks of a head's column tiles form one cluster (gated_norm_tile).
-  const unsigned tiles = static_cast<unsigned>(cuda::ceil_div(vdim, kTileV));
-  const unsigned cluster = nm.weight != nullptr ? tiles : 1;
   if (n == 1) {
     const size_t smem = sizeof(float) * (2 * kdim + 2 * kNodeWarps * kWarp);
     cuda::allow_dynamic_smem(gdn_single_node_kernel<T>, smem);
     const dim3 grid(static_cast<unsigned>(cuda::ceil_div(vdim, kTileV)), static_cast<unsigned>(value_heads),
                     static_cast<unsigned>(bsz));
-    cuda::launch_programmatic_clusters(
-        cluster, gdn_single_node_kernel<T>, grid, dim3(kNodeThreads), smem, sh, q.data_ptr<T>(), q.stride(0), q.stride(2),
+    cuda::launch_programmatic(
+        gdn_single_node_kernel<T>, grid, dim3(kNodeThreads), smem, sh, q.data_ptr<T>(), q.stride(0), q.stride(2),
         k.data_ptr<T>(), k.stride(0), k.stride(2), v.data_ptr<T>(),
         v.stride(0), v.stride(2), g.data_ptr<float>(), g.stride(0), g.stride(2), beta.data_ptr<float>(),
         beta.stride(0), beta.stride(2), state.data_ptr<float>(), state.stride(0), state.stride(1), state.stride(2),
         state.stride(3), out.data_ptr<T>(), out.stride(0), out.stride(2), stash_u.data_ptr<float>(),
         stash_u.stride(0), stash_u.stride(2), stash_k.data_ptr<float>(), stash_k.stride(0), stash_k.stride(2),
-        stash_cumg.data_ptr<float>(), stash_cumg.stride(0), stash_cumg.stride(2), nm);
+        stash_cumg.data_ptr<float>(), stash_cumg.stride(0), stash_cumg.stride(2));
     return;
   }
   // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture. coef holds T_i[a] and
@@ -1543,8 +1430,10 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                           state.stride(1) % 4 == 0 && state.stride(0) % 4 == 0 && cuda::is_aligned(state.data_ptr(), 16);
   auto launch_main = [&](auto kernel) {
     cuda::allow_dynamic_smem(kernel, lay.total);
-    cuda::launch_programmatic_clusters(
-        cluster, kernel, dim3(tiles, static_cast<unsigned>(value_heads), static_cast<unsigned>(bsz)),
+    cuda::launch_programmatic(
+        kernel,
+        dim3(static_cast<unsigned>(cuda::ceil_div(vdim, kTileV)), static_cast<unsigned>(value_heads),
+             static_cast<unsigned>(bsz)),
         dim3(kMainThreads), lay.total, sh, lay, static_cast<const T*>(q.data_ptr<T>()), q.stride(0), q.stride(1),
         q.stride(2), static_cast<const T*>(k.data_ptr<T>()), k.stride(0), k.stride(1), k.stride(2),
         static_cast<const T*>(v.data_ptr<T>()), v.stride(0), v.stride(1), v.stride(2), v_packed,
@@ -1554,7 +1443,7 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         parent.stride(1), static_cast<const float*>(g.data_ptr<float>()), g.stride(0), g.stride(1), g.stride(2),
         static_cast<const float2*>(coef_ptr),
         static_cast<const float2*>(norms_ptr), out.data_ptr<T>(), out.stride(0), out.stride(1), out.stride(2),
-        stash_u.data_ptr<float>(), stash_u.stride(0), stash_u.stride(1), stash_u.stride(2), nm);
+        stash_u.data_ptr<float>(), stash_u.stride(0), stash_u.stride(1), stash_u.stride(2));
   };
 
   auto launch_pair = [&](auto packed_rows) {
@@ -1592,36 +1481,14 @@ void tree_conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::
 
 void tree_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                 const at::Tensor& beta, const at::Tensor& state, const at::Tensor& parent,
-                                double scale, bool use_qk_l2norm, const c10::optional<at::Tensor>& norm_weight,
-                                const c10::optional<at::Tensor>& norm_gate, double norm_eps, at::Tensor& out,
-                                at::Tensor& stash_u, at::Tensor& stash_k, at::Tensor& stash_cumg) {
-  check_tree_gated_delta_rule(q, k, v, g, beta, state, parent, norm_weight, norm_gate, norm_eps, out, stash_u, stash_k,
-                              stash_cumg);
+                                double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,
+                                at::Tensor& stash_k, at::Tensor& stash_cumg) {
+  check_tree_gated_delta_rule(q, k, v, g, beta, state, parent, out, stash_u, stash_k, stash_cumg);
   const c10::cuda::CUDAGuard guard(q.device());
   if (k.size(0) == 0 || k.size(1) == 0) return;
   DDTREE_CUDA_DISPATCH_FLOAT(v.scalar_type(), "tree_gated_delta_rule", [&] {
-    using T = scalar_t;
-    GatedNorm<T> nm;
-    const int64_t vdim = v.size(3);
-    const int lanes = norm_weight.has_value() ? gated_norm_lanes<T>(vdim) : 0;
-    if (!norm_weight.has_value()) {
-      launch_tree_gdn<T>(q, k, v, g, beta, state, parent, scale, use_qk_l2norm, out, stash_u, stash_k, stash_cumg, nm);
-    } else if (lanes > 0 && cuda::clusters_supported(gdn_tree_main_kernel<T, true>)) {
-      nm.weight = norm_weight->data_ptr<T>();
-      nm.gate = norm_gate->data_ptr<T>();
-      nm.gate_sb = norm_gate->stride(0);
-      nm.gate_sn = norm_gate->stride(1);
-      nm.gate_sh = norm_gate->stride(2);
-      nm.eps = static_cast<float>(norm_eps);
-      nm.inv_dim = 1.f / static_cast<float>(vdim);
-      nm.lanes = lanes;
-      launch_tree_gdn<T>(q, k, v, g, beta, state, parent, scale, use_qk_l2norm, out, stash_u, stash_k, stash_cumg, nm);
-    } else {  // no clusters here, or a head too wide: the delta rule, then the norm (shape-dependent scratch)
-      at::Tensor o = at::empty_like(out);
-      launch_tree_gdn<T>(q, k, v, g, beta, state, parent, scale, use_qk_l2norm, o, stash_u, stash_k, stash_cumg, nm);
-      at::Tensor normed = out.view({-1, vdim});
-      rms_norm_cuda(o.view({-1, vdim}), *norm_weight, norm_gate->reshape({-1, vdim}), norm_eps, false, normed);
-    }
+    launch_tree_gdn<scalar_t>(q, k, v, g, beta, state, parent, scale, use_qk_l2norm, out, stash_u, stash_k,
+                              stash_cumg);
   });
 }
 

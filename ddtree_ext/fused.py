@@ -135,24 +135,6 @@ def _norm_params(norm: torch.nn.Module) -> Optional[Tuple[float, bool]]:
     return None
 
 
-# Whether a GDN layer's tree forward (``ddtree_ext.target``) runs its gated output norm inside the delta rule's op
-# (``ops.tree_gated_delta_rule(norm_weight=, norm_gate=)``: on Hopper, in the same kernels; the same bits as the norm's
-# own op). ``benchmarks/e2e.py --no-fused-gdn-norm`` turns it off for A/B runs.
-fuse_gdn_norm = True
-
-
-def gated_norm_params(norm: torch.nn.Module) -> Optional[float]:
-    """The eps of a GDN output norm that ``ops.tree_gated_delta_rule`` can run fused (exactly HF's
-    ``Qwen3_5RMSNormGated``, without hooks, ``fuse_gdn_norm`` on), else None."""
-    try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
-    except ImportError:
-        return None
-    if not fuse_gdn_norm or type(norm) is not qwen3_5.Qwen3_5RMSNormGated or not _plain_module(norm):
-        return None
-    return norm.variance_epsilon
-
-
 def _plain_module(module: torch.nn.Module) -> bool:
     """No forward hooks, pre-hooks or accelerate hook, on the module or global ones (``register_module_forward_hook``):
     calling the op instead of the module skips nothing."""

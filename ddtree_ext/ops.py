@@ -287,9 +287,6 @@ def tree_gated_delta_rule(
     *,
     scale: Optional[float] = None,
     use_qk_l2norm: bool = True,
-    norm_weight: Optional[torch.Tensor] = None,
-    norm_gate: Optional[torch.Tensor] = None,
-    norm_eps: float = 1e-6,
     out: Optional[GDNTreeOutput] = None,
 ) -> GDNTreeOutput:
     """Gated delta rule (GDN recurrence) on a tree, exact per node, from the committed state.
@@ -303,11 +300,6 @@ def tree_gated_delta_rule(
     gives when run from ``state`` along the path root..i, computed in float32 without forming a
     K x V state per node. Returns :class:`GDNTreeOutput` (outputs plus the stash for
     :func:`commit_gdn_state`).
-
-    With ``norm_weight`` [V] and ``norm_gate`` z [B, N, HV, V] (v's dtype, z's last dim contiguous), ``out`` is
-    instead the GDN layer's gated RMSNorm of the output per value head (HF's ``Qwen3_5RMSNormGated`` with eps
-    ``norm_eps``): the bits of :func:`rms_norm` ``(o, norm_weight, norm_eps, gate=z)``. On Hopper and newer GPUs the
-    norm runs inside the delta rule's kernels (one launch fewer; V <= 256, or <= 128 in float32); elsewhere after it.
     """
     if out is None:
         b, n, h, kd = k.shape
@@ -321,9 +313,7 @@ def tree_gated_delta_rule(
         )
     if scale is None:
         scale = k.shape[-1] ** -0.5
-    load_ops().tree_gated_delta_rule(
-        q, k, v, g, beta, state, parent, float(scale), use_qk_l2norm, norm_weight, norm_gate, float(norm_eps), *out
-    )
+    load_ops().tree_gated_delta_rule(q, k, v, g, beta, state, parent, float(scale), use_qk_l2norm, *out)
     return out
 
 

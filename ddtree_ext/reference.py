@@ -218,11 +218,9 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def tree_gated_delta_rule(
-    q, k, v, g, beta, state, parent, *, scale=None, use_qk_l2norm: bool = True, norm_weight=None, norm_gate=None,
-    norm_eps: float = 1e-6,
+    q, k, v, g, beta, state, parent, *, scale=None, use_qk_l2norm: bool = True
 ) -> GDNTreeOutput:
-    """Runs the recurrence separately along every root-to-node path (float32); with ``norm_weight`` and
-    ``norm_gate``, ``out`` is the gated RMSNorm of the output (:func:`rms_norm` with the gate)."""
+    """Runs the recurrence separately along every root-to-node path (float32)."""
     bsz, n, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
     group = hv // h
@@ -251,10 +249,7 @@ def tree_gated_delta_rule(
                 stash_u[b, i, j] = u
                 stash_cumg[b, i, j] = cumg
     dev = v.device
-    out = out.to(dtype=v.dtype, device=dev)
-    if norm_weight is not None:
-        out = rms_norm(out, norm_weight, norm_eps, gate=norm_gate)
-    return GDNTreeOutput(out, stash_u.to(dev), kf.to(dev), stash_cumg.to(dev))
+    return GDNTreeOutput(out.to(dtype=v.dtype, device=dev), stash_u.to(dev), kf.to(dev), stash_cumg.to(dev))
 
 
 # ---- layer bodies ----------------------------------------------------------------------------

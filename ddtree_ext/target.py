@@ -52,9 +52,7 @@ from transformers import DynamicCache
 from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
-from ddtree_ext.fused import (
-    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, gated_norm_params, ops_apply, swapped_forwards,
-)
+from ddtree_ext.fused import OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, ops_apply, swapped_forwards
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
 
@@ -535,9 +533,8 @@ def _gdn_tree_forward(
     hidden_states [B, N, hidden] (after the layer's input norm), conv_state [B, C, W] and
     recurrent_state [B, HV, K, V] float32 (the committed states, read only), parent [B, N] int32.
     Returns (layer output [B, N, hidden], pre-conv inputs x [B, N, C], the delta rule's
-    :class:`GDNTreeOutput`, whose ``out`` is already normalised when the norm ran fused). Casts and rounding
-    points follow the HF forward: beta is the sigmoid in the model dtype, g = -exp(A_log) * softplus(a + dt_bias)
-    in float32.
+    :class:`GDNTreeOutput`). Casts and rounding points follow the HF forward: beta is the sigmoid in the
+    model dtype, g = -exp(A_log) * softplus(a + dt_bias) in float32.
     """
     if recurrent_state.dtype != torch.float32:
         raise ValueError(f"TargetAdapter.verify: GDN recurrent state must be float32, got {recurrent_state.dtype}")
@@ -568,18 +565,10 @@ def _gdn_tree_forward(
     value = value.reshape(batch, num_nodes, -1, gdn.head_v_dim)
 
     fork.join(gates_done, g, beta)
-    # The output norm runs inside the delta rule's op where it can (the same bits as the norm's own op), else as HF's
-    # module (its fused forward under the layer fusion).
-    norm_eps = gated_norm_params(gdn.norm)
-    if norm_eps is not None and ops_apply(value, z, gdn.norm.weight):
-        fork.join(z)
-        delta = _ops.tree_gated_delta_rule(query, key, value, g, beta, recurrent_state, parent, use_qk_l2norm=True,
-                                           norm_weight=gdn.norm.weight, norm_gate=z, norm_eps=norm_eps)
-        core = delta.out
-    else:
-        delta = _ops.tree_gated_delta_rule(query, key, value, g, beta, recurrent_state, parent, use_qk_l2norm=True)
-        fork.join(z)
-        core = gdn.norm(delta.out.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
+    delta = _ops.tree_gated_delta_rule(query, key, value, g, beta, recurrent_state, parent, use_qk_l2norm=True)
+
+    fork.join(z)
+    core = gdn.norm(delta.out.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
     return gdn.out_proj(core.reshape(batch, num_nodes, -1)), mixed_qkv, delta
 
 

@@ -22,8 +22,8 @@ TORCH_LIBRARY(ddtree, m) {
       "Tensor(a!) out) -> ()");
   m.def(
       "tree_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, Tensor parent, "
-      "float scale, bool use_qk_l2norm, Tensor? norm_weight, Tensor? norm_gate, float norm_eps, Tensor(a!) out, "
-      "Tensor(b!) stash_u, Tensor(c!) stash_k, Tensor(d!) stash_cumg) -> ()");
+      "float scale, bool use_qk_l2norm, Tensor(a!) out, Tensor(b!) stash_u, Tensor(c!) stash_k, "
+      "Tensor(d!) stash_cumg) -> ()");
   // layer bodies
   m.def("rms_norm(Tensor x, Tensor weight, Tensor? gate, float eps, bool zero_centered, Tensor(a!) out) -> ()");
   m.def(

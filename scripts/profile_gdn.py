@@ -2,12 +2,10 @@
 
     ncu --clock-control none --set full --import-source yes --profile-from-start off -o gdn \
         python scripts/profile_gdn.py --nodes 65
-    python scripts/profile_gdn.py --nodes 1 17 65 129 257 --time [--norm none fused apart]
+    python scripts/profile_gdn.py --nodes 1 17 65 129 257 --time
 
 The profiled region (cudaProfilerStart/Stop) holds one call per node count, after warm-up calls; --time
 prints the median of graph-replayed calls instead (48 layers' inputs, rotated so they do not sit in L2).
---norm adds the GDN layer's gated output norm: fused into the op (norm_weight, norm_gate), or apart (the op, then
-ops.rms_norm), each timed in turn.
 """
 import argparse
 import os
@@ -41,36 +39,24 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--nodes", type=int, nargs="+", default=[65])
     p.add_argument("--time", action="store_true")
-    p.add_argument("--norm", nargs="+", choices=["none", "fused", "apart"], default=["none"])
     args = p.parse_args()
     gen = torch.Generator().manual_seed(0)
-    for n, norm in ((n, norm) for n in args.nodes for norm in args.norm):
+    for n in args.nodes:
         layers = [layer_inputs(n, gen) for _ in range(LAYERS if args.time else 2)]
-        out0 = layers[0][1].out
-        weight = (1 + 0.3 * torch.randn(out0.shape[-1], generator=gen)).to(out0.dtype).cuda()
-        gates = [torch.randn(out0.shape, generator=gen).to(out0.dtype).cuda() for _ in layers]
-        normed = torch.empty_like(out0)
-
-        def call(l, z):
-            if norm == "fused":
-                return ops.tree_gated_delta_rule(*l[0][:6], l[0][6], norm_weight=weight, norm_gate=z, out=l[1])
-            ops.tree_gated_delta_rule(*l[0][:6], l[0][6], out=l[1])
-            if norm == "apart":
-                ops.rms_norm(l[1].out, weight, 1e-6, gate=z, out=normed)
-
-        for l, z in zip(layers, gates):
-            call(l, z)
+        call = lambda l: ops.tree_gated_delta_rule(*l[0][:6], l[0][6], out=l[1])  # noqa: E731
+        for l in layers:
+            call(l)
         torch.cuda.synchronize()
         if not args.time:
             torch.cuda.cudart().cudaProfilerStart()
-            call(layers[0], gates[0])
+            call(layers[0])
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStop()
             continue
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for l, z in zip(layers, gates):
-                call(l, z)
+            for l in layers:
+                call(l)
         times = []
         for _ in range(30):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -80,7 +66,7 @@ def main():
             b.synchronize()
             times.append(a.elapsed_time(b) * 1e3 / len(layers))
         times.sort()
-        print(f"N={n}, norm {norm}: median {times[len(times) // 2]:.1f} us per layer")
+        print(f"N={n}: median {times[len(times) // 2]:.1f} us per layer")
 
 
 if __name__ == "__main__":

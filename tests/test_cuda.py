@@ -444,49 +444,6 @@ def test_tree_gated_delta_rule_qwen36_shape(dtype, budget):
     assert_gdn_close(got, gdn_recurrence_fp64(x, 128**-0.5), dtype, "vs float64 recurrence")
 
 
-def gated_norm_fuses(dtype: torch.dtype, vdim: int) -> bool:
-    """Whether tree_gated_delta_rule runs its gated norm inside its own kernels on this GPU and build (the conditions
-    of csrc/verify_cuda.cu): thread-block clusters (compute capability >= 9.0 in device and build), at most 8 tiles of
-    32 columns, and at most 32 chunks of 16 bytes (a lane each, as ops.rms_norm sums a row)."""
-    built = any(float(a.split("+")[0].rstrip("a")) >= 9.0 for a in build_info()["cuda_archs"].split(";") if a)
-    chunks = -(-vdim * torch.finfo(dtype).bits // 128)
-    return torch.cuda.get_device_capability()[0] >= 9 and built and vdim <= 256 and chunks <= 32
-
-
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("n", [1, 17, 65, 129])
-@pytest.mark.parametrize(
-    "bsz,heads,value_heads,kdim,vdim",
-    [
-        (1, 16, 48, 128, 128),  # Qwen3.6-27B: four tiles a head; 16-bit rows on half a warp, float32 on a warp
-        (2, 2, 4, 32, 40),      # a partial second tile
-        (1, 1, 3, 16, 256),     # eight tiles (the largest portable cluster); float32 takes the norm after the rule
-        (2, 2, 2, 64, 8),       # one tile, most of it past V
-        (1, 1, 2, 32, 300),     # ten tiles: too many for a cluster, the norm after the rule
-    ],
-)
-def test_tree_gated_delta_rule_fused_norm(dtype, n, bsz, heads, value_heads, kdim, vdim):
-    """The gated output norm inside the delta rule's op: bit for bit the plain op followed by ops.rms_norm, the stash
-    unchanged, close to the CPU op; fused into the kernels (no rms_norm launch) exactly where gated_norm_fuses."""
-    gen = make_gen(n + vdim + kdim)
-    x = gdn_inputs(bsz, n, heads, value_heads, kdim, vdim, dtype, gen)
-    weight = (1 + 0.3 * torch.randn(vdim, generator=gen)).to(dtype)
-    z = torch.randn(bsz, n, value_heads, vdim + 8, generator=gen).to(dtype)[..., :vdim]  # rows apart, as a view
-    plain = run_gdn(x, DEV)
-    norm = dict(norm_weight=weight.to(DEV), norm_gate=z.to(DEV), norm_eps=1e-6)
-    out = poisoned(GDNTreeOutput(*(torch.empty_like(t) for t in plain)))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fused = ops.tree_gated_delta_rule(*to(list(x), DEV), **norm, out=out)
-        torch.cuda.synchronize()
-    ran_norm = any("rms_norm" in e.name for e in prof.events())
-    assert ran_norm != gated_norm_fuses(dtype, vdim), "fused in the kernels versus the norm after them"
-    assert torch.equal(fused.out, ops.rms_norm(plain.out, norm["norm_weight"], 1e-6, gate=norm["norm_gate"]))
-    for name in ("stash_u", "stash_k", "stash_cumg"):
-        assert torch.equal(getattr(fused, name), getattr(plain, name)), name
-    cpu = ops.tree_gated_delta_rule(*x, norm_weight=weight, norm_gate=z, norm_eps=1e-6)
-    assert_close(fused.out, cpu.out, dtype, "vs CPU op")
-
-
 @pytest.mark.parametrize("kernel", ["fused_recurrent", "chunk"])
 def test_tree_gated_delta_rule_chain_matches_fla(kernel):
     """On a chain the tree op is the ordinary recurrence; the committed state after the whole chain
@@ -1332,18 +1289,6 @@ def _case_gdn():
     return OpCase(inputs, lambda x: list(ops.tree_gated_delta_rule(*(x[f] for f in GDNInputs._fields))))
 
 
-def _case_gdn_norm(n: int):
-    """The delta rule with its gated output norm fused: n = 65 (the tree kernels), n = 1 (the single-node kernel)."""
-    def inputs(gen):
-        x = {k: v.to(DEV) for k, v in gdn_inputs(2, n, 2, 6, 128, 128, torch.bfloat16, gen)._asdict().items()}
-        x["norm_weight"] = (1 + 0.3 * torch.randn(128, generator=gen)).to(torch.bfloat16).to(DEV)
-        x["norm_gate"] = torch.randn(2, n, 6, 128, generator=gen).to(torch.bfloat16).to(DEV)
-        return x
-
-    return OpCase(inputs, lambda x: list(ops.tree_gated_delta_rule(
-        *(x[f] for f in GDNInputs._fields), norm_weight=x["norm_weight"], norm_gate=x["norm_gate"])))
-
-
 def _case_walk_greedy():
     def inputs(gen):
         tree = built_tree(2, 64, gen)
@@ -1444,8 +1389,6 @@ OP_CASES = {
     "build_tree+mask": _case_build,
     "tree_conv1d": _case_conv,
     "tree_gated_delta_rule": _case_gdn,
-    "tree_gated_delta_rule_norm": functools.partial(_case_gdn_norm, 65),
-    "tree_gated_delta_rule_norm_one_node": functools.partial(_case_gdn_norm, 1),
     "walk_greedy": _case_walk_greedy,
     "walk_sample_top_k": functools.partial(_case_walk_sample, 20, 0.9),
     "walk_sample_full": functools.partial(_case_walk_sample, 0, 1.0),
@@ -1583,11 +1526,6 @@ def test_all_ops_small():
     g = gdn_inputs(2, 13, 2, 4, 32, 32, torch.float32, gen)
     got = run_gdn(g, DEV)
     assert_gdn_close(got, run_gdn(g, "cpu"), torch.float32, "gdn")
-    for n in (1, 13):  # the gated norm fused into the single-node and the tree kernels (clusters on Hopper)
-        h = gdn_inputs(1, n, 2, 4, 32, 40, torch.bfloat16, gen)
-        weight, z = torch.randn(40, generator=gen).bfloat16(), torch.randn(1, n, 4, 40, generator=gen).bfloat16()
-        fused = ops.tree_gated_delta_rule(*to(list(h), DEV), norm_weight=weight.to(DEV), norm_gate=z.to(DEV))
-        assert_close(fused.out, ops.tree_gated_delta_rule(*h, norm_weight=weight, norm_gate=z).out, torch.bfloat16)
     target = walk_targets(tree, gen)
     assert_fields_equal(run_walk_greedy(tree, target, 5, DEV), run_walk_greedy(tree, target, 5, "cpu"), "walk")
     stree, slogits = sample_case(2, 13, 500, gen)

@@ -361,34 +361,6 @@ def test_attention_width_does_not_change_the_result(adapter):
         assert rel_err(a, b) < 1e-6
 
 
-def test_fused_gdn_norm_gives_the_unfused_bits(hybrid, monkeypatch):
-    """A GDN layer's output norm run inside the delta rule's op (fused.fuse_gdn_norm, the default) gives the logits and
-    taps of HF's norm module run after it, bit for bit; the verify called the op with the norm exactly when on."""
-    from ddtree_ext import fused, ops
-
-    calls, stock = [0], ops.tree_gated_delta_rule
-
-    def counted(*args, **kwargs):
-        calls[0] += kwargs.get("norm_weight") is not None
-        return stock(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "tree_gated_delta_rule", counted)
-    adapter = TargetAdapter(hybrid, TAPS)
-    gen = torch.Generator().manual_seed(9)
-    prompt = _tokens(gen, 1, 6)
-    tree, results = None, {}
-    for fuse in (True, False):
-        monkeypatch.setattr(fused, "fuse_gdn_norm", fuse)
-        calls[0] = 0
-        state = adapter.new_state(capacity=CAPACITY)
-        adapter.prefill(prompt, state)
-        tree = tree if tree is not None else _random_tree(gen, state.prefix_len, 9, "random")
-        results[fuse] = adapter.verify(tree, state)
-        assert calls[0] == (len(adapter.gdn_layer_ids) if fuse else 0)
-    for a, b in zip(results[True], results[False]):
-        assert torch.equal(a, b)
-
-
 BAD_WALKS = {
     "accept_len 0": ([[0, 1, -1]], [0], "accept_len"),
     "accept_len > D": ([[0, 1, 2]], [4], "accept_len"),

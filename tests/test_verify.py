@@ -174,33 +174,6 @@ def test_tree_gated_delta_rule_matches_reference(dtype, heads, vheads, gen):
         assert torch.equal(state, state_before), "state is read only"
 
 
-def gated_norm_inputs(bsz, n, vheads, vdim, dtype, gen):
-    """A GDN output norm's weight [V] and gate z [B, N, HV, V], z with rows further apart than V (a strided view)."""
-    weight = (1 + 0.3 * torch.randn(vdim, generator=gen)).to(dtype)
-    z = torch.randn(bsz, n, vheads, vdim + 3, generator=gen).to(dtype)[..., :vdim]
-    return weight, z
-
-
-@pytest.mark.parametrize("vdim", [8, 20])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_tree_gated_delta_rule_fused_norm(dtype, vdim, gen):
-    """With norm_weight and norm_gate, out is ops.rms_norm(o, weight, eps, gate=z) of the plain op's o, bit for bit,
-    the stash is unchanged, and both agree with the reference's norm of its own output."""
-    for case, n in enumerate((1, 7, 65)):
-        parent = random_tree_batch(2, n, gen, first_shape=case)
-        q, k, v, g, beta, state = gdn_inputs(2, n, 2, 6, 16, vdim, dtype, gen)
-        weight, z = gated_norm_inputs(2, n, 6, vdim, dtype, gen)
-        plain = ops.tree_gated_delta_rule(q, k, v, g, beta, state, parent, out=empty_gdn_out(q, v))
-        fused = ops.tree_gated_delta_rule(q, k, v, g, beta, state, parent, norm_weight=weight, norm_gate=z,
-                                          norm_eps=1e-5, out=empty_gdn_out(q, v))
-        assert torch.equal(fused.out, ops.rms_norm(plain.out, weight, 1e-5, gate=z)), f"out (n={n})"
-        for name in ("stash_u", "stash_k", "stash_cumg"):
-            assert torch.equal(getattr(fused, name), getattr(plain, name)), f"{name} (n={n})"
-        want = reference.tree_gated_delta_rule(q, k, v, g, beta, state, parent, norm_weight=weight, norm_gate=z,
-                                               norm_eps=1e-5)
-        assert_gdn_matches(fused, want, dtype)
-
-
 def test_tree_gated_delta_rule_decay_underflow_stays_finite(gen):
     """Strong decays along a deep path underflow e^{G_i}; the pairwise decays e^{G_i - G_j} stay exact."""
     n = 17
@@ -365,16 +338,7 @@ def _gdn_case(gen):
     bsz, n, heads, vheads = 2, 5, 2, 6
     q, k, v, g, beta, state = gdn_inputs(bsz, n, heads, vheads, 8, 4, torch.float32, gen)
     out = empty_gdn_out(q, v)
-    return dict(q=q, k=k, v=v, g=g, beta=beta, state=state, parent=random_tree_batch(bsz, n, gen), norm_weight=None,
-                norm_gate=None, norm_eps=1e-6, **out._asdict())
-
-
-def _with_norm(weight=lambda: torch.ones(4), gate=lambda: torch.ones(2, 5, 6, 4), eps=1e-6):
-    """A mutation giving the GDN case the norm arguments: weight and gate factories (None: left out) and eps."""
-    def mutate(args):
-        args.update(norm_weight=weight() if weight else None, norm_gate=gate() if gate else None, norm_eps=eps)
-
-    return mutate
+    return dict(q=q, k=k, v=v, g=g, beta=beta, state=state, parent=random_tree_batch(bsz, n, gen), **out._asdict())
 
 
 BAD_GDN = {
@@ -400,17 +364,6 @@ BAD_GDN = {
     "stash_k_shape": (_replace("stash_k", lambda t: poison(torch.empty(2, 5, 6, 8))), "stash_k must have shape"),
     "stash_cumg_strided": (_replace("stash_cumg", lambda t: poison(t.transpose(0, 1).contiguous().transpose(0, 1))),
                            "stash_cumg must be contiguous"),
-    "norm_weight_alone": (_with_norm(gate=None), "norm_weight and norm_gate go together"),
-    "norm_gate_alone": (_with_norm(weight=None), "norm_weight and norm_gate go together"),
-    "norm_weight_shape": (_with_norm(weight=lambda: torch.ones(5)), "norm_weight must have shape"),
-    "norm_weight_dtype": (_with_norm(weight=lambda: torch.ones(4, dtype=torch.bfloat16)),
-                          "norm_weight must have dtype Float"),
-    "norm_gate_shape": (_with_norm(gate=lambda: torch.ones(2, 5, 3, 4)), "norm_gate must have shape"),
-    "norm_gate_dtype": (_with_norm(gate=lambda: torch.ones(2, 5, 6, 4, dtype=torch.half)),
-                        "norm_gate must have dtype Float"),
-    "norm_gate_last_dim_strided": (_with_norm(gate=lambda: torch.ones(2, 5, 6, 8)[..., ::2]),
-                                   "norm_gate must be contiguous in its last dim"),
-    "norm_eps_negative": (_with_norm(eps=-1e-6), "norm_eps must be finite and >= 0"),
 }
 GDN_OUTPUTS = ops.GDNTreeOutput._fields
 
@@ -421,9 +374,8 @@ def test_tree_gated_delta_rule_rejects_bad_input(mistake, gen):
     args = _gdn_case(gen)
     mutate(args)
     inputs = [args[name] for name in ("q", "k", "v", "g", "beta", "state", "parent")]
-    norm = [args[name] for name in ("norm_weight", "norm_gate", "norm_eps")]
     with pytest.raises(ValueError, match=f"^tree_gated_delta_rule: ({message})"):
-        load_ops().tree_gated_delta_rule(*inputs, 0.25, True, *norm, *(args[name] for name in GDN_OUTPUTS))
+        load_ops().tree_gated_delta_rule(*inputs, 0.25, True, *(args[name] for name in GDN_OUTPUTS))
     for name in GDN_OUTPUTS:
         assert torch.isnan(args[name]).all(), f"{name} was written before the error"
 
@@ -441,10 +393,7 @@ def test_tree_conv1d_opcheck(bias, gen):
 def test_tree_gated_delta_rule_opcheck(gen):
     parent = random_tree_batch(2, 7, gen)
     q, k, v, g, beta, state = gdn_inputs(2, 7, 2, 6, 8, 4, torch.bfloat16, gen)
-    args = (q, k, v, g, beta, state, parent, 0.35, True, None, None, 1e-6, *empty_gdn_out(q, v))
-    torch.library.opcheck(load_ops().tree_gated_delta_rule.default, args)
-    weight, z = gated_norm_inputs(2, 7, 6, 4, torch.bfloat16, gen)
-    args = (q, k, v, g, beta, state, parent, 0.35, True, weight, z, 1e-6, *empty_gdn_out(q, v))
+    args = (q, k, v, g, beta, state, parent, 0.35, True, *empty_gdn_out(q, v))
     torch.library.opcheck(load_ops().tree_gated_delta_rule.default, args)
 
 
