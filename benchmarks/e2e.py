@@ -574,6 +574,9 @@ def main(argv=None) -> None:
     parser.add_argument("--no-stacked-projections", action="store_true",
                         help="keep each projection's weight apart (else ddtree_ext.stack_projections stacks those that "
                              "read the same input, one GEMM for each group), for A/B runs")
+    parser.add_argument("--no-gemv", action="store_true",
+                        help="with --linear tuned, leave ops.linear_gemv out of the single-row candidates "
+                             "(gemm_tuning.gemv_candidate), for A/B runs")
     parser.add_argument("--profile", action="store_true", help="add the top kernels of eager rounds (torch profiler)")
     parser.add_argument("--profile-top", type=int, default=15, help="how many kernels each profile table lists")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -581,6 +584,7 @@ def main(argv=None) -> None:
     fused.side_streams = set(args.side_streams)
     fused.linear_kernel = args.linear == "ops"
     gemm_tuning.enabled = args.linear == "tuned"
+    gemm_tuning.gemv_candidate = not args.no_gemv
     fused.fuse_residual_adds = not args.no_fused_adds
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
@@ -605,6 +609,7 @@ def main(argv=None) -> None:
         gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9, presets=[],
         projections=("ops.linear (the weight-streaming kernel)" if fused.linear_kernel else
                      "per shape the fastest of cuBLAS (F.linear) and cuBLASLt's candidates (gemm_tuning)"
+                     + (", and ops.linear_gemv for single rows" if gemm_tuning.gemv_candidate else "")
                      if gemm_tuning.enabled else "cuBLAS (F.linear)"),
         residual_adds="fused into the next norm" if fused.fuse_residual_adds else "apart (torch add, then the norm)",
         stacked_projections=not args.no_stacked_projections,

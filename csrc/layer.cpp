@@ -404,6 +404,18 @@ void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, 
   linear_mm(x, weight, out);
 }
 
+void check_linear_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  check_linear("linear_gemv", x, weight, out);
+  DDTREE_CHECK("linear_gemv", x.size(0) == 1, "x must have one row (a decode step's), got shape ",
+               shape_str(x.sizes()));
+}
+
+void linear_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool /*prefetch_weight*/) {
+  check_linear_gemv(x, weight, out);
+  if (out.numel() == 0) return;
+  linear_mm(x, weight, out);
+}
+
 // The CPU op has one algorithm, at::mm (the CUDA op's are cuBLASLt's candidates: csrc/linear_cublaslt_cuda.cpp).
 int64_t linear_cublaslt_algorithms_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
   check_linear_cublaslt("linear_cublaslt_algorithms", x, weight, out);

@@ -80,6 +80,9 @@ void linear_cublaslt_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t 
 // out = x weight^T through at::mm: the CPU op, and the CUDA op's path for what its kernel does not take.
 void linear_mm(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out);
 void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
+// check_linear for a single row of x.
+void check_linear_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
+void linear_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
 void check_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                          const at::Tensor& out);
 // The same attention through ATen's SDPA over K/V repeated per query head: the CPU op, and the CUDA op's path for
@@ -147,6 +150,7 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual, const at
 void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);
 void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
+void linear_gemv_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
 int64_t linear_cublaslt_algorithms_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
 std::string linear_cublaslt_describe_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out,
                                           int64_t algorithm);

@@ -16,6 +16,7 @@ _OPS = (
     "rope",
     "linear",
     "linear_cublaslt",
+    "linear_gemv",
     "gqa_attention",
     "gdn_gates",
     "walk_greedy",

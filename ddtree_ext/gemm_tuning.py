@@ -11,7 +11,8 @@ of a generation but its first, whose draft reads the prompt (a length that chang
 the prefill and the first round run torch's matmul, so every generation runs the same algorithms round by round.
 
 The first time a problem (device, dtype, sizes, row strides, alignments) is seen outside CUDA graph capture, this
-times torch's own matmul and each of cuBLASLt's candidates (``ops.linear_cublaslt``) on the weight itself and on
+times torch's own matmul, each of cuBLASLt's candidates (``ops.linear_cublaslt``) and, for a single row, the
+CUDA-core kernel ``ops.linear_gemv`` (:data:`GEMV`) on the weight itself and on
 copies of it, called in turn so that every call streams its weight from memory as in a round, queued ahead so that
 launch gaps do not count (one batch screens each candidate, the three fastest are timed over five). It keeps the
 fastest for the process; a candidate replaces torch's matmul only when faster by more than ``MARGIN``, and one that
@@ -28,7 +29,7 @@ import contextlib
 import math
 import statistics
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -39,6 +40,13 @@ enabled = False
 
 # A cuBLASLt candidate must beat torch's matmul by this fraction to replace it (timing noise is below it).
 MARGIN = 0.01
+
+# The pick that names ops.linear_gemv (a candidate for single rows: a decode step's projections) rather than a cuBLASLt
+# candidate's index.
+GEMV = "gemv"
+
+# Whether single-row problems also time ops.linear_gemv (off: cuBLAS's and cuBLASLt's candidates only, for A/B runs).
+gemv_candidate = True
 
 # The most rows tuned: a verify of a 256-node tree and its root. A prompt's prefill of more rows runs once per
 # generation, at a length that changes from one to the next: torch's matmul serves it untimed.
@@ -53,7 +61,7 @@ _BATCHES = 5  # timed batches per finalist
 _FINALISTS = 3
 
 # problem key -> the pick (None: torch's matmul), and what was measured for it.
-_picks: Dict[Tuple, Optional[int]] = {}
+_picks: Dict[Tuple, Union[int, str, None]] = {}
 _reports: List[dict] = []
 _open_scopes = 0  # round_shapes() contexts open
 
@@ -102,9 +110,10 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1 and weight.stride(1) == 1 and _alignment(weight) == 16)
 
 
-def algorithm(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:
+def algorithm(x: torch.Tensor, weight: torch.Tensor) -> Union[int, str, None]:
     """The pick for out = x [M, K] weight [N, K]^T (tensors :func:`applies` takes): a cuBLASLt candidate for
-    ``ops.linear_cublaslt``, or None for torch's matmul. Timed at the problem's first sight outside a capture."""
+    ``ops.linear_cublaslt``, :data:`GEMV` for ``ops.linear_gemv`` (single rows), or None for torch's matmul. Timed at
+    the problem's first sight outside a capture."""
     key = _problem(x, weight)
     if key in _picks:
         return _picks[key]
@@ -175,7 +184,7 @@ def _time(run, copies: List[torch.Tensor], calls: int, batches: int) -> float:
     return statistics.median(times)
 
 
-def _tune(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:
+def _tune(x: torch.Tensor, weight: torch.Tensor) -> Union[int, str, None]:
     began = time.perf_counter()
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     try:
@@ -191,12 +200,14 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:
     calls = max(len(copies), min(_MAX_CALLS, math.ceil(_BATCH_SECONDS / max(estimate, 1e-7))))
 
     def candidate(i):
+        if i == GEMV:  # the copies are written by nothing while they are timed: the weight may stream early
+            return lambda w: ops.linear_gemv(x, w, out=out, prefetch_weight=True)
         return lambda w: ops.linear_cublaslt(x, w, i, out=out)
 
     with torch.no_grad():
         # One batch per candidate screens them; the _FINALISTS fastest and torch's matmul are then timed in full.
         screened = {}
-        for i in range(count):
+        for i in list(range(count)) + ([GEMV] if gemv_candidate and x.shape[0] == 1 else []):
             try:
                 screened[i] = _time(candidate(i), copies, calls, 1)
             except RuntimeError:  # a configuration cuBLASLt accepted but cannot launch here: dropped
@@ -211,8 +222,10 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> Optional[int]:
     _reports.append({
         "rows": x.shape[0], "n": weight.shape[0], "k": weight.shape[1], "dtype": str(x.dtype).replace("torch.", ""),
         "device": str(x.device), "candidates": len(screened), "pick": pick,
-        "pick_description": "torch matmul" if pick is None else ops.linear_cublaslt_describe(x, weight, pick, out),
+        "pick_description": ("torch matmul" if pick is None else "ops.linear_gemv (CUDA cores)" if pick == GEMV
+                             else ops.linear_cublaslt_describe(x, weight, pick, out)),
         "matmul_us": default * 1e6, "pick_us": (default if pick is None else times[pick]) * 1e6,
-        "best_candidate_us": times[best] * 1e6, "weight_bytes": nbytes, "seconds": time.perf_counter() - began,
+        "best_candidate_us": times[best] * 1e6, "gemv_us": times.get(GEMV, screened.get(GEMV, math.nan)) * 1e6,
+        "weight_bytes": nbytes, "seconds": time.perf_counter() - began,
     })
     return pick

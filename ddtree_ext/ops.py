@@ -477,6 +477,23 @@ def linear_cublaslt(x: torch.Tensor, weight: torch.Tensor, algorithm: int, *,
     return out
 
 
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                prefetch_weight: bool = False) -> torch.Tensor:
+    """The bias-free projection of :func:`linear` for a single row (an autoregressive decode step): x [..., K] with one
+    row in all (last dim contiguous), weight [N, K] (last dim contiguous) in x's dtype -> out [..., N], float32 sums.
+
+    On CUDA, bfloat16/float16 with K a multiple of 8 and 16-byte aligned x and weight rows run a kernel on CUDA cores:
+    a warp (or four, when N is small) per weight row, 16-byte loads, float32 sums in an order fixed by (N, K) and the
+    GPU (deterministic). Everything else, and the CPU op, is ``torch.mm``. It launches as a programmatic dependent of
+    the kernel before it; ``prefetch_weight=True`` lets it load its first weight chunks before that kernel is done,
+    as :func:`linear` does (only for weights no kernel in flight writes: a model's projections during generation).
+    """
+    rows = _rows(x)
+    out = _linear_out("linear_gemv", x, weight, out)
+    load_ops().linear_gemv(rows, weight, out.view(-1, out.shape[-1]) if out.dim() != 2 else out, bool(prefetch_weight))
+    return out
+
+
 def linear_cublaslt_algorithms(x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> int:
     """How many algorithms :func:`linear_cublaslt` offers for x [..., K], weight [N, K] and out (default: a new
     contiguous one): on CUDA cuBLASLt's heuristic candidates for the problem (0 where it has none), then, where x,

@@ -33,6 +33,7 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
   m.def("linear(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False) -> ()");
   m.def("linear_cublaslt(Tensor x, Tensor weight, int algorithm, Tensor(a!) out) -> ()");
+  m.def("linear_gemv(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False) -> ()");
   // host queries: how many cuBLASLt candidates a problem has, and what one of them is
   m.def("linear_cublaslt_algorithms(Tensor x, Tensor weight, Tensor out) -> int");
   m.def("linear_cublaslt_describe(Tensor x, Tensor weight, Tensor out, int algorithm) -> str");
@@ -70,6 +71,7 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("rope", &ddtree::rope_cpu);
   m.impl("linear", &ddtree::linear_cpu);
   m.impl("linear_cublaslt", &ddtree::linear_cublaslt_cpu);
+  m.impl("linear_gemv", &ddtree::linear_gemv_cpu);
   m.impl("linear_cublaslt_algorithms", &ddtree::linear_cublaslt_algorithms_cpu);
   m.impl("linear_cublaslt_describe", &ddtree::linear_cublaslt_describe_cpu);
   m.impl("gqa_attention", &ddtree::gqa_attention_cpu);

@@ -16,6 +16,7 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("rope", &ddtree::rope_cuda);
   m.impl("linear", &ddtree::linear_cuda);
   m.impl("linear_cublaslt", &ddtree::linear_cublaslt_cuda);
+  m.impl("linear_gemv", &ddtree::linear_gemv_cuda);
   m.impl("linear_cublaslt_algorithms", &ddtree::linear_cublaslt_algorithms_cuda);
   m.impl("linear_cublaslt_describe", &ddtree::linear_cublaslt_describe_cuda);
   m.impl("gqa_attention", &ddtree::gqa_attention_cuda);

@@ -9,6 +9,7 @@ projections (per layer counts below; the LM head once). As a check of the tuner'
 kernel), the pick and torch's matmul are timed again as graph replays.
 """
 import argparse
+import math
 import os
 import sys
 
@@ -68,12 +69,17 @@ def main():
                 record = gemm_tuning.picks()[0]
                 copies = gemm_tuning._rotation(weight)
                 g_matmul = graph_us(copies, lambda w: torch.mm(x, w.t()))
-                g_pick = g_matmul if pick is None else graph_us(copies, lambda w: ops.linear_cublaslt(x, w, pick))
+                if pick == gemm_tuning.GEMV:
+                    g_pick = graph_us(copies, lambda w: ops.linear_gemv(x, w, prefetch_weight=True))
+                else:
+                    g_pick = g_matmul if pick is None else graph_us(copies, lambda w: ops.linear_cublaslt(x, w, pick))
                 del copies
                 sums[rows][0] += count * g_matmul
                 sums[rows][1] += count * g_pick
                 sums[rows][2] += count * floor_us
                 what = "torch matmul" if pick is None else f"{pick}: {record['pick_description']}"
+                if record.get("gemv_us", math.nan) == record.get("gemv_us"):  # timed (one row)
+                    what += f" (ops.linear_gemv {record['gemv_us']:.1f} us)"
                 print(f"| {name} | {n} x {k} | {rows} | {record['candidates']} | {record['matmul_us']:.1f} | "
                       f"{record['pick_us']:.1f} | {record['best_candidate_us']:.1f} | {floor_us:.1f} | "
                       f"{record['matmul_us'] / floor_us:.2f} | {record['pick_us'] / floor_us:.2f} | {g_matmul:.1f} | "

@@ -1129,6 +1129,93 @@ def test_linear_rows_with_infinities_stay_in_their_rows():
     assert_close(got[finite.to(DEV)], reference.linear(x[finite.to(DEV)], weight), torch.bfloat16)
 
 
+# ---- linear_gemv ---------------------------------------------------------------------------------
+
+
+def _gemv_kernel_ran(prof) -> bool:
+    return any("linear_gemv_kernel" in e.name for e in prof.events())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "n,k",
+    [
+        (1024, 5120),    # 27B K/V projection: few rows, so two or four warps a row
+        (10240, 5120),   # 27B GDN qkv
+        (5120, 17408),   # 27B down projection: 2176 chunks a row
+        (37, 72),        # N no block divides, K of 9 chunks (fewer than a lane group)
+        (1, 4096),       # a single output
+        (64, 100),       # K not a multiple of 8: torch.mm
+    ],
+)
+def test_linear_gemv_op(n, k, dtype):
+    """The CUDA op (the CUDA-core kernel for 16-bit inputs that fit it, torch.mm otherwise) against the CPU op and the
+    float64 reference, deterministic; x a row of a wider buffer, out poisoned and written as a strided view."""
+    gen = make_gen(n + k)
+    x_wide = torch.randn(1, k + 64, generator=gen).to(dtype)
+    x = x_wide[:, 32:32 + k]
+    weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    out_wide = poison(torch.empty(1, n + 32, dtype=dtype, device=DEV))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = ops.linear_gemv(x_wide.to(DEV)[:, 32:32 + k], weight.to(DEV), out=out_wide[:, :n])
+        torch.cuda.synchronize()
+    assert _gemv_kernel_ran(prof) == (dtype != torch.float32 and k % 8 == 0), "kernel versus torch.mm path"
+    assert torch.isnan(out_wide[:, n:]).all(), "wrote past the output view"
+    assert_close(got, ops.linear_gemv(x, weight), dtype, "vs CPU op")
+    assert_close(got, reference.linear(x, weight), dtype, "vs reference")
+    again = ops.linear_gemv(x.to(DEV), weight.to(DEV), prefetch_weight=True)
+    assert torch.equal(again, got), "not deterministic (or prefetch_weight changed the bits)"
+
+
+def test_linear_gemv_strided_and_unaligned_weights():
+    """A row block of a stacked weight (rows further apart than K) runs the kernel; a weight or x that is not 16-byte
+    aligned takes torch.mm; both match the reference."""
+    gen = make_gen(51)
+    stacked = (torch.randn(96, 1088, generator=gen) * 0.03).to(torch.bfloat16).to(DEV)
+    x_wide = torch.randn(1, 1100, generator=gen).to(torch.bfloat16).to(DEV)
+    cases = (
+        (x_wide[:, :1024], stacked[32:80, :1024], True),   # rows 1088 apart, aligned
+        (x_wide[:, 1:1025], stacked[32:80, :1024], False),  # x not 16-byte aligned
+        (x_wide[:, :1024], stacked[32:80, 4:1028], False),  # weight not 16-byte aligned
+    )
+    for x, w, kernel in cases:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = ops.linear_gemv(x, w)
+            torch.cuda.synchronize()
+        assert _gemv_kernel_ran(prof) == kernel
+        assert_close(got, reference.linear(x, w), torch.bfloat16)
+
+
+def test_linear_gemv_waits_for_the_kernel_writing_x():
+    """With prefetch_weight the weight streams before the kernel ahead is done, x never: replayed right after the
+    kernel that writes x (and after a side stream's kernel joined by an edge), the eager bits."""
+    gen = make_gen(52)
+    x0 = torch.randn(1, 5120, generator=gen).to(torch.bfloat16).to(DEV)
+    weight = (torch.randn(6144, 5120, generator=gen) * 5120**-0.5).to(torch.bfloat16).to(DEV)
+    x = torch.empty_like(x0)
+    side = torch.cuda.Stream()
+
+    def run(scale):
+        torch.mul(x0, scale, out=x)
+        first = ops.linear_gemv(x, weight, prefetch_weight=True)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.mul(x0, -scale, out=x)
+        torch.cuda.current_stream().wait_stream(side)
+        return first, ops.linear_gemv(x, weight, prefetch_weight=True)
+
+    expected = ops.linear_gemv(x0 * 2, weight), ops.linear_gemv(x0 * -2, weight)
+    assert all(torch.equal(a, b) for a, b in zip(run(2.0), expected))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = run(2.0)
+    for _ in range(3):
+        x.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 # ---- linear_cublaslt and gemm_tuning -----------------------------------------------------------
 
 

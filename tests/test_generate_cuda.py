@@ -221,6 +221,33 @@ def test_tuned_gemms_in_rounds_replay_exactly(monkeypatch):
         gemm_tuning.reset()
 
 
+def test_gemv_picks_in_rounds_replay_exactly(monkeypatch):
+    """With every single-row projection on ops.linear_gemv (the tuner's pick forced), graph rounds give the eager
+    rounds' tokens over 300 tokens of the real-shaped hybrid in bf16, autoregressive and DDTree (whose rounds have no
+    single-row projections but share the prefill's)."""
+    from ddtree_ext import gemm_tuning, ops
+
+    monkeypatch.setattr(gemm_tuning, "enabled", True)
+    monkeypatch.setattr(gemm_tuning, "_tune", lambda x, weight: gemm_tuning.GEMV if x.shape[0] == 1 else None)
+    calls = [0]
+    stock = ops.linear_gemv
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return stock(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "linear_gemv", counted)
+    gemm_tuning.reset()
+    try:
+        target, draft = small_real_shaped_hybrid(torch.bfloat16)
+        prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(5)).cuda()
+        for method, (graphed, stats) in assert_graphs_equal_eager(target, draft, prompt, 300).items():
+            assert sum(stats.round_replayed) > stats.rounds // 2
+        assert calls[0] > 0
+    finally:
+        gemm_tuning.reset()
+
+
 def test_projection_kernel_in_rounds_replays_exactly(monkeypatch):
     """With the projection kernel switched on (fused.linear_kernel; off by default) the rounds run it, through
     captured graphs too (its weight tensor maps and cluster launches replay): the same tokens as eager."""

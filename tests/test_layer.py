@@ -395,6 +395,40 @@ def test_linear_cublaslt_cpu_is_torch_mm(dtype, gen):
     assert torch.equal(ops.linear_cublaslt(x3, weight, 0), torch.nn.functional.linear(x3, weight))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_gemv_cpu_is_torch_mm(dtype, gen):
+    """On the CPU linear_gemv is torch.mm: a row taken from a wider buffer, a row block of a stacked weight, out as a
+    strided view, leading dims folded; prefetch_weight only concerns the CUDA kernel's launch."""
+    x = torch.randn(1, 200, generator=gen).to(dtype)[:, 3:131]
+    weight = torch.randn(96, 128, generator=gen).to(dtype)[32:80]
+    out = poison(torch.empty(1, 53, dtype=dtype))[:, :48]
+    assert torch.equal(ops.linear_gemv(x, weight, out=out), torch.nn.functional.linear(x, weight))
+    assert_close(out, reference.linear(x, weight), dtype)
+    x3 = torch.randn(1, 1, 128, generator=gen).to(dtype)
+    assert torch.equal(ops.linear_gemv(x3, weight, prefetch_weight=True), torch.nn.functional.linear(x3, weight))
+
+
+def _check_projection_shapes(name, project, rows):
+    """What every projection op checks first: the weight's shape and dtype, out's shape (x [rows, 16], w [8, 16])."""
+    x, w = torch.randn(rows, 16), torch.randn(8, 16)
+    for weight, out, message in ((torch.randn(8, 15), None, "weight must have shape"),
+                                 (w.double(), None, "weight must have dtype"),
+                                 (w, torch.empty(rows, 7), "out must have shape")):
+        with pytest.raises(ValueError, match=f"{name}: {message}"):
+            project(x, weight, out)
+
+
+def test_linear_gemv_bad_inputs():
+    _check_projection_shapes("linear_gemv", lambda x, w, out: ops.linear_gemv(x, w, out=out), 1)
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"linear_gemv: x must have one row \(a decode step's\), got shape \[3, 16\]"):
+        ops.linear_gemv(torch.randn(3, 16), w)
+    out = torch.full((1, 8), 5.0)
+    with pytest.raises(ValueError):
+        ops.linear_gemv(torch.randn(1, 16), torch.randn(8, 17), out=out)
+    assert (out == 5.0).all()
+
+
 def test_gemm_tuning_scope_and_problem_keys(monkeypatch):
     """gemm_tuning is active only when enabled and inside round_shapes (nested contexts count); a single row's
     stride is not part of a problem, two rows' is; CPU tensors are never tuned, so project stays F.linear."""
@@ -446,13 +480,8 @@ def test_linear_cublaslt_bad_inputs():
 
 
 def test_linear_bad_inputs():
+    _check_projection_shapes("linear", lambda x, w, out: ops.linear(x, w, out=out), 3)
     x, w = torch.randn(3, 16), torch.randn(8, 16)
-    with pytest.raises(ValueError, match="linear: weight must have shape"):
-        ops.linear(x, torch.randn(8, 15))
-    with pytest.raises(ValueError, match="linear: weight must have dtype"):
-        ops.linear(x, w.double())
-    with pytest.raises(ValueError, match="linear: out must have shape"):
-        ops.linear(x, w, out=torch.empty(3, 7))
     with pytest.raises(ValueError, match="linear: out must have dtype"):
         ops.linear(x, w, out=torch.empty(3, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="linear: x must be float32, float16 or bfloat16"):
@@ -483,6 +512,7 @@ def test_layer_ops_opcheck(gen):
     torch.library.opcheck(lib.rope.default, (q, torch.randn(1, 5, 8), torch.randn(1, 5, 8), torch.empty(1, 2, 5, 8)))
     torch.library.opcheck(lib.linear.default, (x, w, torch.empty(3, 6)))
     torch.library.opcheck(lib.linear_cublaslt.default, (x, w, 0, torch.empty(3, 6)))
+    torch.library.opcheck(lib.linear_gemv.default, (x[:1], w, torch.empty(1, 6)))
     kv = torch.randn(1, 1, 7, 8, generator=gen)
     torch.library.opcheck(lib.gqa_attention.default,
                           (q, kv, kv.clone(), torch.ones(1, 1, 5, 7, dtype=torch.bool), 0.5, torch.empty(1, 2, 5, 8)))
