@@ -483,8 +483,8 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Te
     row in all (last dim contiguous), weight [N, K] (last dim contiguous) in x's dtype -> out [..., N], float32 sums.
 
     On CUDA, bfloat16/float16 with K a multiple of 8 and 16-byte aligned x and weight rows run a kernel on CUDA cores:
-    a warp (or four, when N is small) per weight row, 16-byte loads, float32 sums in an order fixed by (N, K) and the
-    GPU (deterministic). Everything else, and the CPU op, is ``torch.mm``. It launches as a programmatic dependent of
+    one, two or four warps per weight row (whichever spreads the rows most evenly over the GPU), 16-byte loads, the
+    weight streamed past L1, float32 sums in an order fixed by (N, K) and the GPU (deterministic). Everything else, and the CPU op, is ``torch.mm``. It launches as a programmatic dependent of
     the kernel before it; ``prefetch_weight=True`` lets it load its first weight chunks before that kernel is done,
     as :func:`linear` does (only for weights no kernel in flight writes: a model's projections during generation).
     """
