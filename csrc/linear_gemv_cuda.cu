@@ -4,13 +4,18 @@
 // tensor cores, no shared memory and no pipeline: a warp takes a weight row (or a half or a quarter of one, where
 // that spreads the rows more evenly over the resident warps), each lane reads 16-byte chunks of it with the matching
 // chunks of x (which stay in L1: every warp reads the same x) and sums in float32; the lanes then sum by a fixed
-// butterfly and a row's warps in warp order. The sums' order depends only on (N, K) and the GPU's SM count: the same bits every call.
+// butterfly and a row's warps in warp order. The sums' order depends only on N, K, the GPU and the build (which sets
+// the kernel's occupancy): the same bits every call.
 //
 // What it buys over cuBLAS is the start: launched as a programmatic dependent, it issues the loads of each warp's
 // first weight chunks into registers while the kernel ahead of it (the norm or SwiGLU that writes x) is still
 // running (prefetch_weight: only for weights that nothing in flight writes), and lets the kernel after it launch at
 // once. cuBLAS's GEMMs launch only once the kernel ahead is done and flushed, and start by filling their pipeline:
 // 1.3-3.5 us a projection on the H200 (benchmarks/results/2026-12-03-h200-programmatic-gemm-edges.md).
+#include <array>
+#include <mutex>
+#include <unordered_map>
+
 #include "cuda_common.cuh"
 #include "ops.h"
 
@@ -118,9 +123,9 @@ int64_t resident_blocks() {
   return static_cast<int64_t>(std::max(per_sm, 1)) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
-// The blocks are all resident at once and each takes the same number of row passes (the last block fewer), so no
-// pass of a few warps trails the rest: N = 6144 rows over 4752 resident warps would otherwise leave 1392 warps on a
-// second pass alone.
+// The grid fits the resident blocks (all resident at once when nothing else runs) and each block takes `passes` row
+// passes (the trailing blocks one fewer), so no pass of a few warps trails the rest: N = 6144 rows over the H200's
+// 4224 resident warps would otherwise leave 1920 warps on a second pass alone.
 template <typename T, int WARPS_PER_ROW>
 void launch_linear_gemv(const GemvArgs<T>& args, int64_t passes) {
   constexpr int kRowsPerBlock = kGemvWarps / WARPS_PER_ROW;
@@ -129,19 +134,35 @@ void launch_linear_gemv(const GemvArgs<T>& args, int64_t passes) {
                             dim3(kGemvThreads), 0, args);
 }
 
-// One, two or four warps a weight row: whichever fills the passes of the resident warps best (ties: fewer warps a
-// row). The choice depends on (N, the GPU) alone, so a problem's bits do not change from call to call.
+// Resident warps of the 1-, 2- and 4-warps-a-row kernels on the current device, asked once per device.
+template <typename T>
+const std::array<int64_t, 3>& resident_warps() {
+  static std::mutex mutex;
+  static std::unordered_map<int, std::array<int64_t, 3>> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const int device = c10::cuda::current_device();
+  auto it = known.find(device);
+  if (it == known.end()) {
+    it = known.emplace(device, std::array<int64_t, 3>{resident_blocks<T, 1>() * kGemvWarps,
+                                                      resident_blocks<T, 2>() * kGemvWarps,
+                                                      resident_blocks<T, 4>() * kGemvWarps}).first;
+  }
+  return it->second;
+}
+
+// One, two or four warps a weight row: whichever fills the passes of the resident warps best (one with fewer warps a
+// row wins unless another fills them 2 % better). The choice depends on N, the GPU and the build alone, so a
+// problem's bits do not change from call to call.
 template <typename T>
 void run_linear_gemv(const GemvArgs<T>& args) {
-  const int64_t resident_warps[3] = {resident_blocks<T, 1>() * kGemvWarps, resident_blocks<T, 2>() * kGemvWarps,
-                                     resident_blocks<T, 4>() * kGemvWarps};
+  const std::array<int64_t, 3>& resident = resident_warps<T>();
   int best = 0;
   int64_t best_passes = 0;
   double best_fill = -1.0;
   for (int v = 0; v < 3; ++v) {
     const int64_t tasks = args.n << v;  // (row, part) pairs
-    const int64_t passes = cuda::ceil_div(tasks, resident_warps[v]);
-    const double fill = static_cast<double>(tasks) / static_cast<double>(passes * resident_warps[v]);
+    const int64_t passes = cuda::ceil_div(tasks, resident[v]);
+    const double fill = static_cast<double>(tasks) / static_cast<double>(passes * resident[v]);
     if (fill > best_fill + 0.02) {
       best = v;
       best_passes = passes;
@@ -167,7 +188,8 @@ void linear_gemv_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor&
   const bool kernel_applies = (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) &&
                               k % kChunkElems == 0 && (n == 1 || weight.stride(0) % kChunkElems == 0) &&
                               cuda::is_aligned(x.data_ptr(), 16) && cuda::is_aligned(weight.data_ptr(), 16) &&
-                              k / kChunkElems <= std::numeric_limits<int>::max();
+                              // chunk indices (int) run up to a lane group's stride past the last chunk
+                              k / kChunkElems <= std::numeric_limits<int>::max() - kGroup * cuda::kWarp * 4;
   if (!kernel_applies) {
     linear_mm(x, weight, out);
     return;

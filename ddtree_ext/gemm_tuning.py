@@ -38,7 +38,8 @@ from ddtree_ext import ops
 # Whether fused.project runs tuned picks (off: torch's F.linear, cuBLAS's heuristic, as before).
 enabled = False
 
-# A cuBLASLt candidate must beat torch's matmul by this fraction to replace it (timing noise is below it).
+# A candidate (cuBLASLt's or ops.linear_gemv) must beat torch's matmul by this fraction to replace it (timing noise is
+# below it).
 MARGIN = 0.01
 
 # The pick that names ops.linear_gemv (a candidate for single rows: a decode step's projections) rather than a cuBLASLt
@@ -46,6 +47,7 @@ MARGIN = 0.01
 GEMV = "gemv"
 
 # Whether single-row problems also time ops.linear_gemv (off: cuBLAS's and cuBLASLt's candidates only, for A/B runs).
+# Read when a problem is tuned: picks already made stay until reset().
 gemv_candidate = True
 
 # The most rows tuned: a verify of a 256-node tree and its root. A prompt's prefill of more rows runs once per
@@ -129,9 +131,10 @@ def algorithm(x: torch.Tensor, weight: torch.Tensor) -> Union[int, str, None]:
 
 def picks() -> List[dict]:
     """One record per tuned problem, in the order they were tuned: rows, N, K, dtype, device, the number of
-    candidates, the pick (None: torch's matmul) and its description, the microseconds per call of torch's matmul,
-    of the pick and of the fastest candidate, the weight's bytes (for a floor at a measured copy rate) and the
-    seconds the timing took."""
+    candidates, the pick (None: torch's matmul, :data:`GEMV`, or a cuBLASLt candidate's index) and its description,
+    the microseconds per call of torch's matmul, of the pick and of the fastest candidate, of ops.linear_gemv where
+    it was timed (``gemv_us``: its full timing if a finalist, else its screening batch; None for several rows), the
+    weight's bytes (for a floor at a measured copy rate) and the seconds the timing took."""
     return [dict(r) for r in _reports]
 
 
@@ -189,9 +192,10 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> Union[int, str, None]:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     try:
         count = ops.linear_cublaslt_algorithms(x, weight, out)
-    except RuntimeError:  # cuBLASLt refused the problem: torch's matmul serves it
-        return None
-    if count == 0:
+    except RuntimeError:  # cuBLASLt refused the problem: only ops.linear_gemv (one row) may still beat torch's matmul
+        count = 0
+    candidates = list(range(count)) + ([GEMV] if gemv_candidate and x.shape[0] == 1 else [])
+    if not candidates:
         return None
     torch.cuda.synchronize(x.device)  # x may come from any stream of the round
     copies = _rotation(weight)
@@ -207,7 +211,7 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> Union[int, str, None]:
     with torch.no_grad():
         # One batch per candidate screens them; the _FINALISTS fastest and torch's matmul are then timed in full.
         screened = {}
-        for i in list(range(count)) + ([GEMV] if gemv_candidate and x.shape[0] == 1 else []):
+        for i in candidates:
             try:
                 screened[i] = _time(candidate(i), copies, calls, 1)
             except RuntimeError:  # a configuration cuBLASLt accepted but cannot launch here: dropped
@@ -225,7 +229,8 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> Union[int, str, None]:
         "pick_description": ("torch matmul" if pick is None else "ops.linear_gemv (CUDA cores)" if pick == GEMV
                              else ops.linear_cublaslt_describe(x, weight, pick, out)),
         "matmul_us": default * 1e6, "pick_us": (default if pick is None else times[pick]) * 1e6,
-        "best_candidate_us": times[best] * 1e6, "gemv_us": times.get(GEMV, screened.get(GEMV, math.nan)) * 1e6,
+        "best_candidate_us": times[best] * 1e6, "gemv_us": (None if GEMV not in screened
+                                                                  else times.get(GEMV, screened[GEMV]) * 1e6),
         "weight_bytes": nbytes, "seconds": time.perf_counter() - began,
     })
     return pick

@@ -482,9 +482,10 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Te
     """The bias-free projection of :func:`linear` for a single row (an autoregressive decode step): x [..., K] with one
     row in all (last dim contiguous), weight [N, K] (last dim contiguous) in x's dtype -> out [..., N], float32 sums.
 
-    On CUDA, bfloat16/float16 with K a multiple of 8 and 16-byte aligned x and weight rows run a kernel on CUDA cores:
-    one, two or four warps per weight row (whichever spreads the rows most evenly over the GPU), 16-byte loads, the
-    weight streamed past L1, float32 sums in an order fixed by (N, K) and the GPU (deterministic). Everything else, and the CPU op, is ``torch.mm``. It launches as a programmatic dependent of
+    On CUDA, bfloat16/float16 with K a multiple of 8 and 16-byte aligned x and weight rows run a kernel on CUDA
+    cores: one, two or four warps per weight row (whichever spreads the rows most evenly over the GPU), 16-byte
+    loads, the weight streamed past L1, float32 sums in an order fixed by N, K, the GPU and the build
+    (deterministic). Everything else, and the CPU op, is ``torch.mm``. It launches as a programmatic dependent of
     the kernel before it; ``prefetch_weight=True`` lets it load its first weight chunks before that kernel is done,
     as :func:`linear` does (only for weights no kernel in flight writes: a model's projections during generation).
     """

@@ -9,7 +9,6 @@ projections (per layer counts below; the LM head once). As a check of the tuner'
 kernel), the pick and torch's matmul are timed again as graph replays.
 """
 import argparse
-import math
 import os
 import sys
 
@@ -78,7 +77,7 @@ def main():
                 sums[rows][1] += count * g_pick
                 sums[rows][2] += count * floor_us
                 what = "torch matmul" if pick is None else f"{pick}: {record['pick_description']}"
-                if record.get("gemv_us", math.nan) == record.get("gemv_us"):  # timed (one row)
+                if record.get("gemv_us") is not None:  # timed (one row)
                     what += f" (ops.linear_gemv {record['gemv_us']:.1f} us)"
                 print(f"| {name} | {n} x {k} | {rows} | {record['candidates']} | {record['matmul_us']:.1f} | "
                       f"{record['pick_us']:.1f} | {record['best_candidate_us']:.1f} | {floor_us:.1f} | "

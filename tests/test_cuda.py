@@ -1142,6 +1142,8 @@ def _gemv_kernel_ran(prof) -> bool:
     [
         (1024, 5120),    # 27B K/V projection: few rows, so two or four warps a row
         (10240, 5120),   # 27B GDN qkv
+        (4097, 256),     # on an H200 (about 4200 resident warps) a warp a row, rows past N in the last block
+        (6143, 512),     # on an H200 two warps a row, an odd N
         (5120, 17408),   # 27B down projection: 2176 chunks a row
         (37, 72),        # N no block divides, K of 9 chunks (fewer than a lane group)
         (1, 4096),       # a single output

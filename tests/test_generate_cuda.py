@@ -223,8 +223,8 @@ def test_tuned_gemms_in_rounds_replay_exactly(monkeypatch):
 
 def test_gemv_picks_in_rounds_replay_exactly(monkeypatch):
     """With every single-row projection on ops.linear_gemv (the tuner's pick forced), graph rounds give the eager
-    rounds' tokens over 300 tokens of the real-shaped hybrid in bf16, autoregressive and DDTree (whose rounds have no
-    single-row projections but share the prefill's)."""
+    rounds' tokens over 300 tokens of the real-shaped hybrid in bf16: the autoregressive steps run it (DDTree's rounds,
+    checked beside them, have no single-row projection)."""
     from ddtree_ext import gemm_tuning, ops
 
     monkeypatch.setattr(gemm_tuning, "enabled", True)
