@@ -7,11 +7,12 @@
 // butterfly and a row's warps in warp order. The sums' order depends only on N, K, the GPU and the build (which sets
 // the kernel's occupancy): the same bits every call.
 //
-// What it buys over cuBLAS is the start: launched as a programmatic dependent, it issues the loads of each warp's
+// What it adds over cuBLAS is an early start: launched as a programmatic dependent, it issues the loads of each warp's
 // first weight chunks into registers while the kernel ahead of it (the norm or SwiGLU that writes x) is still
 // running (prefetch_weight: only for weights that nothing in flight writes), and lets the kernel after it launch at
 // once. cuBLAS's GEMMs launch only once the kernel ahead is done and flushed, and start by filling their pipeline:
-// 1.3-3.5 us a projection on the H200 (benchmarks/results/2026-12-03-h200-programmatic-gemm-edges.md).
+// at most 1.3-3.5 us a projection on the H200, by a probe that let them start early (unsafely:
+// benchmarks/results/2026-12-03-h200-programmatic-gemm-edges.md).
 #include <array>
 #include <mutex>
 #include <unordered_map>

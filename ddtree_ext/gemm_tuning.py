@@ -229,8 +229,8 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> Union[int, str, None]:
         "pick_description": ("torch matmul" if pick is None else "ops.linear_gemv (CUDA cores)" if pick == GEMV
                              else ops.linear_cublaslt_describe(x, weight, pick, out)),
         "matmul_us": default * 1e6, "pick_us": (default if pick is None else times[pick]) * 1e6,
-        "best_candidate_us": times[best] * 1e6, "gemv_us": (None if GEMV not in screened
-                                                                  else times.get(GEMV, screened[GEMV]) * 1e6),
+        "best_candidate_us": times[best] * 1e6,
+        "gemv_us": None if GEMV not in screened else times.get(GEMV, screened[GEMV]) * 1e6,
         "weight_bytes": nbytes, "seconds": time.perf_counter() - began,
     })
     return pick
