@@ -186,14 +186,15 @@ void launch_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10
 // independent of every other node's. Two launches; H0 is read once (by the second), no per-node state is formed.
 //  1. prep        per (b, key head, chunk of 8 nodes): the key products along the chunk's paths and the query
 //                 products with them, G for the group's value heads (stash_cumg), the chunk's normalised keys
-//                 (stash_k), and per chunk node (a warp) and value head the rows T_i and M_i into the workspace `coef`;
+//                 (stash_k), and per chunk node (a warp) and value head the rows T_i and M_i into the workspaces
+//                 `coef_near` (distances < kCachedDist, zero past the root) and `coef` (the deeper ones);
 //                 1/||k_i|| and scale/||q_i|| into `norms`. Two versions: gdn_tree_prep_gram (16-bit inputs and
 //                 N <= kGramMaxNodes: S = X X^T of the raw key and query rows on tensor cores, norms from its
 //                 diagonal) and gdn_tree_prep (float32, or larger trees: normalised rows, products by FMA).
 //  2. gdn_tree_main  per (b, value head, tile of 32 value columns): K H0 and Q H0 on the raw rows (the norms
 //                 scale the sums afterwards; on tensor cores in TF32 with H0 split in two parts for 16-bit inputs)
-//                 and G (the same sums as kernel 1's), then, once kernel 1 is complete, the norms and T, M rows in
-//                 one load, and r, u = T r and o: three passes in which nodes are independent.
+//                 and e^G (the same sums as kernel 1's), then, once kernel 1 is complete, the T, M rows copied
+//                 while r is formed from the norms, and u = T r and o: passes in which nodes are independent.
 // gdn_tree_prep_gram and gdn_tree_main issue their prologue loads as asynchronous copies: one round trip each.
 // Kernel 2 is launched as a programmatic dependent of kernel 1 (Hopper and newer): its loads and products, which
 // need nothing kernel 1 writes, overlap kernel 1, and `griddepcontrol.wait` orders its reads of kernel 1's
@@ -448,7 +449,7 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(  // 64 reg
     int64_t g_sn, int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn, int64_t be_sh,
     const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, float* __restrict__ stash_k, int64_t sk_sb,
     int64_t sk_sn, int64_t sk_sh, float* __restrict__ stash_cumg, int64_t cg_sb, int64_t cg_sn, int64_t cg_sh,
-    float2* __restrict__ coef, float2* __restrict__ norms) {
+    float2* __restrict__ coef_near, float2* __restrict__ coef, float2* __restrict__ norms) {
   allow_dependent_launch();  // kernel 2 reads nothing of ours before its wait
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int n = sh.num_nodes, kdim = sh.kdim, kpad = lay.kpad;
@@ -587,7 +588,9 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(  // 64 reg
   for (int gi = 0; gi < group; ++gi) {
     const int hv = h * group + gi;
     const float gi_cum = gcum[i * group + gi];
-    float2* coef_row = coef + ((static_cast<int64_t>(b) * sh.value_heads + hv) * n + i) * n;
+    const int64_t row = (static_cast<int64_t>(b) * sh.value_heads + hv) * n + i;
+    float2* near_row = coef_near + row * kCachedDist;  // distances < kCachedDist, zero past the root
+    float2* coef_row = coef + row * n;                 // the deeper ones
     if (len <= kCachedDist) {
       // Lane b holds T_i[b]. The weights A(P[a], P[b]) do not depend on T: all 16 first, then the substitution
       // is a chain of shuffles and FMAs only. Lanes past the path (and a >= b) get weight 0.
@@ -606,7 +609,9 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(  // 64 reg
       float tb = lane == 0 ? 1.f : 0.f;
 #pragma unroll
       for (int a = 0; a < kCachedDist - 1; ++a) tb = fmaf(-__shfl_sync(cuda::kFullMask, tb, a), w[a], tb);
-      if (lane < len) coef_row[lane] = make_float2(tb, expf(gi_cum - gb) * qk[t * n + lane]);
+      if (lane < kCachedDist) {
+        near_row[lane] = lane < len ? make_float2(tb, expf(gi_cum - gb) * qk[t * n + lane]) : make_float2(0.f, 0.f);
+      }
     } else {
       float* tr = trow + t * n;
       for (int c = lane; c < len; c += kWarp) tr[c] = c == 0 ? 1.f : 0.f;
@@ -622,8 +627,9 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(  // 64 reg
         }
         __syncwarp();
       }
-      for (int c = lane; c < len; c += kWarp) {
-        coef_row[c] = make_float2(tr[c], expf(gi_cum - gcum[p[c] * group + gi]) * qk[t * n + c]);
+      for (int c = lane; c < len; c += kWarp) {  // len > kCachedDist: no zeros to write
+        (c < kCachedDist ? near_row : coef_row)[c] =
+            make_float2(tr[c], expf(gi_cum - gcum[p[c] * group + gi]) * qk[t * n + c]);
       }
       __syncwarp();  // tr is rewritten for the next value head
     }
@@ -676,7 +682,7 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
     int64_t g_sn, int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn, int64_t be_sh,
     const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, float* __restrict__ stash_k, int64_t sk_sb,
     int64_t sk_sn, int64_t sk_sh, float* __restrict__ stash_cumg, int64_t cg_sb, int64_t cg_sn, int64_t cg_sh,
-    float2* __restrict__ coef, float2* __restrict__ norms) {
+    float2* __restrict__ coef_near, float2* __restrict__ coef, float2* __restrict__ norms) {
   static_assert(sizeof(T) == 2, "the tensor-core prep kernel takes 16-bit inputs");
   allow_dependent_launch();  // kernel 2 reads nothing of ours before its wait
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -702,8 +708,9 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
   // ---- every load at once, as asynchronous copies (one round trip to memory): the tree, the log decays and
   // betas, the raw key and query rows; zero padding ----
   for (int j = tid; j < rows; j += kPrepThreads) cuda::copy_async<4>(par + j, parent + b * pa_sb + j * pa_sn);
+  const RowSplit by_head(group);
   for (int e = tid; e < rows * group; e += kPrepThreads) {
-    const int j = e / group, hv = h * group + e % group;
+    const int j = by_head.row(e), hv = h * group + by_head.col(e);
     cuda::copy_async<4>(graw + e, g + b * g_sb + j * g_sn + hv * g_sh);
     cuda::copy_async<4>(beta_s + e, beta + b * be_sb + j * be_sn + hv * be_sh);
   }
@@ -727,8 +734,10 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
   for (int e = tid; e < xrows * pad_cols; e += kPrepThreads) {
     x[(e / pad_cols) * ks + kdim + e % pad_cols] = cuda::from_float<T>(0.f);
   }
-  for (int e = tid; e < (16 * xtiles - xrows) * lay.kdepth; e += kPrepThreads) {
-    x[(xrows + e / lay.kdepth) * ks + e % lay.kdepth] = cuda::from_float<T>(0.f);
+  {  // the padding rows are contiguous, and a staged row is a whole number of 16-byte words
+    uint4* pad_rows = reinterpret_cast<uint4*>(x + xrows * ks);
+    const int words = (16 * xtiles - xrows) * ks * static_cast<int>(sizeof(T)) / 16;
+    for (int e = tid; e < words; e += kPrepThreads) pad_rows[e] = make_uint4(0u, 0u, 0u, 0u);
   }
   cuda::wait_async_copies();
   for (int j = tid; j < rows; j += kPrepThreads) par[j] = cuda::checked_parent(par[j], j);  // this thread's copies
@@ -837,16 +846,19 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
       const int a_end = min(cb + kWarp, len) - 1;
 #pragma unroll 4
       for (int a = cb; a < a_end; ++a) add_term(a, [&](int u) { return __shfl_sync(cuda::kFullMask, tb[u], a - cb); });
-      if (live) {
-        const float qk = (s_query[pb] * qf) * kb;
+      // Distances < kCachedDist go to the compact rows (zero past the root), the deeper ones to the full rows.
+      const float qk = (s_query[pb] * qf) * kb;
 #pragma unroll
-        for (int u = 0; u < kGramSolveHeads; ++u) {
-          if (g0 + u >= group) continue;
-          const int hv = h * group + g0 + u;
-          coef[((static_cast<int64_t>(b) * sh.value_heads + hv) * n + i) * n + bi] =
-              make_float2(tb[u], expf(gi_cum[u] - gb[u]) * qk);
-          if (len > kWarp) tr[u * n + bi] = tb[u];
+      for (int u = 0; u < kGramSolveHeads; ++u) {
+        if (g0 + u >= group) continue;
+        const int64_t row = (static_cast<int64_t>(b) * sh.value_heads + h * group + g0 + u) * n + i;
+        const float2 c = live ? make_float2(tb[u], expf(gi_cum[u] - gb[u]) * qk) : make_float2(0.f, 0.f);
+        if (bi < kCachedDist) {
+          coef_near[row * kCachedDist + bi] = c;
+        } else if (live) {
+          coef[row * n + bi] = c;
         }
+        if (live && len > kWarp) tr[u * n + bi] = tb[u];
       }
       __syncwarp();
     }
@@ -857,12 +869,12 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_gram_kernel(
   }
 }
 
-// One term of a node's path sums in gdn_tree_main, read with one 16-byte load: the row (times kTileV) of its
-// a-th ancestor and T_i[a], M_i[a]. Distances past the root point at the node's own row with zero coefficients,
-// so every node sums kCachedDist terms without a branch.
+// One term of a node's path sums in gdn_tree_main, read with one 16-byte load: T_i[a], M_i[a] (first: the prep
+// kernel's compact rows land there by 8-byte asynchronous copies) and the row (times kTileV) of its a-th ancestor.
+// Distances past the root point at the node's own row with zero coefficients.
 struct alignas(16) PathTerm {
-  int row;
   float t, m;
+  int row;
   int unused;
 };
 
@@ -871,7 +883,7 @@ struct GdnMainLayout {
   int kpad;   // staged row length in elements of the input type: see the constructor
   int krows;  // the GEMM's depth: K rounded up to 8 (rows of the H0 tile; staged rows are zero beyond K)
   int chunk;  // nodes per GEMM chunk: min(N, 72)
-  size_t h0, stage, kh, qh, vt, graw, cumg, beta, parent, depth, norms, total;
+  size_t h0, stage, kh, qh, vt, graw, decay, beta, parent, depth, total;
 
   // Staged k/q rows keep the input's type (16-bit inputs: half the shared memory, so that two main blocks fit
   // on a multiprocessor beside a prep block). A row takes K rounded up to 8 elements, then to 16 bytes, plus 16
@@ -894,11 +906,10 @@ struct GdnMainLayout {
     qh = plan.take(sizeof(float) * n * kTileV);
     vt = plan.take(sizeof(float) * n * kTileV);
     graw = plan.take(sizeof(float) * n);
-    cumg = plan.take(sizeof(float) * n);
+    decay = plan.take(sizeof(float) * n);
     beta = plan.take(sizeof(float) * n);
     parent = plan.take(sizeof(int) * n);
     depth = plan.take(sizeof(int) * n);
-    norms = plan.take(sizeof(float2) * n);
     total = plan.off;
   }
 };
@@ -950,13 +961,9 @@ __device__ __forceinline__ uint32_t tf32_of_16bit(uint16_t raw) {
   }
 }
 
-__device__ __forceinline__ uint32_t round_to_tf32(float x) {
-  uint32_t r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-#endif
-  return r;
-}
+// x with its mantissa cut to TF32's 10 bits (toward zero): one instruction, where cvt.rna.tf32.f32 is emulated in
+// four on sm_90.
+__device__ __forceinline__ uint32_t truncate_to_tf32(float x) { return __float_as_uint(x) & 0xffffe000u; }
 
 // d += a b for a 16x8 tile a (row-major) and an 8x8 tile b (column-major) of TF32 values, float32 sums.
 __device__ __forceinline__ void mma_16x8x8_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -972,9 +979,10 @@ __device__ __forceinline__ void mma_16x8x8_tf32(float (&d)[4], const uint32_t (&
 }
 
 // KH and QH of one chunk for 16-bit inputs, on tensor cores (m16n8k8 TF32). Staged key and query elements are exact
-// in TF32; each H0 element is split into two parts, hi = its TF32 rounding and lo = the exact remainder, which the
-// tensor cores truncate to TF32: what is lost is at most 2^-21 of the element (four float32 ulps), so two products per
-// tile keep about float32 accuracy (the error-corrected TF32 split of Ootomo and Yokota, 2022). Warp w takes the 16-row tiles w, w + 9, ...
+// in TF32; each H0 element is split into two parts, hi = its TF32 truncation and lo = the exact remainder (below 2^-10
+// of the element), which the tensor cores truncate to TF32 in turn: what is lost is below 2^-20 of the element (eight
+// float32 ulps), so two products per tile keep about float32 accuracy (the error-corrected TF32 split of Ootomo and
+// Yokota, 2022, with truncation for the high part: a rounded one cost a quarter of the kernel's instructions). Warp w takes the 16-row tiles w, w + 9, ...
 // of the chunk's `rows` staged rows (key and query of node 0, then of node 1, ...) against all 32 columns; rows past
 // the end are read from row 0 and their sums dropped. Fragments as in the PTX ISA's m16n8k8 layout: lane (gid, tig)
 // holds rows gid and gid + 8 of a tile at depths tig and tig + 4, and column gid of each 8-column tile.
@@ -996,9 +1004,8 @@ __device__ __forceinline__ void stage_gemm_tensor_cores(const T* stage, int kpad
 #pragma unroll
       for (int nt = 0; nt < kTileV / 8; ++nt) {
         const float x0 = b_col[k0 * kH0Stride + 8 * nt], x1 = b_col[(k0 + 4) * kH0Stride + 8 * nt];
-        const uint32_t hi0 = round_to_tf32(x0), hi1 = round_to_tf32(x1);
-        // The residual goes in as float32 bits: the tensor cores read its top 19 (rounding toward zero). Rounding it
-        // as well (cvt.rna, emulated in four instructions) took a quarter of the kernel's instructions.
+        const uint32_t hi0 = truncate_to_tf32(x0), hi1 = truncate_to_tf32(x1);
+        // The residual goes in as float32 bits: the tensor cores read its top 19.
         const uint32_t lo0 = __float_as_uint(x0 - __uint_as_float(hi0));
         const uint32_t lo1 = __float_as_uint(x1 - __uint_as_float(hi1));
         mma_16x8x8_tf32(acc[nt], a, lo0, lo1);
@@ -1025,9 +1032,9 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
     int64_t v_sn, int64_t v_sh, bool v_packed, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn,
     int64_t be_sh, const float* __restrict__ state, int64_t st_sb, int64_t st_sh, int64_t st_sk, int64_t st_sv,
     bool state_vec4, const int32_t* __restrict__ parent, int64_t pa_sb, int64_t pa_sn, const float* __restrict__ g, int64_t g_sb,
-    int64_t g_sn, int64_t g_sh, const float2* __restrict__ coef, const float2* __restrict__ norms,
-    T* __restrict__ out, int64_t o_sb, int64_t o_sn, int64_t o_sh, float* __restrict__ stash_u, int64_t su_sb,
-    int64_t su_sn, int64_t su_sh) {
+    int64_t g_sn, int64_t g_sh, const float2* __restrict__ coef_near, const float2* __restrict__ coef,
+    const float2* __restrict__ norms, T* __restrict__ out, int64_t o_sb, int64_t o_sn, int64_t o_sh,
+    float* __restrict__ stash_u, int64_t su_sb, int64_t su_sn, int64_t su_sh) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* h0 = reinterpret_cast<float*>(smem_raw + lay.h0);        // [krows][32]
   T* stage = reinterpret_cast<T*>(smem_raw + lay.stage);          // [2 chunk][kpad] during the GEMM
@@ -1035,11 +1042,10 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
   float* qh = reinterpret_cast<float*>(smem_raw + lay.qh);        // [N][32]: Q H0, then e^G H0^T q
   float* vt = reinterpret_cast<float*>(smem_raw + lay.vt);        // [N][32]: v, then u
   float* graw = reinterpret_cast<float*>(smem_raw + lay.graw);    // [N] log decays
-  float* cumg = reinterpret_cast<float*>(smem_raw + lay.cumg);    // [N] G
+  float* decay_s = reinterpret_cast<float*>(smem_raw + lay.decay);  // [N] e^G
   float* beta_s = reinterpret_cast<float*>(smem_raw + lay.beta);  // [N]
   int* par = reinterpret_cast<int*>(smem_raw + lay.parent);       // [N]
   int* dep = reinterpret_cast<int*>(smem_raw + lay.depth);        // [N]
-  float2* norm_s = reinterpret_cast<float2*>(smem_raw + lay.norms);  // [N]: 1/||k||, scale/||q||
   const int n = sh.num_nodes, kdim = sh.kdim, kpad = lay.kpad;
   PathTerm* terms = reinterpret_cast<PathTerm*>(stage);  // [N][kCachedDist], after the GEMM
 
@@ -1148,44 +1154,35 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
   // One walk up the tree per node gives its first kCachedDist ancestors (in registers: unrolled) and its depth.
   // G_i is summed root first, as gdn_tree_prep sums it (the same additions in the same order: the same bits).
   for (int i = tid; i < n; i += kMainThreads) {
-    const NodePath path(i, par);  // past the root: the node's own row, with zero coefficients later
+    const NodePath path(i, par);  // past the root: the node's own row, with zero coefficients from kernel 1
     dep[i] = path.depth;
 #pragma unroll
     for (int a = 0; a < kCachedDist; ++a) terms[i * kCachedDist + a].row = path.anc[a] * kTileV;
-    cumg[i] = path.root_first_sum(par, [&](int j) { return graw[j]; });
+    decay_s[i] = expf(path.root_first_sum(par, [&](int j) { return graw[j]; }));
   }
-  __syncthreads();  // dep and cumg
+  __syncthreads();  // dep and decay_s
 
-  // ---- kernel 1's results: the norms and the coefficients of ancestor distances a <= 16, in one round trip ----
+  // ---- kernel 1's results. Its compact rows (T_i[a], M_i[a]) for a < kCachedDist, zero past the root, land in
+  // the path terms by asynchronous copies while the warps form r and e^G H0^T q, which need only the norms ----
   wait_for_preceding_grid();
-  const float2* coef_h = coef + (static_cast<int64_t>(b) * sh.value_heads + hv) * n * n;
+  const int64_t head_rows = (static_cast<int64_t>(b) * sh.value_heads + hv) * n;
+  const float2* near_h = coef_near + head_rows * kCachedDist;
+  const float2* coef_h = coef + head_rows * n;  // distances >= kCachedDist (paths deeper than 16 only)
   const float2* norms_h = norms + (static_cast<int64_t>(b) * sh.heads + h) * n;
-  const int num_terms = n * kCachedDist;
-  batched_copy<kMainThreads, 8>(  // one round trip for N <= 128
-      num_terms + n,
-      [&](int e) {
-        const int i = e / kCachedDist, a = e % kCachedDist;
-        const float2* src = e < num_terms ? coef_h + static_cast<int64_t>(i) * n + min(a, dep[min(i, n - 1)])
-                                          : norms_h + (e - num_terms);
-        return *src;
-      },
-      [&](int e, float2 c) {
-        if (e >= num_terms) {
-          norm_s[e - num_terms] = c;
-          return;
-        }
-        const bool real = e % kCachedDist <= dep[e / kCachedDist];
-        terms[e].t = real ? c.x : 0.f;
-        terms[e].m = real ? c.y : 0.f;
-      });
-  __syncthreads();  // the norms
-  // r_i = beta_i (v_i - e^{G_i} H0^T k_i) over kh, e^{G_i} H0^T q_i over qh.
-  for (int i = warp; i < n; i += kMainWarps) {
-    const float decay = expf(cumg[i]);
-    const float2 nm = norm_s[i];
-    kh[i * kTileV + lane] = beta_s[i] * (vt[i * kTileV + lane] - decay * (nm.x * kh[i * kTileV + lane]));
-    qh[i * kTileV + lane] = decay * (nm.y * qh[i * kTileV + lane]);
+  for (int e = tid; e < n * kCachedDist; e += kMainThreads) cuda::copy_async<8>(&terms[e].t, near_h + e);
+  // r_i = beta_i (v_i - e^{G_i} H0^T k_i) over kh, e^{G_i} H0^T q_i over qh: warp w takes nodes w, w + 9, ...; its
+  // lane l loads the norms of its l-th node of each batch of 32, in one round trip.
+  for (int first = warp; first < n; first += kWarp * kMainWarps) {
+    const int mine = first + lane * kMainWarps;
+    const float2 nm_lane = mine < n ? norms_h[mine] : make_float2(0.f, 0.f);
+    for (int it = 0, i = first; it < kWarp && i < n; ++it, i += kMainWarps) {
+      const float nk = __shfl_sync(cuda::kFullMask, nm_lane.x, it), nq = __shfl_sync(cuda::kFullMask, nm_lane.y, it);
+      const float decay = decay_s[i];
+      kh[i * kTileV + lane] = beta_s[i] * (vt[i * kTileV + lane] - decay * (nk * kh[i * kTileV + lane]));
+      qh[i * kTileV + lane] = decay * (nq * qh[i * kTileV + lane]);
+    }
   }
+  cuda::wait_async_copies();
   __syncthreads();
 
   // The u and o passes: a warp takes kPassNodes nodes at once, kTileV / 4 lanes each, and a lane owns 4
@@ -1195,7 +1192,8 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
   constexpr int kLanesPerNode = kTileV / 4;
   constexpr int kPassNodes = kWarp / kLanesPerNode;
   const int slot = lane / kLanesPerNode, c4 = 4 * (lane % kLanesPerNode);
-  // sum_{a = 0..depth(i)} c_i[a] x_{a-th ancestor}[c4 .. c4 + 3]: the first kCachedDist terms from the table, then
+  // sum_{a = 0..depth(i)} c_i[a] x_{a-th ancestor}[c4 .. c4 + 3]: the first kCachedDist terms from the table, up to
+  // the deepest of the warp's nodes (a shallower node's further terms have zero coefficients: they add nothing), then
   // the deeper ones walked (paths deeper than 16 only).
   auto path_sum4 = [&](int i, const float* x, bool m_pass) {
     const PathTerm* term = terms + i * kCachedDist;
@@ -1207,12 +1205,16 @@ __global__ void __maxnreg__(kMainMaxRegisters) gdn_tree_main_kernel(
       acc.z = fmaf(c, xv.z, acc.z);
       acc.w = fmaf(c, xv.w, acc.w);
     };
+    const int d = dep[i];
+    int last = d;  // the warp's deepest node, at most kCachedDist - 1
 #pragma unroll
-    for (int a = 0; a < kCachedDist; ++a) {
+    for (int off = kWarp / 2; off > 0; off /= 2) last = max(last, __shfl_xor_sync(cuda::kFullMask, last, off));
+    last = min(last, kCachedDist - 1);
+#pragma unroll 4
+    for (int a = 0; a <= last; ++a) {
       const PathTerm pt = term[a];
       add(m_pass ? pt.m : pt.t, x + pt.row);
     }
-    const int d = dep[i];
     if (d >= kCachedDist) {
       int j = term[kCachedDist - 1].row / kTileV;
       for (int a = kCachedDist; a <= d; ++a) {
@@ -1401,11 +1403,14 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         stash_cumg.data_ptr<float>(), stash_cumg.stride(0), stash_cumg.stride(2));
     return;
   }
-  // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture. coef holds T_i[a] and
-  // M_i[a] by ancestor distance a <= depth(i); norms 1/||k_i|| and scale/||q_i||.
+  // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture. coef_near holds T_i[a] and
+  // M_i[a] by ancestor distance a < kCachedDist (zero for a > depth(i)), coef those of kCachedDist <= a <= depth(i);
+  // norms 1/||k_i|| and scale/||q_i||.
   const auto f32 = k.options().dtype(at::kFloat);
+  const at::Tensor coef_near = at::empty({bsz, value_heads, n, kCachedDist, 2}, f32);
   const at::Tensor coef = at::empty({bsz, value_heads, n, n, 2}, f32);
   const at::Tensor norms = at::empty({bsz, heads, n, 2}, f32);
+  auto* coef_near_ptr = reinterpret_cast<float2*>(coef_near.data_ptr<float>());
   auto* coef_ptr = reinterpret_cast<float2*>(coef.data_ptr<float>());
   auto* norms_ptr = reinterpret_cast<float2*>(norms.data_ptr<float>());
   const bool packed = rows_in_packs<T>(q) && rows_in_packs<T>(k);
@@ -1420,8 +1425,8 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         k.stride(1), k.stride(2), g.data_ptr<float>(), g.stride(0), g.stride(1), g.stride(2), beta.data_ptr<float>(),
         beta.stride(0), beta.stride(1), beta.stride(2), parent.data_ptr<int32_t>(), parent.stride(0),
         parent.stride(1), stash_k.data_ptr<float>(), stash_k.stride(0), stash_k.stride(1), stash_k.stride(2),
-        stash_cumg.data_ptr<float>(), stash_cumg.stride(0), stash_cumg.stride(1), stash_cumg.stride(2), coef_ptr,
-        norms_ptr);
+        stash_cumg.data_ptr<float>(), stash_cumg.stride(0), stash_cumg.stride(1), stash_cumg.stride(2), coef_near_ptr,
+        coef_ptr, norms_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
 
@@ -1441,7 +1446,7 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         static_cast<const float*>(state.data_ptr<float>()), state.stride(0), state.stride(1), state.stride(2),
         state.stride(3), state_vec4, static_cast<const int32_t*>(parent.data_ptr<int32_t>()), parent.stride(0),
         parent.stride(1), static_cast<const float*>(g.data_ptr<float>()), g.stride(0), g.stride(1), g.stride(2),
-        static_cast<const float2*>(coef_ptr),
+        static_cast<const float2*>(coef_near_ptr), static_cast<const float2*>(coef_ptr),
         static_cast<const float2*>(norms_ptr), out.data_ptr<T>(), out.stride(0), out.stride(1), out.stride(2),
         stash_u.data_ptr<float>(), stash_u.stride(0), stash_u.stride(1), stash_u.stride(2));
   };
