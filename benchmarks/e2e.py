@@ -574,9 +574,9 @@ def main(argv=None) -> None:
     parser.add_argument("--no-stacked-projections", action="store_true",
                         help="keep each projection's weight apart (else ddtree_ext.stack_projections stacks those that "
                              "read the same input, one GEMM for each group), for A/B runs")
-    parser.add_argument("--no-gemv", action="store_true",
-                        help="with --linear tuned, leave ops.linear_gemv out of the single-row candidates "
-                             "(gemm_tuning.gemv_candidate), for A/B runs")
+    parser.add_argument("--gemv", action="store_true",
+                        help="with --linear tuned, add ops.linear_gemv to the single-row candidates "
+                             "(gemm_tuning.gemv_candidate; off by default), for A/B runs")
     parser.add_argument("--profile", action="store_true", help="add the top kernels of eager rounds (torch profiler)")
     parser.add_argument("--profile-top", type=int, default=15, help="how many kernels each profile table lists")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -584,7 +584,7 @@ def main(argv=None) -> None:
     fused.side_streams = set(args.side_streams)
     fused.linear_kernel = args.linear == "ops"
     gemm_tuning.enabled = args.linear == "tuned"
-    gemm_tuning.gemv_candidate = not args.no_gemv
+    gemm_tuning.gemv_candidate = args.gemv
     fused.fuse_residual_adds = not args.no_fused_adds
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")

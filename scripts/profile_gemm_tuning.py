@@ -1,5 +1,6 @@
 """Times each projection shape of the 27B and Qwen3-8B rounds as ddtree_ext.gemm_tuning does: torch's matmul
-(cuBLAS's heuristic pick) against every cuBLASLt candidate, weights rotated out of L2.
+(cuBLAS's heuristic pick) against every cuBLASLt candidate (and, for one row, ops.linear_gemv), weights rotated
+out of L2.
 
     python scripts/profile_gemm_tuning.py --rows 1 16 17 65
 
@@ -46,7 +47,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 17, 65])
     p.add_argument("--model", choices=sorted(SHAPES), action="append")
+    p.add_argument("--no-gemv", action="store_true", help="leave ops.linear_gemv out of the one-row candidates")
     args = p.parse_args()
+    gemm_tuning.gemv_candidate = not args.no_gemv  # shown beside the others here, though off by default in rounds
     rate = copy_bandwidth()
     print(f"copy rate {rate / 1e9:.0f} GB/s (read + write)")
     for model in args.model or sorted(SHAPES):
