@@ -961,8 +961,8 @@ __device__ __forceinline__ uint32_t tf32_of_16bit(uint16_t raw) {
   }
 }
 
-// x with its mantissa cut to TF32's 10 bits (toward zero): one instruction, where cvt.rna.tf32.f32 is emulated in
-// four on sm_90.
+// x with its mantissa cut to TF32's 10 bits (toward zero): one instruction, where the rounding cvt.rna.tf32.f32 is
+// emulated in several on sm_90.
 __device__ __forceinline__ uint32_t truncate_to_tf32(float x) { return __float_as_uint(x) & 0xffffe000u; }
 
 // d += a b for a 16x8 tile a (row-major) and an 8x8 tile b (column-major) of TF32 values, float32 sums.
@@ -982,10 +982,10 @@ __device__ __forceinline__ void mma_16x8x8_tf32(float (&d)[4], const uint32_t (&
 // in TF32; each H0 element is split into two parts, hi = its TF32 truncation and lo = the exact remainder (below 2^-10
 // of the element), which the tensor cores truncate to TF32 in turn: what is lost is below 2^-20 of the element (eight
 // float32 ulps), so two products per tile keep about float32 accuracy (the error-corrected TF32 split of Ootomo and
-// Yokota, 2022, with truncation for the high part: a rounded one cost a quarter of the kernel's instructions). Warp w takes the 16-row tiles w, w + 9, ...
-// of the chunk's `rows` staged rows (key and query of node 0, then of node 1, ...) against all 32 columns; rows past
-// the end are read from row 0 and their sums dropped. Fragments as in the PTX ISA's m16n8k8 layout: lane (gid, tig)
-// holds rows gid and gid + 8 of a tile at depths tig and tig + 4, and column gid of each 8-column tile.
+// Yokota, 2022, its high part truncated rather than rounded: fewer instructions). Warp w takes the 16-row tiles w,
+// w + 9, ... of the chunk's `rows` staged rows (key and query of node 0, then of node 1, ...) against all 32 columns;
+// rows past the end are read from row 0 and their sums dropped. Fragments as in the PTX ISA's m16n8k8 layout: lane
+// (gid, tig) holds rows gid and gid + 8 of a tile at depths tig and tig + 4, and column gid of each 8-column tile.
 template <typename T>
 __device__ __forceinline__ void stage_gemm_tensor_cores(const T* stage, int kpad, int rows, const float* h0, int krows,
                                                         int warp, int lane, int c0, float* kh, float* qh) {
