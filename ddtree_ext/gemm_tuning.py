@@ -47,10 +47,11 @@ MARGIN = 0.01
 GEMV = "gemv"
 
 # Whether single-row problems also time ops.linear_gemv (off by default: cuBLAS's and cuBLASLt's candidates only).
-# Timed alone it matches or beats them on several shapes, but its grid takes every resident warp of the GPU, and on
-# one H200 a 27B decode step with the default side streams (a GDN layer's z projection beside its qkv GEMM) ran 1.9 ms
-# slower with it, 0.1 ms without the side streams (benchmarks/results/2026-12-03-h200-gdn-compact-coef.md; another
-# H200 had run 0.33 ms faster with it). Read when a problem is tuned: picks already made stay until reset().
+# Timed alone it matches or beats them on several shapes, but on one H200 a 27B decode step with the default side
+# streams (a GDN layer's z projection beside its qkv GEMM) ran 1.9 ms slower with it, 0.1 ms without the side streams
+# (benchmarks/results/2026-12-03-h200-gdn-compact-coef.md; another H200 had run 0.33 ms faster with it). The likely
+# cause, not profiled: its grid takes every resident warp of the GPU. Read when a problem is tuned: picks already made
+# stay until reset().
 gemv_candidate = False
 
 # The most rows tuned: a verify of a 256-node tree and its root. A prompt's prefill of more rows runs once per
