@@ -212,8 +212,8 @@ constexpr int kHalfChunk = 36;      // GEMM thread (rg, cg) owns the chunk's nod
 constexpr int kChunkNodes = 2 * kHalfChunk;
 constexpr int kCachedDist = 17;     // ancestor distances 0..16 kept in shared memory; deeper ones are recomputed
 constexpr int kKkRun = 2;           // key products per prep thread that share one read of the node's row
-// Register budgets: two main blocks (2 x 288 x 80, capped) and one prep block (256 x 64, what ptxas allots it:
-// see the -Xptxas -v lines of a build) fit one multiprocessor's 64 K registers together (and, at 27B shapes and
+// Register budgets: two main blocks (2 x 288 x 80, capped) and one 16-bit prep block (gdn_tree_prep_gram, 256 x 64,
+// what ptxas allots it: see the -Xptxas -v lines of a build) fit one multiprocessor's 64 K registers together (and, at 27B shapes and
 // N <= 65, its shared memory), so every main block is resident from the start and runs its loads and K/Q x H0
 // products beside the prep kernel instead of after it. A prep kernel that grows past 64 registers costs speed,
 // not correctness.
@@ -442,8 +442,9 @@ struct GdnPrepLayout {
   }
 };
 
+// 80-111 registers on sm_90a (float32 inputs and trees past kGramMaxNodes: outside the budget of kMainMaxRegisters)
 template <typename T, bool PACKED>
-__global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(  // 64 registers: see kMainMaxRegisters
+__global__ void __launch_bounds__(kPrepThreads) gdn_tree_prep_kernel(
     GdnShapes sh, GdnPrepLayout lay, const T* __restrict__ q, int64_t q_sb, int64_t q_sn, int64_t q_sh,
     const T* __restrict__ k, int64_t k_sb, int64_t k_sn, int64_t k_sh, const float* __restrict__ g, int64_t g_sb,
     int64_t g_sn, int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sn, int64_t be_sh,

@@ -277,8 +277,8 @@ def linear(module: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noq
 def project(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N], a model's bias-free projection: ``ops.linear`` when ``linear_kernel``
     is on and the op takes the tensors; with ``gemm_tuning`` active (enabled, inside its ``round_shapes``), the GEMM
-    algorithm timed fastest for the problem (``ops.linear_cublaslt``, ``ops.linear_gemv`` for a single row, or
-    F.linear where cuBLAS's own pick was); F.linear otherwise."""
+    algorithm timed fastest for the problem (``ops.linear_cublaslt``, ``ops.linear_gemv`` for a single row when
+    ``gemm_tuning.gemv_candidate`` is on, or F.linear where cuBLAS's own pick was); F.linear otherwise."""
     if linear_kernel and x.is_cuda and x.shape[-1] == weight.shape[1] and ops_apply(x, weight):
         return ops.linear(x, weight, prefetch_weight=True)  # a model's weight: nothing writes it meanwhile
     if gemm_tuning.active() and not torch.is_grad_enabled() and gemm_tuning.applies(x, weight):
