@@ -571,6 +571,10 @@ def main(argv=None) -> None:
     parser.add_argument("--no-fused-adds", action="store_true",
                         help="run the decoder layers' residual adds apart from the norms after them, for A/B runs "
                              "(ddtree_ext.fused.fuse_residual_adds)")
+    parser.add_argument("--no-fused-attention", action="store_true",
+                        help="run the attention layers' q/k norms, RoPE and output gate as HF's body does (four "
+                             "launches and a gate of three) instead of ops.qk_norm_rope and ops.sigmoid_mul "
+                             "(ddtree_ext.fused.fuse_attention_heads), for A/B runs")
     parser.add_argument("--no-stacked-projections", action="store_true",
                         help="keep each projection's weight apart (else ddtree_ext.stack_projections stacks those that "
                              "read the same input, one GEMM for each group), for A/B runs")
@@ -586,6 +590,7 @@ def main(argv=None) -> None:
     gemm_tuning.enabled = args.linear == "tuned"
     gemm_tuning.gemv_candidate = args.gemv
     fused.fuse_residual_adds = not args.no_fused_adds
+    fused.fuse_attention_heads = not args.no_fused_attention
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
     if bool(args.target) != bool(args.draft):

@@ -7,6 +7,8 @@
 //   silu_mul     the SwiGLU of Qwen3MLP / Qwen3_5MLP: round(round(silu(gate)) * up)
 //   rope         rotate-half rotary embedding of q or k (apply_rotary_pos_emb, partial rotary included):
 //                round(round(x * cos) + round(rotate_half(x) * sin)) on the first R features, the rest copied
+//   qk_norm_rope an attention layer's q_norm and k_norm (per head) and the RoPE after them, in one pass
+//   sigmoid_mul  Qwen3.5 attention's output gate: round(attn_output * round(sigmoid(gate)))
 //   linear       a bias-free projection x W^T (at::mm here; on CUDA a weight-streaming kernel for a round's few rows)
 //   gdn_gates    the Gated DeltaNet gates from the layer input: a = round(x W_a^T), b = round(x W_b^T),
 //                g = -exp(A_log) * softplus(a + dt_bias), beta = round(sigmoid(b)) (two projections and
@@ -64,12 +66,16 @@ void check_input_rows(const char* op, const at::Tensor& x) {
   check_rows(op, "x", x, x, x.size(0), x.size(1));
 }
 
-// t has ref's dtype and sits on ref's device (ref: the op's first input, x).
-void check_like_x(const char* op, const char* name, const at::Tensor& ref, const at::Tensor& t) {
+// t has ref's dtype and sits on ref's device (ref: the op's first input, named ref_name).
+void check_like(const char* op, const char* name, const char* ref_name, const at::Tensor& ref, const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have dtype ", ref.scalar_type(),
-                    " like x, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " must be on ", ref.device(), " like x, got ",
-                    t.device());
+                    " like ", ref_name, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " must be on ", ref.device(), " like ", ref_name,
+                    ", got ", t.device());
+}
+
+void check_like_x(const char* op, const char* name, const at::Tensor& ref, const at::Tensor& t) {
+  check_like(op, name, "x", ref, t);
 }
 
 // A contiguous [dim] parameter on ref's device.
@@ -79,6 +85,23 @@ void check_vector(const char* op, const char* name, const at::Tensor& ref, const
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
   TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " must be on ", ref.device(), " like the input, got ",
                     t.device());
+}
+
+// cos, sin [B, N, R] like the input x named x_name (dtype, device), last dim contiguous, R even in [2, dim].
+void check_rotary_tables(const char* op, const char* x_name, const at::Tensor& x, int64_t bsz, int64_t n, int64_t dim,
+                         const at::Tensor& cos, const at::Tensor& sin) {
+  for (const auto* t : {&cos, &sin}) {
+    const char* name = t == &cos ? "cos" : "sin";
+    TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == bsz && t->size(1) == n, op, ": ", name,
+                      " must have shape [B, N, R] = [", bsz, ", ", n, ", R], got ", shape_str(t->sizes()));
+    check_like(op, name, x_name, x, *t);
+    TORCH_CHECK_VALUE(t->stride(2) == 1 || t->size(2) == 1, op, ": ", name, " must be contiguous in its last dim");
+  }
+  const int64_t rot = cos.size(2);
+  DDTREE_CHECK(op, sin.size(2) == rot, "sin must have shape ", shape_str(cos.sizes()), " like cos, got ",
+               shape_str(sin.sizes()));
+  DDTREE_CHECK(op, rot >= 2 && rot % 2 == 0 && rot <= dim, "the rotary width R (cos's last dim) must be even and in [2, ",
+               dim, "] (the head dim), got ", rot);
 }
 
 template <typename T>
@@ -217,6 +240,17 @@ void gdn_gates_kernel(const at::Tensor& x, const at::Tensor& weight_a, const at:
   });
 }
 
+// The norm into a [B, N, H, D] buffer, then RoPE out of it: the composition of rms_norm and rope, bit for bit.
+template <typename T>
+void norm_rope_heads(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos, const at::Tensor& sin,
+                     float eps, bool zero_centered, at::Tensor& out) {
+  const at::Tensor rows = x.contiguous().view({-1, x.size(3)});
+  at::Tensor normed = at::empty_like(rows);
+  rms_norm_kernel<T>(rows.data_ptr<T>(), row_layout(rows), rows.size(0), rows.size(1), weight, nullptr,
+                     RowLayout{1, 0, 0}, nullptr, 0, nullptr, 0, eps, zero_centered, normed);
+  rope_kernel<T>(normed.view(x.sizes()).transpose(1, 2), cos, sin, out);
+}
+
 }  // namespace
 
 // ---- checks (metadata only: shared by the CPU and CUDA implementations) ----------------------------
@@ -283,18 +317,7 @@ void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   DDTREE_CHECK_FLOAT(op, x);
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, x);
   const int64_t bsz = x.size(0), n = x.size(2), dim = x.size(3);
-  for (const auto* t : {&cos, &sin}) {
-    const char* name = t == &cos ? "cos" : "sin";
-    TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == bsz && t->size(1) == n, op, ": ", name,
-                      " must have shape [B, N, R] = [", bsz, ", ", n, ", R], got ", shape_str(t->sizes()));
-    check_like_x(op, name, x, *t);
-    TORCH_CHECK_VALUE(t->stride(2) == 1 || t->size(2) == 1, op, ": ", name, " must be contiguous in its last dim");
-  }
-  const int64_t rot = cos.size(2);
-  DDTREE_CHECK(op, sin.size(2) == rot, "sin must have shape ", shape_str(cos.sizes()), " like cos, got ",
-               shape_str(sin.sizes()));
-  DDTREE_CHECK(op, rot >= 2 && rot % 2 == 0 && rot <= dim, "the rotary width R (cos's last dim) must be even and in [2, ",
-               dim, "] (x's head dim), got ", rot);
+  check_rotary_tables(op, "x", x, bsz, n, dim, cos, sin);
   DDTREE_CHECK_SHAPE(op, out, {x.size(0), x.size(1), n, dim});
   DDTREE_CHECK_DTYPE(op, out, x.scalar_type());
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, out);
@@ -303,6 +326,65 @@ void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   const auto overlap = at::get_overlap_status(x, out);
   DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
                "out must not overlap x");
+}
+
+void check_qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
+                        const at::Tensor& k_weight, const at::Tensor& cos, const at::Tensor& sin, double eps,
+                        const at::Tensor& q_out, const at::Tensor& k_out) {
+  constexpr const char* op = "qk_norm_rope";
+  DDTREE_CHECK_DIM(op, q, 4);
+  DDTREE_CHECK_FLOAT(op, q);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, q);
+  const int64_t bsz = q.size(0), n = q.size(1), dim = q.size(3);
+  DDTREE_CHECK(op, dim >= 2, "q must have a head dim of at least 2, got shape ", shape_str(q.sizes()));
+  TORCH_CHECK_VALUE(k.dim() == 4 && k.size(0) == bsz && k.size(1) == n && k.size(3) == dim, op,
+                    ": k must have shape [B, N, Hk, D] = [", bsz, ", ", n, ", Hk, ", dim, "], got ",
+                    shape_str(k.sizes()));
+  check_like(op, "k", "q", q, k);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, k);
+  for (const auto* w : {&q_weight, &k_weight}) {
+    const char* name = w == &q_weight ? "q_weight" : "k_weight";
+    check_vector(op, name, q, *w, dim);
+    check_like(op, name, "q", q, *w);
+  }
+  check_rotary_tables(op, "q", q, bsz, n, dim, cos, sin);
+  DDTREE_CHECK(op, std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  DDTREE_CHECK_SHAPE(op, q_out, {bsz, q.size(2), n, dim});
+  DDTREE_CHECK_SHAPE(op, k_out, {bsz, k.size(2), n, dim});
+  for (const auto* t : {&q_out, &k_out}) {
+    const char* name = t == &q_out ? "q_out" : "k_out";
+    check_like(op, name, "q", q, *t);
+    TORCH_CHECK_VALUE(t->stride(3) == 1 || dim == 1, op, ": ", name, " must be contiguous in its last dim, got strides ",
+                      shape_str(t->strides()));
+    DDTREE_CHECK(op, at::has_internal_overlap(*t) != at::MemOverlap::Yes, name,
+                 " must not overlap itself (e.g. an expanded tensor)");
+    // A row's outputs are written while other rows' inputs (rotate-half partners, the norm's sums) may still be read.
+    for (const auto* in : {&q, &k, &q_weight, &k_weight, &cos, &sin}) {
+      const auto overlap = at::get_overlap_status(*in, *t);
+      DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial, name,
+                   " must not overlap the inputs");
+    }
+  }
+  const auto outs = at::get_overlap_status(q_out, k_out);
+  DDTREE_CHECK(op, outs != at::MemOverlapStatus::Full && outs != at::MemOverlapStatus::Partial,
+               "q_out and k_out must not overlap");
+}
+
+void check_sigmoid_mul(const at::Tensor& gate, const at::Tensor& x, const at::Tensor& out) {
+  constexpr const char* op = "sigmoid_mul";
+  check_input_rows(op, x);
+  const int64_t rows = x.size(0), dim = x.size(1);
+  check_row_groups(op, "gate", x, gate, rows, dim);
+  check_rows(op, "out", x, out, rows, dim);
+  DDTREE_CHECK(op, at::has_internal_overlap(out) != at::MemOverlap::Yes,
+               "out must not overlap itself (e.g. an expanded tensor)");
+  // Elementwise: out may be x itself (in place); any other overlap would read values already written.
+  for (const auto* t : {&gate, &x}) {
+    const auto overlap = at::get_overlap_status(*t, out);
+    const bool apart = overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial;
+    DDTREE_CHECK(op, apart || (t == &x && overlap == at::MemOverlapStatus::Full && x.strides() == out.strides()),
+                 "out must not overlap ", t == &gate ? "gate" : "x", t == &x ? " unless it is x itself" : "");
+  }
 }
 
 void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b,
@@ -495,6 +577,25 @@ void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
   check_rope(x, cos, sin, out);
   if (x.numel() == 0) return;
   DDTREE_DISPATCH_FLOAT(x.scalar_type(), "rope", [&] { rope_kernel<scalar_t>(x, cos, sin, out); });
+}
+
+void qk_norm_rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                      const at::Tensor& cos, const at::Tensor& sin, double eps, bool zero_centered, at::Tensor& q_out,
+                      at::Tensor& k_out) {
+  check_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, q_out, k_out);
+  DDTREE_DISPATCH_FLOAT(q.scalar_type(), "qk_norm_rope", [&] {
+    if (q.numel() != 0) norm_rope_heads<scalar_t>(q, q_weight, cos, sin, static_cast<float>(eps), zero_centered, q_out);
+    if (k.numel() != 0) norm_rope_heads<scalar_t>(k, k_weight, cos, sin, static_cast<float>(eps), zero_centered, k_out);
+  });
+}
+
+// torch's own sigmoid and multiply, for HF's bits: on the CPU torch's float32 sigmoid gives other bits in its
+// vectorised loop than in its scalar one (an exp of its own against std::exp), and which one an element takes depends
+// on the layout; HF runs it over the gate copied contiguous (gate.reshape), and so does this.
+void sigmoid_mul_cpu(const at::Tensor& gate, const at::Tensor& x, at::Tensor& out) {
+  check_sigmoid_mul(gate, x, out);
+  if (x.numel() == 0) return;
+  at::mul_out(out, x, at::sigmoid(gate.reshape({x.size(0), x.size(1)}).contiguous()));
 }
 
 void gdn_gates_cpu(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,

@@ -30,6 +30,7 @@ __device__ __forceinline__ float round_to(float x) {
 
 // torch's CUDA silu and sigmoid: float math with expf (no fast-math intrinsics).
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // A chunk of N consecutive elements (16 bytes of T), as one aligned access (PACKED) or element by element
 // (the first `valid`, zeros after). Kernels that reduce assign work to threads by chunks, whichever way
@@ -215,23 +216,12 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const RmsNormArgs<T>
   }
 }
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kThreads)
-    silu_mul_kernel(const T* gate, const T* up, T* out, int64_t gate_stride, int64_t up_stride, int64_t out_stride,
-                    int64_t rows, int64_t packs_per_row) {
-  cuda::allow_dependent_launch();
-  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
-  const int64_t packs = rows * packs_per_row;
-  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < packs;
-       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = p / packs_per_row, i = (p % packs_per_row) * VEC;
-    float g[VEC], u[VEC], y[VEC];
-    cuda::load_pack_float<T, VEC>(gate + r * gate_stride + i, g);
-    cuda::load_pack_float<T, VEC>(up + r * up_stride + i, u);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) y[e] = round_to<T>(silu(g[e])) * u[e];
-    cuda::store_pack_float<T, VEC>(out + r * out_stride + i, y);
-  }
+// RoPE's output at e from x[e], its rotate-half partner (negated in the first half of the rotary width), cos[e] and
+// sin[e]. Explicit roundings: nvcc would otherwise contract the products and the sum into one FMA, which HF's separate
+// multiply and add kernels do not do (visible in float32).
+template <typename T>
+__device__ __forceinline__ T rope_element(float x, float rotated, float c, float s) {
+  return from_float<T>(__fadd_rn(round_to<T>(__fmul_rn(x, c)), round_to<T>(__fmul_rn(rotated, s))));
 }
 
 // One thread per output element; a row is one (batch, head, node). rotate_half(x)[e] is -x[e + R/2] in the
@@ -256,9 +246,115 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float c = to_float(cos[b * cs0 + i * cs1 + e]), s = to_float(sin[b * ss0 + i * ss1 + e]);
     const float rotated = e < half ? -to_float(xr[e + half]) : to_float(xr[e - half]);
-    // Explicit roundings: nvcc would otherwise contract the products and the sum into one FMA, which HF's
-    // separate multiply and add kernels do not do (visible in float32).
-    o[e] = from_float<T>(__fadd_rn(round_to<T>(__fmul_rn(to_float(xr[e]), c)), round_to<T>(__fmul_rn(rotated, s))));
+    o[e] = rope_element<T>(to_float(xr[e]), rotated, c, s);
+  }
+}
+
+// qk_norm_rope: an attention layer's q_norm and k_norm and the RoPE after them in one launch, where HF (and the
+// separate ops) run four: rms_norm of q's heads, of k's, then rope of each. A row is one head of one node, of q
+// (the first q_rows rows) or k, in the output's (batch, head, node) order.
+template <typename T>
+struct QkNormRopeArgs {
+  const T* x[2];  // q, k [B, N, H, D]
+  const T* weight[2];
+  T* out[2];            // [B, H, N, D]
+  int64_t x_stride[2][3];    // of b, n, h
+  int64_t out_stride[2][3];  // of b, h, n
+  int64_t heads[2];
+  const T* cos;
+  const T* sin;
+  int64_t cos_stride[2], sin_stride[2];  // of b, n
+  int64_t n, q_rows, rows;
+  int dim, rot;
+  float eps, inv_dim;
+  bool zero_centered;
+};
+
+// GROUP threads a row, each holding one chunk of it (rows of at most GROUP chunks): the group rms_norm gives a row of
+// this length, with its sum of squares in the same order, so the normed values are rms_norm's bits. They go through
+// shared memory, where each thread finds its chunk's rotate-half partners, and the output is rope's bits of them.
+template <typename T, int GROUP, bool PACKED>
+__global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRopeArgs<T> p) {
+  constexpr int kRowsPerBlock = kThreads / GROUP;
+  constexpr int C = 16 / sizeof(T);
+  __shared__ float normed[kRowsPerBlock][GROUP * C];
+  const int slot = threadIdx.x / GROUP, t = threadIdx.x % GROUP;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + slot;
+  const int which = row < p.q_rows ? 0 : 1;  // q or k
+  const int64_t r = which == 0 ? row : row - p.q_rows;
+  const int64_t i = r % p.n, h = (r / p.n) % p.heads[which], b = r / (p.n * p.heads[which]);
+  const int e0 = t * C;
+  const bool mine = row < p.rows && e0 < p.dim;  // this thread holds a chunk of a row
+  const T* x = p.x[which] + b * p.x_stride[which][0] + i * p.x_stride[which][1] + h * p.x_stride[which][2];
+  const T* weight = p.weight[which];
+
+  cuda::allow_dependent_launch();
+  if (mine) cuda::prefetch_l2(weight + e0);  // no register loaded: safe before the wait
+  cuda::wait_for_preceding_grid();           // q and k come from the projection ahead
+
+  float v[C], w[C], y[C];
+  float sum = 0.f;
+  if (mine) {
+    load_chunk<T, C, PACKED>(x + e0, p.dim - e0, v);
+    load_chunk<T, C, PACKED>(weight + e0, p.dim - e0, w);
+#pragma unroll
+    for (int e = 0; e < C; ++e) sum = fmaf(v[e], v[e], sum);
+  }
+  sum = cuda::warp_sum<GROUP>(sum);  // every lane takes part, rows past the end adding zeros
+  const float inv_rms = rsqrtf(__fadd_rn(__fmul_rn(sum, p.inv_dim), p.eps));
+  if (mine) {
+    rms_norm_chunk<T, C>(v, w, w, /*gated=*/false, p.zero_centered, inv_rms, y);
+#pragma unroll
+    for (int e = 0; e < C; ++e) {
+      y[e] = round_to<T>(y[e]);  // rms_norm's output, rope's input
+      normed[slot][e0 + e] = y[e];
+    }
+  }
+  __syncwarp();  // a row's threads are one warp or half of one
+  if (!mine) return;
+
+  const T* cos = p.cos + b * p.cos_stride[0] + i * p.cos_stride[1];
+  const T* sin = p.sin + b * p.sin_stride[0] + i * p.sin_stride[1];
+  const int half = p.rot / 2;
+  float o[C];
+#pragma unroll
+  for (int e = 0; e < C; ++e) {
+    const int f = e0 + e;
+    if (f < p.rot) {
+      const float rotated = f < half ? -normed[slot][f + half] : normed[slot][f - half];
+      o[e] = to_float(rope_element<T>(y[e], rotated, to_float(cos[f]), to_float(sin[f])));
+    } else {
+      o[e] = y[e];
+    }
+  }
+  T* out = p.out[which] + b * p.out_stride[which][0] + h * p.out_stride[which][1] + i * p.out_stride[which][2];
+  store_chunk<T, C, PACKED>(out + e0, p.dim - e0, o);
+}
+
+// The two gated products: silu_mul (SwiGLU, round(round(silu(gate)) * up)) and sigmoid_mul (Qwen3.5 attention's
+// output gate, round(round(sigmoid(gate)) * x)).
+enum class GateActivation { kSilu, kSigmoid };
+
+// VEC elements a thread; the gate's rows through their RowLayout (sigmoid_mul's gate is the gate half of a Qwen3.5 q
+// projection's heads: rows that no single stride reaches).
+template <typename T, int VEC, GateActivation ACT>
+__global__ void __launch_bounds__(kThreads)
+    gated_mul_kernel(const T* gate, RowLayout gate_rows, const T* x, T* out, int64_t x_stride, int64_t out_stride,
+                     int64_t rows, int64_t packs_per_row) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
+  const int64_t packs = rows * packs_per_row;
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < packs;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = p / packs_per_row, i = (p % packs_per_row) * VEC;
+    float g[VEC], v[VEC], y[VEC];
+    cuda::load_pack_float<T, VEC>(gate + row_offset(gate_rows, r) + i, g);
+    cuda::load_pack_float<T, VEC>(x + r * x_stride + i, v);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      y[e] = round_to<T>(ACT == GateActivation::kSilu ? silu(g[e]) : sigmoid(g[e])) * v[e];
+    }
+    cuda::store_pack_float<T, VEC>(out + r * out_stride + i, y);
   }
 }
 
@@ -511,27 +607,45 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual, const at
   });
 }
 
-void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
-  check_silu_mul(gate, up, out);
-  const c10::cuda::CUDAGuard guard(gate.device());
-  const int64_t rows = gate.size(0), dim = gate.size(1);
+namespace {
+
+// gated_mul_kernel over x's rows [rows, D] (gate [rows, D] or groups of rows [G, R, D]), 16-byte packs where every
+// pointer and row stride allows them.
+template <GateActivation ACT>
+void launch_gated_mul(const at::Tensor& gate, const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), dim = x.size(1);
   if (rows == 0 || dim == 0) return;
-  DDTREE_CUDA_DISPATCH_FLOAT(gate.scalar_type(), "silu_mul", [&] {
+  DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "gated_mul", [&] {  // dtype checked by the op
     using T = scalar_t;
     constexpr int kVec = 16 / sizeof(T);
+    const RowLayout gate_rows = row_layout(gate);
     auto launch = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       const int64_t packs_per_row = dim / VEC;
-      cuda::launch_programmatic(silu_mul_kernel<T, VEC>, dim3(grid_for(rows * packs_per_row, kThreads)),
-                                dim3(kThreads), 0, gate.data_ptr<T>(), up.data_ptr<T>(), out.data_ptr<T>(),
-                                gate.stride(0), up.stride(0), out.stride(0), rows, packs_per_row);
+      cuda::launch_programmatic(gated_mul_kernel<T, VEC, ACT>, dim3(grid_for(rows * packs_per_row, kThreads)),
+                                dim3(kThreads), 0, gate.data_ptr<T>(), gate_rows, x.data_ptr<T>(), out.data_ptr<T>(),
+                                x.stride(0), out.stride(0), rows, packs_per_row);
     };
-    if (can_pack<T>({&gate, &up, &out}, dim)) {
+    if (can_pack<T>({&gate, &x, &out}, dim)) {
       launch(std::integral_constant<int, kVec>{});
     } else {
       launch(std::integral_constant<int, 1>{});
     }
   });
+}
+
+}  // namespace
+
+void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
+  check_silu_mul(gate, up, out);
+  const c10::cuda::CUDAGuard guard(gate.device());
+  launch_gated_mul<GateActivation::kSilu>(gate, up, out);
+}
+
+void sigmoid_mul_cuda(const at::Tensor& gate, const at::Tensor& x, at::Tensor& out) {
+  check_sigmoid_mul(gate, x, out);
+  const c10::cuda::CUDAGuard guard(x.device());
+  launch_gated_mul<GateActivation::kSigmoid>(gate, x, out);
 }
 
 void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
@@ -546,6 +660,75 @@ void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
         sin.data_ptr<T>(), out.data_ptr<T>(), x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
         sin.stride(0), sin.stride(1), out.stride(0), out.stride(1), out.stride(2), x.size(1), x.size(2),
         static_cast<int>(x.size(3)), static_cast<int>(cos.size(2)), total);
+  });
+}
+
+void qk_norm_rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                       const at::Tensor& cos, const at::Tensor& sin, double eps, bool zero_centered, at::Tensor& q_out,
+                       at::Tensor& k_out) {
+  check_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, q_out, k_out);
+  const c10::cuda::CUDAGuard guard(q.device());
+  if (q.numel() == 0 && k.numel() == 0) return;
+  TORCH_CHECK_VALUE(q.size(3) <= INT32_MAX, "qk_norm_rope: q has too large a head dim (", q.size(3), ")");
+  DDTREE_CUDA_DISPATCH_FLOAT(q.scalar_type(), "qk_norm_rope", [&] {
+    using T = scalar_t;
+    constexpr int C = 16 / sizeof(T);
+    const int64_t dim = q.size(3);
+    if (dim > cuda::kWarp * C) {  // a head longer than a warp's chunks: the two ops, through a buffer
+      for (int which = 0; which < 2; ++which) {
+        const at::Tensor& x = which == 0 ? q : k;
+        if (x.numel() == 0) continue;
+        const at::Tensor rows = x.contiguous().view({-1, dim});
+        at::Tensor normed = at::empty_like(rows);
+        rms_norm_cuda(rows, which == 0 ? q_weight : k_weight, c10::nullopt, eps, zero_centered, normed);
+        rope_cuda(normed.view(x.sizes()).transpose(1, 2), cos, sin, which == 0 ? q_out : k_out);
+      }
+      return;
+    }
+    QkNormRopeArgs<T> args{};
+    const at::Tensor* xs[2] = {&q, &k};
+    const at::Tensor* ws[2] = {&q_weight, &k_weight};
+    at::Tensor* outs[2] = {&q_out, &k_out};
+    for (int which = 0; which < 2; ++which) {
+      args.x[which] = xs[which]->data_ptr<T>();
+      args.weight[which] = ws[which]->data_ptr<T>();
+      args.out[which] = outs[which]->data_ptr<T>();
+      args.x_stride[which][0] = xs[which]->stride(0);
+      args.x_stride[which][1] = xs[which]->stride(1);
+      args.x_stride[which][2] = xs[which]->stride(2);
+      args.out_stride[which][0] = outs[which]->stride(0);
+      args.out_stride[which][1] = outs[which]->stride(1);
+      args.out_stride[which][2] = outs[which]->stride(2);
+      args.heads[which] = std::max<int64_t>(xs[which]->size(2), 1);
+    }
+    args.cos = cos.data_ptr<T>();
+    args.sin = sin.data_ptr<T>();
+    args.cos_stride[0] = cos.stride(0);
+    args.cos_stride[1] = cos.stride(1);
+    args.sin_stride[0] = sin.stride(0);
+    args.sin_stride[1] = sin.stride(1);
+    args.n = q.size(1);
+    args.q_rows = q.size(0) * q.size(2) * q.size(1);
+    args.rows = args.q_rows + k.size(0) * k.size(2) * k.size(1);
+    args.dim = static_cast<int>(dim);
+    args.rot = static_cast<int>(cos.size(2));
+    args.eps = static_cast<float>(eps);
+    args.inv_dim = 1.f / static_cast<float>(dim);
+    args.zero_centered = zero_centered;
+    const bool packed = can_pack<T>({&q, &k, &q_weight, &k_weight, &q_out, &k_out}, dim);
+    auto launch = [&](auto kernel, int group) {
+      const unsigned blocks = static_cast<unsigned>(cuda::ceil_div(args.rows, kThreads / group));
+      cuda::launch_programmatic(kernel, dim3(blocks), dim3(kThreads), 0, args);
+    };
+    // The group rms_norm gives a row of this length (launch_rms_norm_rows): its sums, its bits.
+    constexpr int kHalfWarp = cuda::kWarp / 2;
+    if (dim <= kHalfWarp * C) {
+      packed ? launch(qk_norm_rope_kernel<T, kHalfWarp, true>, kHalfWarp)
+             : launch(qk_norm_rope_kernel<T, kHalfWarp, false>, kHalfWarp);
+    } else {
+      packed ? launch(qk_norm_rope_kernel<T, cuda::kWarp, true>, cuda::kWarp)
+             : launch(qk_norm_rope_kernel<T, cuda::kWarp, false>, cuda::kWarp);
+    }
   });
 }
 

@@ -66,6 +66,14 @@ void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const at::Tens
 void silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out);
 void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);
+void check_qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
+                        const at::Tensor& k_weight, const at::Tensor& cos, const at::Tensor& sin, double eps,
+                        const at::Tensor& q_out, const at::Tensor& k_out);
+void qk_norm_rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                      const at::Tensor& cos, const at::Tensor& sin, double eps, bool zero_centered, at::Tensor& q_out,
+                      at::Tensor& k_out);
+void check_sigmoid_mul(const at::Tensor& gate, const at::Tensor& x, const at::Tensor& out);
+void sigmoid_mul_cpu(const at::Tensor& gate, const at::Tensor& x, at::Tensor& out);
 void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b,
                      const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& g, const at::Tensor& beta);
 void gdn_gates_cpu(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
@@ -149,6 +157,10 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual, const at
                        bool zero_centered, at::Tensor& out, at::Tensor& residual_out);
 void silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out);
 void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);
+void qk_norm_rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                       const at::Tensor& cos, const at::Tensor& sin, double eps, bool zero_centered, at::Tensor& q_out,
+                       at::Tensor& k_out);
+void sigmoid_mul_cuda(const at::Tensor& gate, const at::Tensor& x, at::Tensor& out);
 void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
 void linear_gemv_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
 int64_t linear_cublaslt_algorithms_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);

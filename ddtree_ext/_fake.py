@@ -14,6 +14,8 @@ _OPS = (
     "add_rms_norm",
     "silu_mul",
     "rope",
+    "qk_norm_rope",
+    "sigmoid_mul",
     "linear",
     "linear_cublaslt",
     "linear_gemv",

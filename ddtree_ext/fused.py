@@ -567,6 +567,115 @@ def _kv_prefetch_swaps(attn: torch.nn.Module) -> Optional[List[Tuple[torch.nn.Mo
     return list(zip(projections, (prefetch.q_forward, prefetch.k_forward, prefetch.v_forward)))
 
 
+# Whether the attention layers run the body of :func:`_attention_forward`: their q/k norms and RoPE as one
+# ``ops.qk_norm_rope`` launch (HF's body: two norms and two RoPEs, four launches with the fused forwards) and Qwen3.5's
+# output gate as one ``ops.sigmoid_mul`` (a copy of the strided gate, a sigmoid and a multiply in HF).
+# ``benchmarks/e2e.py --no-fused-attention`` turns it off for A/B runs.
+fuse_attention_heads = True
+
+
+def _attention_swaps(attn: torch.nn.Module, gated: bool) -> Optional[List[Tuple[torch.nn.Module, Callable]]]:
+    """An attention layer's swaps: its projections' (:func:`_kv_prefetch_swaps`) and its own forward
+    (:func:`_attention_forward`, where its stock forward's signature and attributes are the ones that body was written
+    against); None when neither applies."""
+    import inspect
+    import sys
+
+    swaps = _kv_prefetch_swaps(attn) or []
+    stock = type(attn).forward
+    params = list(inspect.signature(stock).parameters.values())
+    names = [p.name for p in params]
+    cache_names = [n for n in _CACHE_ARGUMENTS if n in names]
+    modeling = sys.modules.get(type(attn).__module__)
+    heads = getattr(getattr(attn, "config", None), "num_attention_heads", None)
+    head_dim = getattr(attn, "head_dim", None)
+    q_proj = getattr(attn, "q_proj", None)
+    if (
+        names[:4] == ["self", "hidden_states", "position_embeddings", "attention_mask"] and len(cache_names) == 1
+        and len(params) == 6 and params[-1].kind is inspect.Parameter.VAR_KEYWORD
+        and all(hasattr(modeling, n) for n in ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"))
+        and all(hasattr(attn, n) for n in ("k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "scaling", "layer_idx"))
+        and getattr(attn, "sliding_window", None) is None
+        and isinstance(heads, int) and isinstance(head_dim, int)
+        and getattr(q_proj, "out_features", None) == heads * head_dim * (2 if gated else 1)
+    ):
+        forward = functools.partial(_attention_forward, attn, inspect.signature(stock), params[-1].name,
+                                    cache_names[0], gated, modeling)
+        swaps.append((attn, forward))
+    return swaps or None
+
+
+def _attention_forward(attn, signature, var_keyword, cache_name, gated, modeling, *args, **kwargs):
+    """HF's Qwen3 / Qwen3.5 attention body (projections, per-head q/k norms, RoPE, cache update, the attention
+    implementation, Qwen3.5's sigmoid output gate, output projection) with the norms and RoPE as one
+    ``ops.qk_norm_rope`` and the gate as one ``ops.sigmoid_mul``: the same bits as the stock body with the fused
+    forwards (the ops compose as those do).
+
+    Only for a cache that is not a transformers ``Cache`` (the verify's: ``cache.update(k, v, layer_idx)``); with one,
+    no cache, grad mode or any call this body was not written for, the stock forward runs (its cache update passes
+    other arguments from one transformers version to the next)."""
+    from transformers.cache_utils import Cache
+
+    try:
+        bound = signature.bind(attn, *args, **kwargs)
+    except TypeError:
+        bound = None
+    if (
+        bound is None or not fuse_attention_heads or torch.is_grad_enabled()
+        or any(n in bound.arguments.get(var_keyword, {}) for n in _CACHE_ARGUMENTS)
+        or bound.arguments.get(cache_name) is None or isinstance(bound.arguments[cache_name], Cache)
+    ):
+        return type(attn).forward(attn, *args, **kwargs)
+    hidden_states = bound.arguments["hidden_states"]
+    cos, sin = bound.arguments["position_embeddings"]
+    cache = bound.arguments[cache_name]
+    extra = bound.arguments.get(var_keyword, {})
+
+    input_shape = hidden_states.shape[:-1]
+    head_dim = attn.head_dim
+    query = attn.q_proj(hidden_states)
+    gate = None
+    if gated:
+        query, gate = torch.chunk(query.view(*input_shape, -1, head_dim * 2), 2, dim=-1)
+    else:
+        query = query.view(*input_shape, -1, head_dim)
+    key = attn.k_proj(hidden_states).view(*input_shape, -1, head_dim)
+    value = attn.v_proj(hidden_states).view(*input_shape, -1, head_dim).transpose(1, 2)
+    query, key = _heads_norm_rope(attn, modeling, query, key, cos, sin)
+    key, value = cache.update(key, value, attn.layer_idx)
+
+    interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                               modeling.eager_attention_forward)
+    out, weights = interface(attn, query, key, value, bound.arguments["attention_mask"],
+                             dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
+                             **extra)
+    out = out.reshape(*input_shape, -1).contiguous()
+    if gate is not None:
+        heads_view = out.view(*input_shape, -1, head_dim)
+        if ops_apply(heads_view, gate):
+            out = ops.sigmoid_mul(gate, heads_view).view(*input_shape, -1)
+        else:
+            out = out * torch.sigmoid(gate.reshape(*input_shape, -1))
+    return attn.o_proj(out), weights
+
+
+def _heads_norm_rope(attn, modeling, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(query, key) [B, N, H, D] -> [B, H, N, D] each, normed by the layer's q_norm / k_norm and rotated:
+    ``ops.qk_norm_rope`` where it applies (recognised norms without hooks, of one eps and kind; cos / sin [B, N, R]
+    in their dtype), else the norms' forwards and the modeling module's ``apply_rotary_pos_emb``, as HF's body."""
+    q_params, k_params = _norm_params(attn.q_norm), _norm_params(attn.k_norm)
+    if (
+        q_params is not None and q_params == k_params and _plain_module(attn.q_norm) and _plain_module(attn.k_norm)
+        and cos.dim() == 3 and sin.shape == cos.shape and cos.shape[:2] == query.shape[:2]
+        and cos.shape[2] % 2 == 0 and 2 <= cos.shape[2] <= query.shape[3]
+        and ops_apply(query, key, cos, sin, attn.q_norm.weight, attn.k_norm.weight)
+    ):
+        return ops.qk_norm_rope(query, key, attn.q_norm.weight, attn.k_norm.weight, cos, sin, q_params[0],
+                                zero_centered=q_params[1])
+    query, key = attn.q_norm(query).transpose(1, 2), attn.k_norm(key).transpose(1, 2)
+    return modeling.apply_rotary_pos_emb(query, key, cos, sin)
+
+
 def _mlp_forward(mlp: torch.nn.Module, x: torch.Tensor):
     outputs = stacked_outputs((mlp.gate_proj, mlp.up_proj), x)
     gate, up = outputs if outputs is not None else (mlp.gate_proj(x), mlp.up_proj(x))
@@ -722,7 +831,7 @@ def _recognised_classes() -> dict:
         torch.nn.Linear: lambda m: functools.partial(linear, m) if m.bias is None else None,
         qwen3.Qwen3RMSNorm: lambda m: functools.partial(_norm_forward, m, *_norm_params(m)),
         qwen3.Qwen3MLP: lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
-        qwen3.Qwen3Attention: _kv_prefetch_swaps,
+        qwen3.Qwen3Attention: functools.partial(_attention_swaps, gated=False),
     }
     try:
         from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
@@ -734,7 +843,7 @@ def _recognised_classes() -> dict:
             functools.partial(_gated_norm_forward, m) if getattr(m, "activation", "silu") == "silu" else None
         ),
         qwen3_5.Qwen3_5MLP: lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
-        qwen3_5.Qwen3_5Attention: _kv_prefetch_swaps,
+        qwen3_5.Qwen3_5Attention: functools.partial(_attention_swaps, gated=True),
     })
     return table
 

@@ -430,6 +430,52 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: Optional
     return out
 
 
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    *,
+    zero_centered: bool = False,
+    q_out: Optional[torch.Tensor] = None,
+    k_out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """An attention layer's per-head q_norm and k_norm and the rotary embedding after them, in one pass: what
+    ``rope(rms_norm(q, q_weight, eps).transpose(1, 2), cos, sin)`` gives, and the same for k, bit for bit.
+
+    q [B, N, Hq, D] and k [B, N, Hk, D] (a projection's output viewed per head: last dim contiguous, any other
+    strides), q_weight, k_weight [D] and cos, sin [B, N, R] (R even, R <= D) in q's dtype -> (q_out [B, Hq, N, D],
+    k_out [B, Hk, N, D]), contiguous unless given; ``zero_centered`` as in :func:`rms_norm` (Qwen3_5RMSNorm). The
+    outputs must not overlap the inputs.
+    """
+    def heads_first(x: torch.Tensor) -> torch.Tensor:  # an empty [B, H, N, D] for x [B, N, H, D]
+        shape = (x.shape[0], x.shape[2], x.shape[1], x.shape[3]) if x.dim() == 4 else (0,)  # else: the op's error
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+    q_out = heads_first(q) if q_out is None else q_out
+    k_out = heads_first(k) if k_out is None else k_out
+    load_ops().qk_norm_rope(q, k, q_weight, k_weight, cos, sin, float(eps), zero_centered, q_out, k_out)
+    return q_out, k_out
+
+
+def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Qwen3.5 attention's output gate round(x * round(sigmoid(gate))) in one pass (HF's ``attn_output *
+    torch.sigmoid(gate)``, bit for bit).
+
+    gate, x [..., D] one float dtype, last dims contiguous (gate's rows may be heads sliced from wider rows, read in
+    place) -> out like x (contiguous unless given; may be x itself).
+    """
+    if gate.shape != x.shape:
+        raise ValueError(f"sigmoid_mul: gate must have shape {list(x.shape)} (x's), got {list(gate.shape)}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    load_ops().sigmoid_mul(_row_groups(gate), _rows(x), out.view(-1, out.shape[-1]))
+    return out
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor] = None,
            prefetch_weight: bool = False) -> torch.Tensor:
     """A bias-free projection: x [..., K] (last dim contiguous), weight [N, K] (an ``nn.Linear``'s, last dim

@@ -287,6 +287,18 @@ def rope(x, cos, sin) -> torch.Tensor:
     return torch.cat([x_rot * c + rotated * s, x_pass], dim=-1)
 
 
+def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, *, zero_centered: bool = False):
+    """(q, k) [B, N, H, D] -> each head normed, turned to [B, H, N, D] and rotated (HF's attention layers)."""
+    def one(x, weight):
+        return rope(rms_norm(x, weight, eps, zero_centered=zero_centered).transpose(1, 2), cos, sin)
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+def sigmoid_mul(gate, x) -> torch.Tensor:
+    return x * torch.sigmoid(gate)
+
+
 def linear(x, weight) -> torch.Tensor:
     """ops.linear in float64 math, rounded to x's dtype."""
     return (x.double() @ weight.double().T).to(x.dtype)

@@ -31,6 +31,10 @@ TORCH_LIBRARY(ddtree, m) {
       "Tensor(b!) residual_out) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()");
+  m.def(
+      "qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, float eps, "
+      "bool zero_centered, Tensor(a!) q_out, Tensor(b!) k_out) -> ()");
+  m.def("sigmoid_mul(Tensor gate, Tensor x, Tensor(a!) out) -> ()");
   m.def("linear(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False) -> ()");
   m.def("linear_cublaslt(Tensor x, Tensor weight, int algorithm, Tensor(a!) out) -> ()");
   m.def("linear_gemv(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False) -> ()");
@@ -69,6 +73,8 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("add_rms_norm", &ddtree::add_rms_norm_cpu);
   m.impl("silu_mul", &ddtree::silu_mul_cpu);
   m.impl("rope", &ddtree::rope_cpu);
+  m.impl("qk_norm_rope", &ddtree::qk_norm_rope_cpu);
+  m.impl("sigmoid_mul", &ddtree::sigmoid_mul_cpu);
   m.impl("linear", &ddtree::linear_cpu);
   m.impl("linear_cublaslt", &ddtree::linear_cublaslt_cpu);
   m.impl("linear_gemv", &ddtree::linear_gemv_cpu);

@@ -14,6 +14,8 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("add_rms_norm", &ddtree::add_rms_norm_cuda);
   m.impl("silu_mul", &ddtree::silu_mul_cuda);
   m.impl("rope", &ddtree::rope_cuda);
+  m.impl("qk_norm_rope", &ddtree::qk_norm_rope_cuda);
+  m.impl("sigmoid_mul", &ddtree::sigmoid_mul_cuda);
   m.impl("linear", &ddtree::linear_cuda);
   m.impl("linear_cublaslt", &ddtree::linear_cublaslt_cuda);
   m.impl("linear_gemv", &ddtree::linear_gemv_cuda);

@@ -912,6 +912,63 @@ def test_rope(heads, n, dim, rot, dtype):
     assert torch.equal(got.cpu(), reference.rope(x, cos, sin))
 
 
+def _qk_inputs(gen, tokens, heads, kv_heads, dim, rot, dtype, gated=True):
+    """q as Qwen3.5's q projection gives it (each head beside its gate: [B, N, H, D] with head stride 2D) or
+    contiguous, k contiguous, cos / sin [B, N, R] from angles as HF's rotary embedding makes them."""
+    width = 2 * dim if gated else dim
+    q = (torch.randn(2, tokens, heads * width, generator=gen) * 3).to(dtype).view(2, tokens, heads, width)[..., :dim]
+    k = (torch.randn(2, tokens, kv_heads, dim, generator=gen) * 3).to(dtype)
+    angles = torch.rand(2, tokens, rot // 2, generator=gen) * 1000
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    weights = [(torch.randn(dim, generator=gen) * 0.3 + 1).to(dtype) for _ in range(2)]
+    return q, k, *weights, cos, sin
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("zero_centered", [True, False])
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,dim,rot,gated",
+    # 27B (partial rotary), Qwen3-8B, a half-warp row, the element path (odd head), a head past a warp's chunks.
+    [(1, 24, 4, 256, 64, True), (65, 24, 4, 256, 64, True), (17, 32, 8, 128, 128, False), (3, 4, 2, 64, 16, True),
+     (5, 3, 1, 10, 6, True), (2, 2, 1, 512, 128, False)],
+)
+def test_qk_norm_rope_is_the_two_ops_bit_for_bit(tokens, heads, kv_heads, dim, rot, gated, zero_centered, dtype):
+    """One launch gives the bits of ops.rms_norm then ops.rope on the GPU (the HF body's four launches), and
+    matches the CPU op within the norms' float32 sum order."""
+    q, k, qw, kw, cos, sin = to(_qk_inputs(make_gen(tokens * dim + heads), tokens, heads, kv_heads, dim, rot, dtype,
+                                           gated), DEV)
+    q_out = poison(torch.empty(2, heads, tokens, dim, dtype=dtype, device=DEV))
+    k_out = poison(torch.empty(2, kv_heads, tokens, dim, dtype=dtype, device=DEV))
+    got_q, got_k = ops.qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, zero_centered=zero_centered, q_out=q_out,
+                                    k_out=k_out)
+    assert got_q is q_out and got_k is k_out
+    for got, x, w in ((got_q, q, qw), (got_k, k, kw)):
+        normed = ops.rms_norm(x, w, 1e-6, zero_centered=zero_centered)
+        assert torch.equal(got, ops.rope(normed.transpose(1, 2), cos, sin))
+    cpu_q, cpu_k = ops.qk_norm_rope(*to([q, k, qw, kw, cos, sin], "cpu"), 1e-6, zero_centered=zero_centered)
+    assert_close(got_q, cpu_q, dtype, "q vs CPU")
+    assert_close(got_k, cpu_k, dtype, "k vs CPU")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 24, 256), (65, 24, 256), (17, 32, 128), (3, 5, 7)])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_sigmoid_mul_is_torchs_gate_bit_for_bit(tokens, heads, dim, dtype, in_place):
+    """Qwen3.5's output gate, the gate read in place from the q projection's rows: HF's ``x * sigmoid(gate)`` on the
+    GPU bit for bit (the odd head size takes the element path); x may be the output."""
+    gen = make_gen(tokens * heads + dim)
+    rows = (torch.randn(tokens, heads * 2 * dim, generator=gen) * 4).to(dtype).to(DEV)
+    gate = rows.view(tokens, heads, 2 * dim)[..., dim:]
+    x = (torch.randn(tokens, heads, dim, generator=gen) * 3).to(dtype).to(DEV)
+    expected = x * torch.sigmoid(gate)
+    expected_cpu = ops.sigmoid_mul(gate.cpu(), x.cpu())
+    got = ops.sigmoid_mul(gate, x, out=x if in_place else poison(torch.empty_like(x)))
+    assert torch.equal(got, expected)
+    assert (got.data_ptr() == x.data_ptr()) == in_place
+    assert_close(got, expected_cpu, dtype, "vs CPU")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_layer_ops_bits_do_not_depend_on_alignment(dtype):
     """The same values at a 16-byte aligned and at an unaligned address give the same bits (a graph replay
@@ -1439,6 +1496,9 @@ def _case_layer():
             q=torch.randn(1, 65, 24, 256, generator=gen).to(torch.bfloat16).transpose(1, 2),
             cos=torch.rand(1, 65, 64, generator=gen).to(torch.bfloat16),
             sin=torch.rand(1, 65, 64, generator=gen).to(torch.bfloat16),
+            k=torch.randn(1, 65, 4, 256, generator=gen).to(torch.bfloat16),
+            q_weight=torch.randn(256, generator=gen).to(torch.bfloat16),
+            k_weight=torch.randn(256, generator=gen).to(torch.bfloat16),
         ).items()}
 
     def run(x):
@@ -1449,6 +1509,9 @@ def _case_layer():
             ops.silu_mul(x["x"], x["up"]),
             *ops.gdn_gates(x["x"], x["wa"], x["wb"], x["A_log"], x["dt_bias"]),
             ops.rope(x["q"], x["cos"], x["sin"]),
+            *ops.qk_norm_rope(x["q"].transpose(1, 2), x["k"], x["q_weight"], x["k_weight"], x["cos"], x["sin"], 1e-6,
+                              zero_centered=True),
+            ops.sigmoid_mul(x["gate"], x["heads"]),
         ]
 
     return OpCase(inputs, run)

@@ -1,4 +1,4 @@
-"""The layer-body ops (rms_norm, silu_mul, rope, gdn_gates, gqa_attention) on the CPU and the fused forwards that use them.
+"""The layer-body ops (rms_norm, silu_mul, rope, qk_norm_rope, sigmoid_mul, gdn_gates, gqa_attention) on the CPU and the fused forwards that use them.
 
 Each op against the Hugging Face module it replaces (the modules' own forwards, not a copy of their math)
 and against the reference, over dtypes, odd sizes and strided inputs; bad input; opcheck. Then
@@ -227,6 +227,59 @@ def test_rope_is_hf_apply_rotary_pos_emb_bit_for_bit(family, heads, n, dim, rot,
     assert torch.equal(got_q, reference.rope(q, cos, sin))
 
 
+def _rotary_tables(n, rot, dtype, gen):
+    angles = torch.rand(2, n, rot // 2, generator=gen) * 100
+    return torch.cat([angles.cos()] * 2, dim=-1).to(dtype), torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "family,heads,kv_heads,n,dim,rot",
+    [("qwen3", 4, 2, 1, 128, 128), ("qwen3", 2, 1, 7, 10, 10), ("qwen3_5", 4, 2, 1, 256, 64),
+     ("qwen3_5", 3, 1, 65, 256, 64), ("qwen3_5", 2, 2, 7, 10, 6)],
+)
+def test_qk_norm_rope_is_the_norms_then_rope(family, heads, kv_heads, n, dim, rot, dtype, gen):
+    """As the attention layers call it: q heads read in place from the q projection's rows (Qwen3.5: beside their
+    gates), k contiguous. The bits of ops.rms_norm then ops.rope; HF's q_norm / k_norm and apply_rotary_pos_emb up
+    to the norms' float32 sum order; the reference likewise."""
+    kind = "plain" if family == "qwen3" else "zero_centered"
+    width = 2 * dim if family == "qwen3_5" else dim
+    q = (torch.randn(2, n, heads * width, generator=gen) * 3).to(dtype).view(2, n, heads, width)[..., :dim]
+    k = (torch.randn(2, n, kv_heads, dim, generator=gen) * 3).to(dtype)
+    q_norm, k_norm = _norm_module(kind, dim, dtype, gen), _norm_module(kind, dim, dtype, gen)
+    cos, sin = _rotary_tables(n, rot, dtype, gen)
+    eps, zero_centered = (q_norm.variance_epsilon, False) if family == "qwen3" else (q_norm.eps, True)
+    got_q, got_k = ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos, sin, eps, zero_centered=zero_centered)
+    assert got_q.shape == (2, heads, n, dim) and got_k.shape == (2, kv_heads, n, dim) and got_q.is_contiguous()
+    for got, x, norm in ((got_q, q, q_norm), (got_k, k, k_norm)):
+        fused_norm = ops.rms_norm(x, norm.weight, eps, zero_centered=zero_centered)
+        assert torch.equal(got, ops.rope(fused_norm.transpose(1, 2), cos, sin))
+    module = qwen3 if family == "qwen3" else qwen3_5
+    with torch.no_grad():
+        hf_q, hf_k = module.apply_rotary_pos_emb(q_norm(q).transpose(1, 2), k_norm(k).transpose(1, 2), cos, sin)
+    assert_close(got_q, hf_q, dtype, "q vs HF")
+    assert_close(got_k, hf_k, dtype, "k vs HF")
+    ref_q, ref_k = reference.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos, sin, eps, zero_centered=zero_centered)
+    assert_close(got_q, ref_q, dtype, "q vs reference")
+    assert_close(got_k, ref_k, dtype, "k vs reference")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,heads,dim", [(1, 4, 256), (7, 3, 10)])
+def test_sigmoid_mul_is_the_hf_output_gate(n, heads, dim, dtype, gen):
+    """Qwen3.5 attention's ``attn_output * torch.sigmoid(gate)`` with the gate read in place from the q projection's
+    rows; in place on x too."""
+    rows = (torch.randn(2, n, heads * 2 * dim, generator=gen) * 4).to(dtype)
+    gate = rows.view(2, n, heads, 2 * dim)[..., dim:]
+    x = (torch.randn(2, n, heads, dim, generator=gen) * 3).to(dtype)
+    hf = (x.reshape(2, n, -1) * torch.sigmoid(gate.reshape(2, n, -1))).view(2, n, heads, dim)
+    got = ops.sigmoid_mul(gate, x)
+    assert got.shape == x.shape and got.is_contiguous()
+    assert torch.equal(got, hf)
+    assert_close(got, reference.sigmoid_mul(gate, x), dtype, "vs reference")
+    assert ops.sigmoid_mul(gate, x, out=x) is x and torch.equal(x, got)
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 
@@ -254,6 +307,49 @@ def test_rms_norm_bad_inputs():
         with pytest.raises(ValueError, match=message):
             call()
         assert torch.equal(out, before), message  # nothing written
+
+
+def test_qk_norm_rope_bad_inputs():
+    q, k = torch.randn(1, 5, 4, 8), torch.randn(1, 5, 2, 8)
+    w, cos, sin = torch.ones(8), torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    q_out, k_out = torch.full((1, 4, 5, 8), 5.0), torch.full((1, 2, 5, 8), 5.0)
+    op = load_ops().qk_norm_rope
+    cases = [
+        (lambda: op(q[0], k, w, w, cos, sin, 1e-6, False, q_out, k_out), "q must have 4 dims"),
+        (lambda: op(q, k[:, :4], w, w, cos, sin, 1e-6, False, q_out, k_out), r"k must have shape \[B, N, Hk, D\] = \[1, 5, Hk, 8\]"),
+        (lambda: op(q, k.half(), w, w, cos, sin, 1e-6, False, q_out, k_out), "k must have dtype Float like q"),
+        (lambda: op(q, k, torch.ones(7), w, cos, sin, 1e-6, False, q_out, k_out), r"q_weight must have shape \[8\]"),
+        (lambda: op(q, k, w, w.double(), cos, sin, 1e-6, False, q_out, k_out), "k_weight must have dtype Float like q"),
+        (lambda: op(q, k, w, w, cos[:, :4], sin, 1e-6, False, q_out, k_out), r"cos must have shape \[B, N, R\]"),
+        (lambda: op(q, k, w, w, cos[..., :7], sin[..., :7], 1e-6, False, q_out, k_out), "the rotary width R"),
+        (lambda: op(q, k, w, w, cos, sin.half(), 1e-6, False, q_out, k_out), "sin must have dtype Float like q"),
+        (lambda: op(q, k, w, w, cos, sin, -1.0, False, q_out, k_out), "eps must be finite and >= 0"),
+        (lambda: op(q, k, w, w, cos, sin, 1e-6, False, q_out.transpose(1, 2), k_out), r"q_out must have shape \[1, 4, 5, 8\]"),
+        (lambda: op(q, k, w, w, cos, sin, 1e-6, False, q_out, k_out.half()), "k_out must have dtype Float like q"),
+        (lambda: op(q, k, w, w, cos, sin, 1e-6, False, q.transpose(1, 2), k_out), "q_out must not overlap the inputs"),
+        (lambda: op(q, k, w, w, cos, sin, 1e-6, False, q_out, q_out[:, :2]), "q_out and k_out must not overlap"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert (q_out == 5.0).all() and (k_out == 5.0).all(), message  # nothing written
+
+
+def test_sigmoid_mul_bad_inputs():
+    x, out = torch.randn(4, 8), torch.empty(4, 8)
+    op = load_ops().sigmoid_mul
+    with pytest.raises(ValueError, match=r"sigmoid_mul: gate must have shape \[4, 8\]"):
+        ops.sigmoid_mul(torch.randn(4, 9), x)
+    with pytest.raises(ValueError, match=r"sigmoid_mul: gate must have shape \[4, 8\] or \[G, R, 8\]"):
+        op(torch.randn(3, 8), x, out)
+    with pytest.raises(ValueError, match="sigmoid_mul: gate must have dtype Float"):
+        op(torch.randn(4, 8).half(), x, out)
+    with pytest.raises(ValueError, match="sigmoid_mul: out must not overlap gate"):
+        gate = torch.randn(4, 8)
+        op(gate, x, gate)
+    buffer = torch.randn(33)
+    with pytest.raises(ValueError, match="sigmoid_mul: out must not overlap x unless it is x itself"):
+        op(torch.randn(4, 8), buffer[:32].view(4, 8), buffer[1:].view(4, 8))
 
 
 def test_add_rms_norm_bad_inputs():
@@ -510,6 +606,10 @@ def test_layer_ops_opcheck(gen):
     torch.library.opcheck(lib.gdn_gates.default, (x, w, w.clone(), torch.randn(6), torch.randn(6), torch.empty(3, 6), torch.empty(3, 6)))
     q = torch.randn(1, 2, 5, 8, generator=gen)
     torch.library.opcheck(lib.rope.default, (q, torch.randn(1, 5, 8), torch.randn(1, 5, 8), torch.empty(1, 2, 5, 8)))
+    torch.library.opcheck(lib.qk_norm_rope.default, (q.transpose(1, 2), q[:, :1].transpose(1, 2), torch.randn(8),
+                                                     torch.randn(8), torch.randn(1, 5, 8), torch.randn(1, 5, 8), 1e-6,
+                                                     True, torch.empty(1, 2, 5, 8), torch.empty(1, 1, 5, 8)))
+    torch.library.opcheck(lib.sigmoid_mul.default, (x.clone(), x, torch.empty(3, 16)))
     torch.library.opcheck(lib.linear.default, (x, w, torch.empty(3, 6)))
     torch.library.opcheck(lib.linear_cublaslt.default, (x, w, 0, torch.empty(3, 6)))
     torch.library.opcheck(lib.linear_gemv.default, (x[:1], w, torch.empty(1, 6)))
@@ -531,14 +631,15 @@ def test_fusion_swaps_the_norms_and_mlps_and_restores_them(family):
     fusion = LayerFusion(model.model)
     layers = model.config.num_hidden_layers
     if family == "qwen3":
-        # input + post norms and q/k norms per layer, the final norm; one MLP per layer; the seven projections
-        # of a layer (q, k and v once, for the K/V prefetch; o and the MLP's three as plain projections).
-        assert _swapped_types(fusion) == ["Linear", "Qwen3DecoderLayer", "Qwen3MLP", "Qwen3RMSNorm"]
-        assert len(fusion.swaps) == 13 * layers + 1
+        # the layer and its attention; input + post norms and q/k norms per layer, the final norm; one MLP per layer;
+        # the seven projections of a layer (q, k and v once, for the K/V prefetch; o and the MLP's three as plain
+        # projections).
+        assert _swapped_types(fusion) == ["Linear", "Qwen3Attention", "Qwen3DecoderLayer", "Qwen3MLP", "Qwen3RMSNorm"]
+        assert len(fusion.swaps) == 14 * layers + 1
         assert len({id(m) for m, _ in fusion.swaps}) == len(fusion.swaps)  # no module swapped twice
     else:
         assert _swapped_types(fusion) == [
-            "Linear", "Qwen3_5DecoderLayer", "Qwen3_5MLP", "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"
+            "Linear", "Qwen3_5Attention", "Qwen3_5DecoderLayer", "Qwen3_5MLP", "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"
         ]
     marker = lambda *a, **k: None  # an instance forward of the user's own (an accelerate hook, say)
     stock_rope = qwen3.apply_rotary_pos_emb
@@ -605,6 +706,42 @@ def test_fused_residual_adds_give_the_bits_of_the_unfused_layers(family, dtype, 
     assert torch.equal(fused_out.logits, unfused.logits)
     for i, (a, b) in enumerate(zip(fused_out.hidden_states, unfused.hidden_states)):
         assert torch.equal(a, b), f"hidden state {i}"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_attention_body_gives_the_bits_of_the_stock_body(family, dtype, monkeypatch):
+    """A verify (its cache is not a transformers Cache, so the attention layers run fused.py's body): one
+    ops.qk_norm_rope per attention layer and, on Qwen3.5, one ops.sigmoid_mul; logits, taps and the K/V written the
+    same bits as HF's body with the fused forwards (fuse_attention_heads off)."""
+    from ddtree_ext import fused
+    from ddtree_ext.target import TargetAdapter
+
+    adapter = TargetAdapter(make_tiny_target(family, seed=5, dtype=dtype), (0, 1))
+    gen = torch.Generator().manual_seed(6)
+    state = adapter.new_state(capacity=64)
+    adapter.prefill(torch.randint(0, 50, (1, 9), generator=gen), state)
+    parent = torch.tensor([[-1, 0, 0, 1, 1, 2, 4]])
+    tree = reference.tree_from_parents(parent, torch.randint(0, 50, (1, 7), generator=gen), state.prefix_len)
+    calls = {"qk_norm_rope": 0, "sigmoid_mul": 0}
+    for name in calls:
+        op = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _op=op, _name=name, **k: calls.__setitem__(_name, calls[_name] + 1)
+                            or _op(*a, **k))
+    runs = {}
+    for fuse in (False, True):
+        monkeypatch.setattr(fused, "fuse_attention_heads", fuse)
+        logits, taps = adapter.verify(tree, state)
+        runs[fuse] = (logits, taps, {i: (state.keys[i].clone(), state.values[i].clone()) for i in state.keys})
+        state.pending = None  # the next verify of the same tree on the same committed state
+        if not fuse:
+            assert calls == {"qk_norm_rope": 0, "sigmoid_mul": 0}
+    attention_layers = len(state.keys)
+    assert attention_layers and calls == {"qk_norm_rope": attention_layers,
+                                          "sigmoid_mul": attention_layers if family == "qwen3_5" else 0}
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
+    for i, (keys, values) in runs[True][2].items():
+        assert torch.equal(keys, runs[False][2][i][0]) and torch.equal(values, runs[False][2][i][1]), f"layer {i}"
 
 
 def _assert_stock_logits_with_pre_hook(model, layer, hook, what):
