@@ -1726,6 +1726,16 @@ def test_all_ops_small():
     q = torch.randn(1, 5, 3, 16, generator=gen).transpose(1, 2)
     cos, sin = torch.randn(1, 5, 8, generator=gen), torch.randn(1, 5, 8, generator=gen)
     assert torch.equal(ops.rope(*to([q, cos, sin], DEV)).cpu(), ops.rope(q, cos, sin))
+    # q/k norms and RoPE: a half-warp row group (16 features) and a warp's (a 136-feature head, unaligned rows).
+    for dim in (16, 136):
+        qk = [torch.randn(1, 5, heads, dim, generator=gen) for heads in (3, 2)]
+        w = [torch.randn(dim, generator=gen) for _ in range(2)]
+        tables = [torch.randn(1, 5, 8, generator=gen) for _ in range(2)]
+        for a, e in zip(ops.qk_norm_rope(*to(qk + w + tables, DEV), 1e-6), ops.qk_norm_rope(*qk, *w, *tables, 1e-6)):
+            assert_close(a, e, torch.float32)
+    gate_rows = torch.randn(5, 2, 32, generator=gen)
+    assert_close(ops.sigmoid_mul(gate_rows.to(DEV)[..., 16:], q[0, :2].transpose(0, 1).to(DEV)),
+                 ops.sigmoid_mul(gate_rows[..., 16:], q[0, :2].transpose(0, 1)), torch.float32)
     # The projection kernel: two splits in a cluster, a partial last row tile.
     x, weight = torch.randn(3, 128, generator=gen).half(), torch.randn(64, 128, generator=gen).half()
     assert_close(ops.linear(*to([x, weight], DEV)), ops.linear(x, weight), torch.float16)
