@@ -260,14 +260,14 @@ struct QkNormRopeArgs {
   T* out[2];            // [B, H, N, D]
   int64_t x_stride[2][3];    // of b, n, h
   int64_t out_stride[2][3];  // of b, h, n
-  int64_t heads[2];
   const T* cos;
   const T* sin;
   int64_t cos_stride[2], sin_stride[2];  // of b, n
-  int64_t n, q_rows, rows;
+  int n, heads_q, heads_k, q_rows, rows;  // rows (q's and k's) < 2^31: checked by the launcher
   int dim, rot;
   float eps, inv_dim;
   bool zero_centered;
+  bool tables_packed;  // cos / sin rows as 16-byte packs (R a multiple of a pack, rows aligned)
 };
 
 // GROUP threads a row, each holding one chunk of it (rows of at most GROUP chunks): the group rms_norm gives a row of
@@ -279,18 +279,28 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
   constexpr int C = 16 / sizeof(T);
   __shared__ float normed[kRowsPerBlock][GROUP * C];
   const int slot = threadIdx.x / GROUP, t = threadIdx.x % GROUP;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + slot;
+  const int row = blockIdx.x * kRowsPerBlock + slot;
   const int which = row < p.q_rows ? 0 : 1;  // q or k
-  const int64_t r = which == 0 ? row : row - p.q_rows;
-  const int64_t i = r % p.n, h = (r / p.n) % p.heads[which], b = r / (p.n * p.heads[which]);
+  const int r = which == 0 ? row : row - p.q_rows, heads = which == 0 ? p.heads_q : p.heads_k;
+  const int i = r % p.n, h = (r / p.n) % heads, b = r / p.n / heads;
   const int e0 = t * C;
   const bool mine = row < p.rows && e0 < p.dim;  // this thread holds a chunk of a row
   const T* x = p.x[which] + b * p.x_stride[which][0] + i * p.x_stride[which][1] + h * p.x_stride[which][2];
   const T* weight = p.weight[which];
+  const T* cos = p.cos + b * p.cos_stride[0] + i * p.cos_stride[1];
+  const T* sin = p.sin + b * p.sin_stride[0] + i * p.sin_stride[1];
 
+  // No register is loaded before the wait (q and k come from the projection ahead; nothing orders the tables' writes
+  // before this kernel either), but the weight and table lines can move into L2.
   cuda::allow_dependent_launch();
-  if (mine) cuda::prefetch_l2(weight + e0);  // no register loaded: safe before the wait
-  cuda::wait_for_preceding_grid();           // q and k come from the projection ahead
+  if (mine) {
+    cuda::prefetch_l2(weight + e0);
+    if (e0 < p.rot) {
+      cuda::prefetch_l2(cos + e0);
+      cuda::prefetch_l2(sin + e0);
+    }
+  }
+  cuda::wait_for_preceding_grid();
 
   float v[C], w[C], y[C];
   float sum = 0.f;
@@ -313,16 +323,25 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
   __syncwarp();  // a row's threads are one warp or half of one
   if (!mine) return;
 
-  const T* cos = p.cos + b * p.cos_stride[0] + i * p.cos_stride[1];
-  const T* sin = p.sin + b * p.sin_stride[0] + i * p.sin_stride[1];
   const int half = p.rot / 2;
+  float c[C], sn[C];
+  if (p.tables_packed && e0 < p.rot) {  // the chunk lies inside the rotary width
+    cuda::load_pack_float<T, C>(cos + e0, c);
+    cuda::load_pack_float<T, C>(sin + e0, sn);
+  } else {
+#pragma unroll
+    for (int e = 0; e < C; ++e) {
+      c[e] = e0 + e < p.rot ? to_float(cos[e0 + e]) : 0.f;
+      sn[e] = e0 + e < p.rot ? to_float(sin[e0 + e]) : 0.f;
+    }
+  }
   float o[C];
 #pragma unroll
   for (int e = 0; e < C; ++e) {
     const int f = e0 + e;
     if (f < p.rot) {
       const float rotated = f < half ? -normed[slot][f + half] : normed[slot][f - half];
-      o[e] = to_float(rope_element<T>(y[e], rotated, to_float(cos[f]), to_float(sin[f])));
+      o[e] = to_float(rope_element<T>(y[e], rotated, c[e], sn[e]));
     } else {
       o[e] = y[e];
     }
@@ -699,7 +718,6 @@ void qk_norm_rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       args.out_stride[which][0] = outs[which]->stride(0);
       args.out_stride[which][1] = outs[which]->stride(1);
       args.out_stride[which][2] = outs[which]->stride(2);
-      args.heads[which] = std::max<int64_t>(xs[which]->size(2), 1);
     }
     args.cos = cos.data_ptr<T>();
     args.sin = sin.data_ptr<T>();
@@ -707,15 +725,20 @@ void qk_norm_rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     args.cos_stride[1] = cos.stride(1);
     args.sin_stride[0] = sin.stride(0);
     args.sin_stride[1] = sin.stride(1);
-    args.n = q.size(1);
-    args.q_rows = q.size(0) * q.size(2) * q.size(1);
-    args.rows = args.q_rows + k.size(0) * k.size(2) * k.size(1);
+    const int64_t q_rows = q.size(0) * q.size(2) * q.size(1), rows = q_rows + k.size(0) * k.size(2) * k.size(1);
+    TORCH_CHECK_VALUE(rows <= INT32_MAX - kThreads, "qk_norm_rope: q and k have too many heads (", rows, " rows)");
+    args.n = static_cast<int>(q.size(1));
+    args.heads_q = static_cast<int>(std::max<int64_t>(q.size(2), 1));
+    args.heads_k = static_cast<int>(std::max<int64_t>(k.size(2), 1));
+    args.q_rows = static_cast<int>(q_rows);
+    args.rows = static_cast<int>(rows);
     args.dim = static_cast<int>(dim);
     args.rot = static_cast<int>(cos.size(2));
     args.eps = static_cast<float>(eps);
     args.inv_dim = 1.f / static_cast<float>(dim);
     args.zero_centered = zero_centered;
     const bool packed = can_pack<T>({&q, &k, &q_weight, &k_weight, &q_out, &k_out}, dim);
+    args.tables_packed = packed && can_pack<T>({&cos, &sin}, cos.size(2));
     auto launch = [&](auto kernel, int group) {
       const unsigned blocks = static_cast<unsigned>(cuda::ceil_div(args.rows, kThreads / group));
       cuda::launch_programmatic(kernel, dim3(blocks), dim3(kThreads), 0, args);
