@@ -30,12 +30,15 @@ For the attention layers:
   starts the K and V projections on a side stream (:class:`Fork`) and their calls take the results;
 * the modeling modules' ``apply_rotary_pos_emb`` (a module global the layers look up at call time) for
   two ``ops.rope`` launches that round where it rounds, so its results are HF's bit for bit;
+* their own forward, where the cache is not a transformers ``Cache`` (a verify's): HF's body with the q/k norms
+  and RoPE as one ``ops.qk_norm_rope`` and Qwen3.5's output gate as one ``ops.sigmoid_mul``
+  (:func:`_attention_forward`; ``fuse_attention_heads``);
 * the "sdpa" entry of HF's attention registry for :func:`gqa_attention`, which folds a KV head's query
   heads into its query rows instead of copying K and V per query head (HF's ``repeat_kv`` under a mask),
   and on CUDA with a bool mask runs ``ops.gqa_attention`` (split over the keys).
 
-Both are process-wide while any fusion context is open (installed by the first, removed by the last):
-another model's calls meanwhile get the same results (RoPE bit for bit, attention up to float rounding).
+The RoPE and "sdpa" patches are process-wide while any fusion context is open (installed by the first, removed by
+the last): another model's calls meanwhile get the same results (RoPE bit for bit, attention up to float rounding).
 
 Every fused forward checks per call that its op applies (``ops_apply``: no grad mode, float32 / float16 /
 bfloat16 on CPU or CUDA, rows contiguous in their last dim; a gate, the rotary layout) and runs HF's own
