@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "checks.h"
 #include "ops.h"
@@ -102,6 +103,23 @@ void check_rotary_tables(const char* op, const char* x_name, const at::Tensor& x
                shape_str(sin.sizes()));
   DDTREE_CHECK(op, rot >= 2 && rot % 2 == 0 && rot <= dim, "the rotary width R (cos's last dim) must be even and in [2, ",
                dim, "] (the head dim), got ", rot);
+}
+
+// Whether a and b may share memory: ATen's overlap status, and where it cannot tell (a tensor that is not
+// non-overlapping and dense, such as heads sliced from wider rows) whether their byte ranges in one storage meet.
+bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  const auto status = at::get_overlap_status(a, b);
+  if (status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial) return true;
+  if (status != at::MemOverlapStatus::TooHard || a.numel() == 0 || b.numel() == 0) return false;
+  if (!a.has_storage() || !b.has_storage() || !a.storage().is_alias_of(b.storage())) return false;
+  auto range = [](const at::Tensor& t) {  // [first byte, one past the last byte]; strides are never negative
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto* begin = static_cast<const char*>(t.data_ptr());
+    return std::make_pair(begin, begin + (last + 1) * t.element_size());
+  };
+  const auto ra = range(a), rb = range(b);
+  return ra.first < rb.second && rb.first < ra.second;
 }
 
 template <typename T>
@@ -360,14 +378,10 @@ void check_qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tens
                  " must not overlap itself (e.g. an expanded tensor)");
     // A row's outputs are written while other rows' inputs (rotate-half partners, the norm's sums) may still be read.
     for (const auto* in : {&q, &k, &q_weight, &k_weight, &cos, &sin}) {
-      const auto overlap = at::get_overlap_status(*in, *t);
-      DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial, name,
-                   " must not overlap the inputs");
+      DDTREE_CHECK(op, !may_overlap(*in, *t), name, " must not overlap the inputs");
     }
   }
-  const auto outs = at::get_overlap_status(q_out, k_out);
-  DDTREE_CHECK(op, outs != at::MemOverlapStatus::Full && outs != at::MemOverlapStatus::Partial,
-               "q_out and k_out must not overlap");
+  DDTREE_CHECK(op, !may_overlap(q_out, k_out), "q_out and k_out must not overlap");
 }
 
 void check_sigmoid_mul(const at::Tensor& gate, const at::Tensor& x, const at::Tensor& out) {
@@ -379,12 +393,9 @@ void check_sigmoid_mul(const at::Tensor& gate, const at::Tensor& x, const at::Te
   DDTREE_CHECK(op, at::has_internal_overlap(out) != at::MemOverlap::Yes,
                "out must not overlap itself (e.g. an expanded tensor)");
   // Elementwise: out may be x itself (in place); any other overlap would read values already written.
-  for (const auto* t : {&gate, &x}) {
-    const auto overlap = at::get_overlap_status(*t, out);
-    const bool apart = overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial;
-    DDTREE_CHECK(op, apart || (t == &x && overlap == at::MemOverlapStatus::Full && x.strides() == out.strides()),
-                 "out must not overlap ", t == &gate ? "gate" : "x", t == &x ? " unless it is x itself" : "");
-  }
+  DDTREE_CHECK(op, !may_overlap(gate, out), "out must not overlap gate");
+  const bool same = at::get_overlap_status(x, out) == at::MemOverlapStatus::Full && x.strides() == out.strides();
+  DDTREE_CHECK(op, same || !may_overlap(x, out), "out must not overlap x unless it is x itself");
 }
 
 void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b,

@@ -354,9 +354,9 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
 // output gate, round(round(sigmoid(gate)) * x)).
 enum class GateActivation { kSilu, kSigmoid };
 
-// VEC elements a thread; the gate's rows through their RowLayout (sigmoid_mul's gate is the gate half of a Qwen3.5 q
-// projection's heads: rows that no single stride reaches).
-template <typename T, int VEC, GateActivation ACT>
+// VEC elements a thread; GROUPED: the gate's rows through their RowLayout (sigmoid_mul's gate is the gate half of a
+// Qwen3.5 q projection's heads: rows that no single stride reaches), else one row stride (no division per pack).
+template <typename T, int VEC, GateActivation ACT, bool GROUPED>
 __global__ void __launch_bounds__(kThreads)
     gated_mul_kernel(const T* gate, RowLayout gate_rows, const T* x, T* out, int64_t x_stride, int64_t out_stride,
                      int64_t rows, int64_t packs_per_row) {
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kThreads)
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = p / packs_per_row, i = (p % packs_per_row) * VEC;
     float g[VEC], v[VEC], y[VEC];
-    cuda::load_pack_float<T, VEC>(gate + row_offset(gate_rows, r) + i, g);
+    cuda::load_pack_float<T, VEC>(gate + (GROUPED ? row_offset(gate_rows, r) : r * gate_rows.inner_stride) + i, g);
     cuda::load_pack_float<T, VEC>(x + r * x_stride + i, v);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
@@ -641,9 +641,10 @@ void launch_gated_mul(const at::Tensor& gate, const at::Tensor& x, at::Tensor& o
     auto launch = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       const int64_t packs_per_row = dim / VEC;
-      cuda::launch_programmatic(gated_mul_kernel<T, VEC, ACT>, dim3(grid_for(rows * packs_per_row, kThreads)),
-                                dim3(kThreads), 0, gate.data_ptr<T>(), gate_rows, x.data_ptr<T>(), out.data_ptr<T>(),
-                                x.stride(0), out.stride(0), rows, packs_per_row);
+      auto kernel = gate.dim() == 3 ? gated_mul_kernel<T, VEC, ACT, true> : gated_mul_kernel<T, VEC, ACT, false>;
+      cuda::launch_programmatic(kernel, dim3(grid_for(rows * packs_per_row, kThreads)), dim3(kThreads), 0,
+                                gate.data_ptr<T>(), gate_rows, x.data_ptr<T>(), out.data_ptr<T>(), x.stride(0),
+                                out.stride(0), rows, packs_per_row);
     };
     if (can_pack<T>({&gate, &x, &out}, dim)) {
       launch(std::integral_constant<int, kVec>{});

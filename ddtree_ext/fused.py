@@ -30,9 +30,9 @@ For the attention layers:
   starts the K and V projections on a side stream (:class:`Fork`) and their calls take the results;
 * the modeling modules' ``apply_rotary_pos_emb`` (a module global the layers look up at call time) for
   two ``ops.rope`` launches that round where it rounds, so its results are HF's bit for bit;
-* their own forward, where the cache is not a transformers ``Cache`` (a verify's): HF's body with the q/k norms
-  and RoPE as one ``ops.qk_norm_rope`` and Qwen3.5's output gate as one ``ops.sigmoid_mul``
-  (:func:`_attention_forward`; ``fuse_attention_heads``);
+* their own forward, with the verify's cache: HF's body with the q/k norms and RoPE as one ``ops.qk_norm_rope``
+  (where the RoPE patch above is left to other calls and to the body's fallback) and Qwen3.5's output gate as one
+  ``ops.sigmoid_mul`` (:func:`_attention_forward`; ``fuse_attention_heads``);
 * the "sdpa" entry of HF's attention registry for :func:`gqa_attention`, which folds a KV head's query
   heads into its query rows instead of copying K and V per query head (HF's ``repeat_kv`` under a mask),
   and on CUDA with a bool mask runs ``ops.gqa_attention`` (split over the keys).
@@ -597,6 +597,7 @@ def _attention_swaps(attn: torch.nn.Module, gated: bool) -> Optional[List[Tuple[
         names[:4] == ["self", "hidden_states", "position_embeddings", "attention_mask"] and len(cache_names) == 1
         and len(params) == 6 and params[-1].kind is inspect.Parameter.VAR_KEYWORD
         and all(hasattr(modeling, n) for n in ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"))
+        and hasattr(modeling.ALL_ATTENTION_FUNCTIONS, "get_interface")
         and all(hasattr(attn, n) for n in ("k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "scaling", "layer_idx"))
         and getattr(attn, "sliding_window", None) is None
         and isinstance(heads, int) and isinstance(head_dim, int)
@@ -614,11 +615,9 @@ def _attention_forward(attn, signature, var_keyword, cache_name, gated, modeling
     ``ops.qk_norm_rope`` and the gate as one ``ops.sigmoid_mul``: the same bits as the stock body with the fused
     forwards (the ops compose as those do).
 
-    Only for a cache that is not a transformers ``Cache`` (the verify's: ``cache.update(k, v, layer_idx)``); with one,
-    no cache, grad mode or any call this body was not written for, the stock forward runs (its cache update passes
-    other arguments from one transformers version to the next)."""
-    from transformers.cache_utils import Cache
-
+    Only for a cache that says its ``update(key, value, layer_idx)`` needs nothing else (``fused_attention_body``: the
+    target adapter's verify cache); with any other cache (HF's take other arguments from one transformers version to
+    the next), no cache, grad mode or a call this body was not written for, the stock forward runs."""
     try:
         bound = signature.bind(attn, *args, **kwargs)
     except TypeError:
@@ -626,7 +625,7 @@ def _attention_forward(attn, signature, var_keyword, cache_name, gated, modeling
     if (
         bound is None or not fuse_attention_heads or torch.is_grad_enabled()
         or any(n in bound.arguments.get(var_keyword, {}) for n in _CACHE_ARGUMENTS)
-        or bound.arguments.get(cache_name) is None or isinstance(bound.arguments[cache_name], Cache)
+        or not getattr(bound.arguments.get(cache_name), "fused_attention_body", False)
     ):
         return type(attn).forward(attn, *args, **kwargs)
     hidden_states = bound.arguments["hidden_states"]
@@ -649,9 +648,11 @@ def _attention_forward(attn, signature, var_keyword, cache_name, gated, modeling
 
     interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                                modeling.eager_attention_forward)
+    # Qwen3's layers also pass their sliding window (None: the swap takes only full-attention layers); Qwen3.5's do not.
+    window = {"sliding_window": None} if hasattr(attn, "sliding_window") else {}
     out, weights = interface(attn, query, key, value, bound.arguments["attention_mask"],
                              dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
-                             **extra)
+                             **window, **extra)
     out = out.reshape(*input_shape, -1).contiguous()
     if gate is not None:
         heads_view = out.view(*input_shape, -1, head_dim)

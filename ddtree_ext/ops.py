@@ -449,7 +449,8 @@ def qk_norm_rope(
     q [B, N, Hq, D] and k [B, N, Hk, D] (a projection's output viewed per head: last dim contiguous, any other
     strides), q_weight, k_weight [D] and cos, sin [B, N, R] (R even, R <= D) in q's dtype -> (q_out [B, Hq, N, D],
     k_out [B, Hk, N, D]), contiguous unless given; ``zero_centered`` as in :func:`rms_norm` (Qwen3_5RMSNorm). The
-    outputs must not overlap the inputs.
+    outputs must not overlap the inputs. One launch on CUDA for heads of up to 32 16-byte chunks (256 features in
+    16-bit dtypes, 128 in float32); longer heads, and the CPU op, run the two ops through a buffer it allocates.
     """
     def heads_first(x: torch.Tensor) -> torch.Tensor:  # an empty [B, H, N, D] for x [B, N, H, D]
         shape = (x.shape[0], x.shape[2], x.shape[1], x.shape[3]) if x.dim() == 4 else (0,)  # else: the op's error
@@ -470,6 +471,8 @@ def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor, *, out: Optional[torch.Tens
     """
     if gate.shape != x.shape:
         raise ValueError(f"sigmoid_mul: gate must have shape {list(x.shape)} (x's), got {list(gate.shape)}")
+    if out is not None and out.shape != x.shape:
+        raise ValueError(f"sigmoid_mul: out must have shape {list(x.shape)} (x's), got {list(out.shape)}")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     load_ops().sigmoid_mul(_row_groups(gate), _rows(x), out.view(-1, out.shape[-1]))

@@ -115,6 +115,9 @@ class _StaticAttentionCache:
     layer ``layer_idx`` at slots ``slots`` (a device index [N] on that layer's device) of the static
     buffers and returns their first ``kv_len`` slots."""
 
+    # update(key, value, layer_idx) needs nothing else: the attention layers may run fused.py's attention body.
+    fused_attention_body = True
+
     def __init__(self, state: TargetState, slots: Dict[torch.device, torch.Tensor], kv_len: int):
         self.state, self.slots, self.kv_len = state, slots, kv_len
 

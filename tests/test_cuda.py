@@ -931,7 +931,9 @@ def _qk_inputs(gen, tokens, heads, kv_heads, dim, rot, dtype, gated=True):
     "tokens,heads,kv_heads,dim,rot,gated",
     # 27B (partial rotary), Qwen3-8B, a half-warp row, the element path (odd head), a head past a warp's chunks.
     [(1, 24, 4, 256, 64, True), (65, 24, 4, 256, 64, True), (17, 32, 8, 128, 128, False), (3, 4, 2, 64, 16, True),
-     (5, 3, 1, 10, 6, True), (2, 2, 1, 512, 128, False)],
+     (5, 3, 1, 10, 6, True), (2, 2, 1, 512, 128, False),
+     # a warp's row on the element path (16-bit 250, float32 126), aligned heads with tables read element by element
+     (3, 4, 2, 250, 64, False), (3, 4, 2, 126, 12, False), (3, 4, 2, 64, 10, True)],
 )
 def test_qk_norm_rope_is_the_two_ops_bit_for_bit(tokens, heads, kv_heads, dim, rot, gated, zero_centered, dtype):
     """One launch gives the bits of ops.rms_norm then ops.rope on the GPU (the HF body's four launches), and
@@ -983,6 +985,15 @@ def test_layer_ops_bits_do_not_depend_on_alignment(dtype):
         weight = torch.randn(dim, generator=gen).to(dtype).to(DEV)
         for kw in (dict(zero_centered=True), dict(gate=values.flip(0))):
             assert torch.equal(ops.rms_norm(values, weight, 1e-6, **kw), ops.rms_norm(shifted, weight, 1e-6, **kw))
+    # q/k norms and RoPE: heads of 128 and 256 features at an unaligned address (the element path) against aligned.
+    for dim in (128, 256):
+        q = torch.randn(3, 5, 4, dim, generator=gen).to(dtype).to(DEV)
+        q_shifted = torch.empty(q.numel() + 1, dtype=dtype, device=DEV)[1:].view(q.shape)
+        q_shifted.copy_(q)
+        k, w = torch.randn(3, 5, 2, dim, generator=gen).to(dtype).to(DEV), torch.randn(dim, generator=gen).to(dtype).to(DEV)
+        cos, sin = (torch.randn(3, 5, 64, generator=gen).to(dtype).to(DEV) for _ in range(2))
+        for a, b in zip(ops.qk_norm_rope(q, k, w, w, cos, sin, 1e-6), ops.qk_norm_rope(q_shifted, k, w, w, cos, sin, 1e-6)):
+            assert torch.equal(a, b)
     rows, dim, heads = 65, 5120, 48
     wa = (torch.randn(heads, dim, generator=gen) * 0.05).to(dtype).to(DEV)
     wb = (torch.randn(heads, dim, generator=gen) * 0.05).to(dtype).to(DEV)
@@ -1726,8 +1737,8 @@ def test_all_ops_small():
     q = torch.randn(1, 5, 3, 16, generator=gen).transpose(1, 2)
     cos, sin = torch.randn(1, 5, 8, generator=gen), torch.randn(1, 5, 8, generator=gen)
     assert torch.equal(ops.rope(*to([q, cos, sin], DEV)).cpu(), ops.rope(q, cos, sin))
-    # q/k norms and RoPE: a half-warp row group (16 features) and a warp's (a 136-feature head, unaligned rows).
-    for dim in (16, 136):
+    # q/k norms and RoPE: a half-warp row group (16 features, packed) and a warp's (126 features: the element path).
+    for dim in (16, 126):
         qk = [torch.randn(1, 5, heads, dim, generator=gen) for heads in (3, 2)]
         w = [torch.randn(dim, generator=gen) for _ in range(2)]
         tables = [torch.randn(1, 5, 8, generator=gen) for _ in range(2)]

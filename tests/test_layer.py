@@ -313,6 +313,7 @@ def test_qk_norm_rope_bad_inputs():
     q, k = torch.randn(1, 5, 4, 8), torch.randn(1, 5, 2, 8)
     w, cos, sin = torch.ones(8), torch.randn(1, 5, 8), torch.randn(1, 5, 8)
     q_out, k_out = torch.full((1, 4, 5, 8), 5.0), torch.full((1, 2, 5, 8), 5.0)
+    rows = torch.randn(320)
     op = load_ops().qk_norm_rope
     cases = [
         (lambda: op(q[0], k, w, w, cos, sin, 1e-6, False, q_out, k_out), "q must have 4 dims"),
@@ -328,6 +329,9 @@ def test_qk_norm_rope_bad_inputs():
         (lambda: op(q, k, w, w, cos, sin, 1e-6, False, q_out, k_out.half()), "k_out must have dtype Float like q"),
         (lambda: op(q, k, w, w, cos, sin, 1e-6, False, q.transpose(1, 2), k_out), "q_out must not overlap the inputs"),
         (lambda: op(q, k, w, w, cos, sin, 1e-6, False, q_out, q_out[:, :2]), "q_out and k_out must not overlap"),
+        # heads sliced from wider rows (not dense: ATen's overlap check cannot tell) and an output inside those rows
+        (lambda: op(rows.view(1, 5, 4, 16)[..., :8], k, w, w, cos, sin, 1e-6, False,
+                    rows[1:161].view(1, 4, 5, 8), k_out), "q_out must not overlap the inputs"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -350,6 +354,11 @@ def test_sigmoid_mul_bad_inputs():
     buffer = torch.randn(33)
     with pytest.raises(ValueError, match="sigmoid_mul: out must not overlap x unless it is x itself"):
         op(torch.randn(4, 8), buffer[:32].view(4, 8), buffer[1:].view(4, 8))
+    heads = torch.randn(4, 2, 16)  # the gate beside other heads in its rows: not dense
+    with pytest.raises(ValueError, match="sigmoid_mul: out must not overlap gate"):
+        op(heads[..., :8], torch.randn(8, 8), heads.view(-1)[4:68].view(8, 8))
+    with pytest.raises(ValueError, match=r"sigmoid_mul: out must have shape \[2, 3, 8\]"):
+        ops.sigmoid_mul(torch.randn(2, 3, 8), torch.randn(2, 3, 8), out=torch.empty(3, 2, 8))
 
 
 def test_add_rms_norm_bad_inputs():
@@ -708,21 +717,28 @@ def test_fused_residual_adds_give_the_bits_of_the_unfused_layers(family, dtype, 
         assert torch.equal(a, b), f"hidden state {i}"
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_attention_body_gives_the_bits_of_the_stock_body(family, dtype, monkeypatch):
-    """A verify (its cache is not a transformers Cache, so the attention layers run fused.py's body): one
-    ops.qk_norm_rope per attention layer and, on Qwen3.5, one ops.sigmoid_mul; logits, taps and the K/V written the
-    same bits as HF's body with the fused forwards (fuse_attention_heads off)."""
-    from ddtree_ext import fused
+def test_fused_attention_body_gives_the_bits_of_the_stock_body(family, dtype, device, monkeypatch):
+    """A verify (its cache lets the attention layers run fused.py's body): one ops.qk_norm_rope per attention layer
+    and, on Qwen3.5, one ops.sigmoid_mul; logits, taps and the K/V written the same bits as HF's body with the fused
+    forwards (fuse_attention_heads off). On CUDA too, with its side streams and stacked projections."""
+    from ddtree_ext import fused, stack_projections
     from ddtree_ext.target import TargetAdapter
 
-    adapter = TargetAdapter(make_tiny_target(family, seed=5, dtype=dtype), (0, 1))
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = make_tiny_target(family, seed=5, dtype=dtype).to(device)
+    if device == "cuda":
+        stack_projections(model)
+    adapter = TargetAdapter(model, (0, 1))
     gen = torch.Generator().manual_seed(6)
     state = adapter.new_state(capacity=64)
-    adapter.prefill(torch.randint(0, 50, (1, 9), generator=gen), state)
+    adapter.prefill(torch.randint(0, 50, (1, 9), generator=gen).to(device), state)
     parent = torch.tensor([[-1, 0, 0, 1, 1, 2, 4]])
-    tree = reference.tree_from_parents(parent, torch.randint(0, 50, (1, 7), generator=gen), state.prefix_len)
+    tree = reference.tree_from_parents(parent, torch.randint(0, 50, (1, 7), generator=gen), state.prefix_len.cpu())
+    tree = type(tree)(*(t.to(device) for t in tree))
     calls = {"qk_norm_rope": 0, "sigmoid_mul": 0}
     for name in calls:
         op = getattr(ops, name)
