@@ -7,11 +7,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ddtree {
@@ -23,6 +25,24 @@ inline std::string shape_str(at::IntArrayRef sizes) {
     s += std::to_string(sizes[i]);
   }
   return s + "]";
+}
+
+// Whether a and b may share memory, for the ops' "must not overlap" checks: ATen's overlap status, and where it cannot
+// tell (a tensor that is not non-overlapping and dense, such as heads sliced from wider rows) whether their byte ranges
+// in one storage meet (conservative: interleaved views of one buffer count as overlapping).
+inline bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  const auto status = at::get_overlap_status(a, b);
+  if (status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial) return true;
+  if (status != at::MemOverlapStatus::TooHard || a.numel() == 0 || b.numel() == 0) return false;
+  if (!a.has_storage() || !b.has_storage() || !a.storage().is_alias_of(b.storage())) return false;
+  auto range = [](const at::Tensor& t) {  // [first byte, one past the last byte]; strides are never negative
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto* begin = static_cast<const char*>(t.data_ptr());
+    return std::make_pair(begin, begin + (last + 1) * t.element_size());
+  };
+  const auto ra = range(a), rb = range(b);
+  return ra.first < rb.second && rb.first < ra.second;
 }
 
 // Where row r of an activation lies, for an op that takes it as [rows, D] or as groups of rows [G, R, D]: at

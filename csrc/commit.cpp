@@ -392,9 +392,8 @@ void check_store_kv(const at::Tensor& keys, const at::Tensor& values, const at::
   }
   for (const auto* c : {&keys, &values}) {
     for (const auto* t : {&key_states, &value_states}) {
-      const auto overlap = at::get_overlap_status(*c, *t);
-      DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-                   c == &keys ? "keys" : "values", " must not overlap ", t == &key_states ? "key_states" : "value_states");
+      DDTREE_CHECK(op, !may_overlap(*c, *t), c == &keys ? "keys" : "values", " must not overlap ",
+                   t == &key_states ? "key_states" : "value_states");
     }
   }
 }

@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <utility>
 
 #include "checks.h"
 #include "ops.h"
@@ -103,23 +102,6 @@ void check_rotary_tables(const char* op, const char* x_name, const at::Tensor& x
                shape_str(sin.sizes()));
   DDTREE_CHECK(op, rot >= 2 && rot % 2 == 0 && rot <= dim, "the rotary width R (cos's last dim) must be even and in [2, ",
                dim, "] (the head dim), got ", rot);
-}
-
-// Whether a and b may share memory: ATen's overlap status, and where it cannot tell (a tensor that is not
-// non-overlapping and dense, such as heads sliced from wider rows) whether their byte ranges in one storage meet.
-bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
-  const auto status = at::get_overlap_status(a, b);
-  if (status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial) return true;
-  if (status != at::MemOverlapStatus::TooHard || a.numel() == 0 || b.numel() == 0) return false;
-  if (!a.has_storage() || !b.has_storage() || !a.storage().is_alias_of(b.storage())) return false;
-  auto range = [](const at::Tensor& t) {  // [first byte, one past the last byte]; strides are never negative
-    int64_t last = 0;
-    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-    const auto* begin = static_cast<const char*>(t.data_ptr());
-    return std::make_pair(begin, begin + (last + 1) * t.element_size());
-  };
-  const auto ra = range(a), rb = range(b);
-  return ra.first < rb.second && rb.first < ra.second;
 }
 
 template <typename T>
@@ -310,9 +292,8 @@ void check_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const a
   // residual_out is written before the output pass reads it back: it may be x or the residual itself, but out
   // (written last, from residual_out) must be apart from it and from the inputs it may not replace.
   for (const auto* t : {&x, &residual, &residual_out}) {
-    const auto overlap = at::get_overlap_status(*t, out);
-    DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-                 "out must not overlap ", t == &x ? "x" : t == &residual ? "residual" : "residual_out");
+    DDTREE_CHECK(op, !may_overlap(*t, out), "out must not overlap ",
+                 t == &x ? "x" : t == &residual ? "residual" : "residual_out");
   }
   for (const auto* t : {&x, &residual}) {
     DDTREE_CHECK(op, at::get_overlap_status(*t, residual_out) != at::MemOverlapStatus::Partial,
@@ -341,9 +322,7 @@ void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, out);
   DDTREE_CHECK_SAME_DEVICE(op, x, out);
   // Each output element reads two inputs of its row (itself and its rotate-half partner): in place would race.
-  const auto overlap = at::get_overlap_status(x, out);
-  DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-               "out must not overlap x");
+  DDTREE_CHECK(op, !may_overlap(x, out), "out must not overlap x");
 }
 
 void check_qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
@@ -372,7 +351,7 @@ void check_qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tens
   for (const auto* t : {&q_out, &k_out}) {
     const char* name = t == &q_out ? "q_out" : "k_out";
     check_like(op, name, "q", q, *t);
-    TORCH_CHECK_VALUE(t->stride(3) == 1 || dim == 1, op, ": ", name, " must be contiguous in its last dim, got strides ",
+    TORCH_CHECK_VALUE(t->stride(3) == 1, op, ": ", name, " must be contiguous in its last dim, got strides ",
                       shape_str(t->strides()));
     DDTREE_CHECK(op, at::has_internal_overlap(*t) != at::MemOverlap::Yes, name,
                  " must not overlap itself (e.g. an expanded tensor)");
@@ -438,9 +417,7 @@ void check_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
                     ": weight must be contiguous in its last dim, got strides ", shape_str(weight.strides()));
   check_rows(op, "out", x, out, rows, weight.size(0));
   for (const auto* t : {&x, &weight}) {
-    const auto overlap = at::get_overlap_status(*t, out);
-    DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-                 "out must not overlap ", t == &x ? "x" : "weight");
+    DDTREE_CHECK(op, !may_overlap(*t, out), "out must not overlap ", t == &x ? "x" : "weight");
   }
 }
 
@@ -558,9 +535,7 @@ void check_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
                        (mask.size(2) == n || mask.size(2) == 1) && mask.size(3) == slots,
                "mask must have shape [B or 1, 1, N or 1, S] = [", bsz, ", 1, ", n, ", ", slots, "], got ",
                shape_str(mask.sizes()));
-  const auto overlap = at::get_overlap_status(q, out);
-  DDTREE_CHECK(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-               "out must not overlap q");
+  DDTREE_CHECK(op, !may_overlap(q, out), "out must not overlap q");
 }
 
 void gqa_attention_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,

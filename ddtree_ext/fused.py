@@ -585,8 +585,8 @@ def _attention_swaps(attn: torch.nn.Module, gated: bool) -> Optional[List[Tuple[
     import sys
 
     swaps = _kv_prefetch_swaps(attn) or []
-    stock = type(attn).forward
-    params = list(inspect.signature(stock).parameters.values())
+    signature = inspect.signature(type(attn).forward)
+    params = list(signature.parameters.values())
     names = [p.name for p in params]
     cache_names = [n for n in _CACHE_ARGUMENTS if n in names]
     modeling = sys.modules.get(type(attn).__module__)
@@ -603,8 +603,8 @@ def _attention_swaps(attn: torch.nn.Module, gated: bool) -> Optional[List[Tuple[
         and isinstance(heads, int) and isinstance(head_dim, int)
         and getattr(q_proj, "out_features", None) == heads * head_dim * (2 if gated else 1)
     ):
-        forward = functools.partial(_attention_forward, attn, inspect.signature(stock), params[-1].name,
-                                    cache_names[0], gated, modeling)
+        forward = functools.partial(_attention_forward, attn, signature, params[-1].name, cache_names[0], gated,
+                                    modeling)
         swaps.append((attn, forward))
     return swaps or None
 

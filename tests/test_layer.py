@@ -283,10 +283,31 @@ def test_sigmoid_mul_is_the_hf_output_gate(n, heads, dim, dtype, gen):
 # ---- bad input ---------------------------------------------------------------------------------
 
 
+def test_outputs_inside_the_rows_of_sliced_inputs_are_refused():
+    """An output inside the rows an input's heads are sliced from (an input ATen's overlap status cannot judge, as it
+    is not dense) is refused by every op that must not write over its inputs, before anything is written."""
+    rows = torch.randn(2, 5, 4, 16)
+    x = rows[..., :8]  # [B, N, H, 8] heads beside other features: not dense
+    inside = rows.view(-1)[8:8 + 2 * 4 * 5 * 8]
+    cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    with pytest.raises(ValueError, match="rope: out must not overlap x"):
+        ops.rope(x.transpose(1, 2), cos, sin, out=inside.view(2, 4, 5, 8))
+    with pytest.raises(ValueError, match="gqa_attention: out must not overlap q"):
+        ops.gqa_attention(x.transpose(1, 2), torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8),
+                          torch.ones(1, 1, 5, 3, dtype=torch.bool), 0.5, out=inside.view(2, 4, 5, 8))
+    with pytest.raises(ValueError, match="linear: out must not overlap x"):
+        ops.linear(x.reshape(2, 5, 4, 8)[:, :, 0], torch.randn(8, 8), out=rows.view(-1)[:80].view(10, 8))
+    before = rows.clone()
+    with pytest.raises(ValueError, match="store_kv: keys must not overlap key_states"):
+        ops.store_kv(inside.view(2, 4, 5, 8), torch.zeros(2, 4, 5, 8), torch.arange(5), x.transpose(1, 2),
+                     torch.randn(2, 4, 5, 8))
+    assert torch.equal(rows, before)
+
+
 def test_rms_norm_bad_inputs():
     x = torch.randn(4, 8)
     w = torch.ones(8)
-    out = torch.empty(4, 8)
+    out = torch.full((4, 8), 5.0)  # not empty: uninitialised memory may hold NaNs, which torch.equal never matches
     rms = load_ops().rms_norm
     cases = [
         (lambda: rms(x, w.half(), None, 1e-6, False, out), "weight must have dtype"),
