@@ -5,9 +5,11 @@
 // out[b, h, n] = softmax(scale q[b, h, n] . k[b, h / G, s] over s with mask[b, 0, n, s]) . v[b, h / G, s].
 // Rows are folded per KV head: row r = g N + n is query head h = kvh G + g at node n. A CTA takes 64 folded rows
 // (4 warps x 16; warps past the last row only help load) and one split of the keys, in chunks of 64 whose K, V
-// and mask bytes stream through two shared-memory stages (cp.async; one stage where two do not fit). Q K^T and P V on tensor cores (mma m16n8k16, f32 sums), the softmax online
+// and mask bytes stream through two shared-memory stages (cp.async). Where two stages do not fit (D = 256 on the
+// H200), one stage whose K and V load as separate groups: the next chunk's K during this chunk's P V, its V during
+// the next Q K^T. Q K^T and P V on tensor cores (mma m16n8k16 from ldmatrix fragments, f32 sums), the softmax online
 // per row in base 2. With one split the CTA writes the normalised output; with several, unnormalised partial
-// outputs and (max, sum) per row go to a workspace that a second kernel merges in split order (deterministic).
+// outputs and (max, sum) per row go to a workspace that a second kernel merges in a fixed order (deterministic).
 #include <algorithm>
 #include <type_traits>
 
@@ -53,17 +55,6 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   return r;
 }
 
-// Two 8x8 tiles of 16-bit values, transposed: for B fragments of P V from V stored [key][d].
-__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t& r0, uint32_t& r1, const void* row) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
-#else
-  r0 = r1 = 0;
-  __trap();
-#endif
-}
-
 struct AttnShapes {
   int batch, heads, kv_heads, group, n, s, splits, keys_per_split;
   float scale_log2;  // scale * log2(e)
@@ -101,17 +92,20 @@ __global__ void __launch_bounds__(kAttnThreads, 1) gqa_attention_kernel(
     }
   }
   auto stage = [&](int chunk) { return smem_raw + L::kKV + (chunk % STAGES) * L::kStage; };
-  // K, V and the mask bytes of a chunk into its stage (keys past the end: clamped, and masked when used).
-  auto issue_chunk = [&](int chunk) {
-    unsigned char* st = stage(chunk);
-    T* ks = reinterpret_cast<T*>(st + L::kK);
-    T* vs = reinterpret_cast<T*>(st + L::kV);
+  // The K rows (or the V rows) of a chunk into its stage (keys past the end: clamped, and masked when used).
+  auto issue_rows = [&](int chunk, const T* src, int64_t s_sb, int64_t s_sh, int64_t s_ss, size_t offset) {
+    T* dst = reinterpret_cast<T*>(stage(chunk) + offset);
     const int c0 = s_begin + chunk * kAttnKeys;
     for (int e = tid; e < kAttnKeys * kPacks; e += kAttnThreads) {
       const int key = e / kPacks, c = 8 * (e % kPacks), s = min(c0 + key, sh.s - 1);
-      cuda::copy_async<16>(ks + key * L::kStride + c, k + b * k_sb + kvh * k_sh + s * k_ss + c);
-      cuda::copy_async<16>(vs + key * L::kStride + c, v + b * v_sb + kvh * v_sh + s * v_ss + c);
+      cuda::copy_async<16>(dst + key * L::kStride + c, src + b * s_sb + kvh * s_sh + s * s_ss + c);
     }
+  };
+  // K and the mask bytes of a chunk: what S = Q K^T and the softmax read.
+  auto issue_keys = [&](int chunk) {
+    issue_rows(chunk, k, k_sb, k_sh, k_ss, L::kK);
+    unsigned char* st = stage(chunk);
+    const int c0 = s_begin + chunk * kAttnKeys;
     // Row r of the tile is node (r0 + r) % N (rows past the end: any node).
     for (int e = tid; e < kAttnRows * (kAttnKeys / 16); e += kAttnThreads) {
       const int r = e / (kAttnKeys / 16), s0 = c0 + 16 * (e % (kAttnKeys / 16));
@@ -124,8 +118,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) gqa_attention_kernel(
         for (int t = 0; t < 16; ++t) dst[t] = s0 + t < sh.s ? src[(s0 + t) * m_ss] : 0;
       }
     }
-    cuda::commit_async_copies();
   };
+  auto issue_values = [&](int chunk) { issue_rows(chunk, v, v_sb, v_sh, v_ss, L::kV); };
 
   const int wr = r0 + 16 * warp;  // the warp's first folded row
   const bool active = wr < rows;  // a warp with no rows of its own only loads
@@ -135,47 +129,65 @@ __global__ void __launch_bounds__(kAttnThreads, 1) gqa_attention_kernel(
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows gid and gid + 8 of the warp's tile
 
-  const uint32_t* qw = reinterpret_cast<const uint32_t*>(qs);
-  constexpr int kWs = L::kStride / 2;  // words per staged row
+  // ldmatrix row addresses (bytes; each lane gives one 16-byte row of one 8x8 tile, see cuda::ldmatrix_x4):
+  // Q's A fragment: tiles (rows 0-7, 8-15) x (k 0-7, 8-15) of the warp's 16 rows;
+  // K's B fragments of key tiles j, j + 1: tiles (keys 8 j .. + 7, 8 j + 8 .. + 15) x (k 0-7, 8-15);
+  // V's B fragments of d tiles j, j + 1 (transposed): tiles (keys 0-7, 8-15 of the k step) x (d 8 j, 8 j + 8).
+  constexpr uint32_t kRowBytes = sizeof(T) * L::kStride;
+  const uint32_t q_lane = cuda::smem_addr(qs) + (16 * warp + lane % 16) * kRowBytes + sizeof(T) * 8 * (lane / 16);
+  const uint32_t k_lane = (8 * (lane / 16) + lane % 8) * kRowBytes + sizeof(T) * 8 * (lane / 8 % 2);
+  const uint32_t v_lane = (lane % 16) * kRowBytes + sizeof(T) * 8 * (lane / 16);
 
-  issue_chunk(0);
+  // Two stages: chunk i + 1's K, V and mask bytes load (one copy group) while chunk i computes. One stage (where two
+  // do not fit): K (with the mask) and V are separate groups, so that chunk i + 1's K loads during chunk i's P V and
+  // its V during chunk i + 1's Q K^T; two more barriers a chunk.
+  issue_keys(0);  // with the query rows above, in the first group
+  if (STAGES == 1) cuda::commit_async_copies();
+  issue_values(0);
+  cuda::commit_async_copies();
+  float sc[kAttnKeys / 8][4];  // S, then P, of the warp's 16 rows and the chunk's 64 keys: 8 tiles of 16 x 8
   for (int i = 0; i < chunks; ++i) {
     const int c0 = s_begin + i * kAttnKeys;
-    if (STAGES == 2 && i + 1 < chunks) {
-      issue_chunk(i + 1);
+    const bool more = i + 1 < chunks;
+    if (STAGES == 2 && more) {
+      issue_keys(i + 1);
+      issue_values(i + 1);
+      cuda::commit_async_copies();
       cuda::wait_async_copies_but<1>();
     } else {
-      cuda::wait_async_copies_but<0>();
+      cuda::wait_async_copies_but<STAGES == 1 ? 1 : 0>();  // one stage: this chunk's K and mask; V may still fly
     }
     __syncthreads();
     const unsigned char* st = stage(i);
-    const T* vs = reinterpret_cast<const T*>(st + L::kV);
-    const uint32_t* kw = reinterpret_cast<const uint32_t*>(st + L::kK);
+    const uint32_t ks = cuda::smem_addr(st + L::kK), vs = cuda::smem_addr(st + L::kV);
     const unsigned char* ms = st + L::kMask + (16 * warp + gid) * kAttnKeys + 2 * tig;
 
     if (active) {
-      // S = Q K^T for the warp's 16 rows and the chunk's 64 keys: 8 tiles of 16 x 8.
-      float sc[kAttnKeys / 8][4];
+      // S = Q K^T.
 #pragma unroll
       for (int j = 0; j < kAttnKeys / 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t* a = qw + (16 * warp + gid) * kWs + 8 * kk + tig;
-        const uint32_t af[4] = {a[0], a[8 * kWs], a[4], a[8 * kWs + 4]};
+        uint32_t af[4];
+        cuda::ldmatrix_x4(af, q_lane + sizeof(T) * 16 * kk);
 #pragma unroll
-        for (int j = 0; j < kAttnKeys / 8; ++j) {
-          const uint32_t* bp = kw + (8 * j + gid) * kWs + 8 * kk + tig;
-          const uint32_t bf[2] = {bp[0], bp[4]};
-          cuda::mma_16x8x16<T>(sc[j], af, bf);
+        for (int j = 0; j < kAttnKeys / 8; j += 2) {
+          uint32_t kf[4];
+          cuda::ldmatrix_x4(kf, ks + k_lane + 8 * j * kRowBytes + sizeof(T) * 16 * kk);
+          cuda::mma_16x8x16<T>(sc[j], af, {kf[0], kf[1]});
+          cuda::mma_16x8x16<T>(sc[j + 1], af, {kf[2], kf[3]});
         }
       }
       // Mask (and keys past the split), scale to base 2, online softmax per row.
       float rmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int j = 0; j < kAttnKeys / 8; ++j) {
+        // The mask bytes of the lane's two keys, in rows gid and gid + 8 (bools are 0 or 1).
+        const uint16_t mpair[2] = {*reinterpret_cast<const uint16_t*>(ms + 8 * j),
+                                   *reinterpret_cast<const uint16_t*>(ms + 8 * kAttnKeys + 8 * j)};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const bool keep = c0 + 8 * j + 2 * tig + e % 2 < s_end && ms[8 * (e / 2) * kAttnKeys + 8 * j + e % 2];
+          const bool keep = c0 + 8 * j + 2 * tig + e % 2 < s_end && ((mpair[e / 2] >> (8 * (e % 2))) & 0xFF) != 0;
           sc[j][e] = keep ? sc[j][e] * sh.scale_log2 : -INFINITY;
           rmax[e / 2] = fmaxf(rmax[e / 2], sc[j][e]);
         }
@@ -209,6 +221,19 @@ __global__ void __launch_bounds__(kAttnThreads, 1) gqa_attention_kernel(
         o[j][2] *= alpha[1];
         o[j][3] *= alpha[1];
       }
+    }
+    if (STAGES == 1) {  // every warp is done with K and the mask: chunk i + 1's load into them overlaps P V
+      __syncthreads();
+      if (more) {
+        issue_keys(i + 1);
+        cuda::commit_async_copies();
+        cuda::wait_async_copies_but<1>();  // this chunk's V
+      } else {
+        cuda::wait_async_copies_but<0>();
+      }
+      __syncthreads();
+    }
+    if (active) {
       // O += P V: P from the S accumulators (the m16n8 C layout of two key tiles is the m16n8k16 A layout), V
       // fragments transposed from its [key][d] rows.
 #pragma unroll
@@ -216,17 +241,20 @@ __global__ void __launch_bounds__(kAttnThreads, 1) gqa_attention_kernel(
         const uint32_t pf[4] = {pack_pair<T>(sc[2 * kk][0], sc[2 * kk][1]), pack_pair<T>(sc[2 * kk][2], sc[2 * kk][3]),
                                 pack_pair<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
                                 pack_pair<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
-        const T* vrow = vs + (16 * kk + (lane % 16)) * L::kStride;  // lanes 0-15: the 16 key rows of the step
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-          uint32_t bf[2];
-          ldmatrix_x2_trans(bf[0], bf[1], vrow + 8 * j);
-          cuda::mma_16x8x16<T>(o[j], pf, bf);
+        for (int j = 0; j < D / 8; j += 2) {
+          uint32_t vf[4];
+          cuda::ldmatrix_x4<true>(vf, vs + v_lane + 16 * kk * kRowBytes + sizeof(T) * 8 * j);
+          cuda::mma_16x8x16<T>(o[j], pf, {vf[0], vf[1]});
+          cuda::mma_16x8x16<T>(o[j + 1], pf, {vf[2], vf[3]});
         }
       }
     }
     __syncthreads();  // every warp is done with this stage before a later chunk refills it
-    if (STAGES == 1 && i + 1 < chunks) issue_chunk(i + 1);
+    if (STAGES == 1 && more) {
+      issue_values(i + 1);
+      cuda::commit_async_copies();
+    }
   }
   if (!active) return;
 
@@ -258,10 +286,11 @@ __global__ void __launch_bounds__(kAttnThreads, 1) gqa_attention_kernel(
   }
 }
 
-constexpr int kCombineWarps = 4;  // folded rows per combine block, one per warp
+constexpr int kCombineWarps = 4;  // warps per folded row: each sums every fourth split
 
-// Merges the splits of each folded row in split order: out = sum_s O_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). A warp
-// per row, D / 32 consecutive elements per lane.
+// Merges the splits of each folded row: out = sum_s O_s 2^(m_s - M) / sum_s l_s 2^(m_s - M). A block per row, D / 32
+// consecutive elements per lane; warp w sums splits w, w + 4, ... in order, then warp 0 adds the warps' sums in warp
+// order (a fixed order: deterministic), so that a row's splits are read by four warps at once.
 template <typename T, int D>
 __global__ void __launch_bounds__(kCombineWarps * kWarp) gqa_attention_combine_kernel(
     AttnShapes sh, const float* __restrict__ part_o, const float2* __restrict__ part_ml, T* __restrict__ out,
@@ -269,37 +298,57 @@ __global__ void __launch_bounds__(kCombineWarps * kWarp) gqa_attention_combine_k
   cuda::allow_dependent_launch();
   cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   constexpr int kPerLane = D / kWarp;
+  static_assert(kPerLane == 2 || kPerLane % 4 == 0, "head dims 64, 128 or 256");
+  __shared__ float warp_sums[kCombineWarps - 1][D];
   const int rows = sh.group * sh.n;
   const int64_t all_rows = static_cast<int64_t>(sh.batch) * sh.kv_heads * rows;  // also the stride between splits
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / kWarp;
-  if (row >= all_rows) return;
-  const int lane = threadIdx.x % kWarp;
-  const int bk = static_cast<int>(row / rows), fr = static_cast<int>(row % rows);
-  const int b = bk / sh.kv_heads, kvh = bk % sh.kv_heads;
-  // The max and the weighted sum of the row sums over the splits, split over the lanes (fixed butterflies).
+  const int64_t row = blockIdx.x;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  // The max over the splits, split over the lanes (fixed butterflies); every warp forms it.
   float m_all = -INFINITY;
   for (int s = lane; s < sh.splits; s += kWarp) m_all = fmaxf(m_all, part_ml[s * all_rows + row].x);
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) m_all = fmaxf(m_all, __shfl_xor_sync(cuda::kFullMask, m_all, off));
   const float m_use = m_all == -INFINITY ? 0.f : m_all;
+  float acc[kPerLane] = {};
+#pragma unroll 4
+  for (int s = warp; s < sh.splits; s += kCombineWarps) {  // unrolled: several splits' loads in flight
+    const float w = exp2f(part_ml[s * all_rows + row].x - m_use);
+    const float* src = part_o + (s * all_rows + row) * D + lane * kPerLane;
+    if constexpr (kPerLane % 4 == 0) {
+#pragma unroll
+      for (int e = 0; e < kPerLane; e += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(src + e);
+        acc[e] += x.x * w;
+        acc[e + 1] += x.y * w;
+        acc[e + 2] += x.z * w;
+        acc[e + 3] += x.w * w;
+      }
+    } else {
+      const float2 x = *reinterpret_cast<const float2*>(src);
+      acc[0] += x.x * w;
+      acc[1] += x.y * w;
+    }
+  }
+  if (warp > 0) {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) warp_sums[warp - 1][lane * kPerLane + e] = acc[e];
+  }
+  __syncthreads();
+  if (warp > 0) return;
   float l = 0.f;
   for (int s = lane; s < sh.splits; s += kWarp) {
     const float2 ml = part_ml[s * all_rows + row];
     l += ml.y * exp2f(ml.x - m_use);
   }
   l = cuda::warp_sum(l);
-  float acc[kPerLane] = {};
-#pragma unroll 4
-  for (int s = 0; s < sh.splits; ++s) {  // in split order; unrolled so that several splits' loads are in flight
-    const float w = exp2f(part_ml[s * all_rows + row].x - m_use);
-    const float* src = part_o + (s * all_rows + row) * D + lane * kPerLane;
 #pragma unroll
-    for (int e = 0; e < kPerLane; e += 2) {
-      const float2 x = *reinterpret_cast<const float2*>(src + e);
-      acc[e] += x.x * w;
-      acc[e + 1] += x.y * w;
-    }
+  for (int w = 0; w < kCombineWarps - 1; ++w) {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) acc[e] += warp_sums[w][lane * kPerLane + e];
   }
+  const int bk = static_cast<int>(row / rows), fr = static_cast<int>(row % rows);
+  const int b = bk / sh.kv_heads, kvh = bk % sh.kv_heads;
   const int g = fr / sh.n, n = fr % sh.n;
   T* dst = out + b * o_sb + (kvh * sh.group + g) * o_sh + n * o_sn + lane * kPerLane;
 #pragma unroll
@@ -365,7 +414,7 @@ void launch_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   if (splits > 1) {
     const int64_t all_rows = static_cast<int64_t>(batch) * kv_heads * rows;
     cuda::launch_programmatic(gqa_attention_combine_kernel<T, D>,
-                              dim3(static_cast<unsigned>(cuda::ceil_div(all_rows, kCombineWarps))),
+                              dim3(static_cast<unsigned>(all_rows)),
                               dim3(kCombineWarps * kWarp), 0, sh, part_o.data_ptr<float>(),
                               reinterpret_cast<const float2*>(part_ml.data_ptr<float>()), out.data_ptr<T>(),
                               out.stride(0), out.stride(1), out.stride(2));

@@ -254,6 +254,32 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
 #endif
 }
 
+// Four 8x8 tiles of 16-bit values from shared memory (ldmatrix, compute capability >= 7.5): lanes 8 i .. 8 i + 7
+// give the 16-byte row addresses of tile i, and lane 4 gid + tig receives row gid, columns 2 tig and 2 tig + 1 of
+// each tile (r[i] from tile i): the mma.sync fragment layouts. TRANS transposes each tile on the way.
+template <bool TRANS = false>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_address) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  if constexpr (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address));
+  }
+#else
+  r[0] = r[1] = r[2] = r[3] = 0;
+  __trap();
+#endif
+}
+
+// The shared-memory address of a generic pointer into shared memory (what ldmatrix, cp.async and mbarrier take).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 // Asynchronous global -> shared copies of 4, 8 or 16 bytes (cp.async, compute capability >= 8): a thread issues
 // all of its copies without waiting for any, so one round trip to memory serves a kernel's whole prologue;
 // wait_async_copies() then waits for the calling thread's copies (a barrier makes them visible to the block).
@@ -262,7 +288,7 @@ template <int BYTES>
 __device__ __forceinline__ void copy_async(void* smem_dst, const void* gmem_src) {
   static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  const unsigned dst = smem_addr(smem_dst);
   if constexpr (BYTES == 16) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem_src) : "memory");
   } else {

@@ -83,9 +83,8 @@ struct LinearShapes {
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using cuda::ldmatrix_x4;
+using cuda::smem_addr;
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
@@ -134,13 +133,6 @@ __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t smem_address) {
 }
 #endif
 
-#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-#endif
 #endif
 
 template <typename T, int NT>
