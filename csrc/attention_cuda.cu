@@ -129,10 +129,12 @@ __global__ void __launch_bounds__(kAttnThreads, 1) gqa_attention_kernel(
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows gid and gid + 8 of the warp's tile
 
-  // ldmatrix row addresses (bytes; each lane gives one 16-byte row of one 8x8 tile, see cuda::ldmatrix_x4):
-  // Q's A fragment: tiles (rows 0-7, 8-15) x (k 0-7, 8-15) of the warp's 16 rows;
-  // K's B fragments of key tiles j, j + 1: tiles (keys 8 j .. + 7, 8 j + 8 .. + 15) x (k 0-7, 8-15);
-  // V's B fragments of d tiles j, j + 1 (transposed): tiles (keys 0-7, 8-15 of the k step) x (d 8 j, 8 j + 8).
+  // ldmatrix row addresses (bytes; each lane gives one 16-byte row of one 8x8 tile, see cuda::ldmatrix_x4), tiles
+  // in register order:
+  // Q's A fragment: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15) of the warp;
+  // K's B fragments of key tiles j, j + 1: (keys 8 j.., k 0-7), (keys 8 j.., k 8-15), then the same for 8 j + 8;
+  // V's B fragments of d tiles j, j + 1 (transposed): (keys 0-7 of the k step, d 8 j..), (keys 8-15, d 8 j..), then
+  // the same for d 8 j + 8.
   constexpr uint32_t kRowBytes = sizeof(T) * L::kStride;
   const uint32_t q_lane = cuda::smem_addr(qs) + (16 * warp + lane % 16) * kRowBytes + sizeof(T) * 8 * (lane / 16);
   const uint32_t k_lane = (8 * (lane / 16) + lane % 8) * kRowBytes + sizeof(T) * 8 * (lane / 8 % 2);
@@ -250,7 +252,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) gqa_attention_kernel(
         }
       }
     }
-    __syncthreads();  // every warp is done with this stage before a later chunk refills it
+    __syncthreads();  // every warp is done with this stage's V (two stages: with all of it) before it is refilled
     if (STAGES == 1 && more) {
       issue_values(i + 1);
       cuda::commit_async_copies();
