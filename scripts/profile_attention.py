@@ -3,40 +3,29 @@
     python scripts/profile_attention.py                         # 27B and Qwen3-8B, N 1 17 65, S 528..768 2048 4096
     python scripts/profile_attention.py --shapes 27b --nodes 17 --keys 528 576 624
 
-us per call: 20 calls captured in a CUDA graph, the median of 9 replays after 3 warm-up replays; bf16, q in the
-verify's [B, N, H, D] memory order, K and V sliced from a larger cache, masks 90 % true. Each (shape, N) sweeps its
-key counts up and then down, so that a drift of the machine shows as a disagreement of the two passes.
+us per call: 20 calls captured in a CUDA graph (benchmarks/test_bench_cuda.py's helpers), the median of 9 replays after
+3 warm-up replays; bf16, q in the verify's [B, N, H, D] memory order, K and V sliced from a larger cache, masks 90 %
+true. Each (shape, N) sweeps its key counts up and then down, so that a drift of the machine shows as a disagreement
+of the two passes.
 """
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 
 from ddtree_ext import ops
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from test_bench_cuda import _captured, _median_event_ms  # noqa: E402
 
 SHAPES = {"27b": (24, 4, 256), "qwen3-8b": (32, 8, 128)}  # query heads, KV heads, head dim
 
 
 def time_per_call(fn, calls: int = 20, replays: int = 9) -> float:
     """Median device time of one call in us, from replays of a graph of `calls` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
+    return _median_event_ms(_captured([fn] * calls).replay, replays) * 1e3 / calls
 
 
 def main() -> None:
