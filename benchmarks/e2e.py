@@ -200,14 +200,20 @@ def hf_decode_step_ms(model, prompt, steps: int) -> float:
 
 
 def measure_generate(target, draft, prompt, *, method, budget, graphs: bool, rounds: int) -> dict:
-    """One generate() run; medians over its replayed rounds (graphs) or its rounds after 3 (eager)."""
-    new_tokens = rounds + 12 if graphs else rounds + 3
+    """One generate() run; medians over its replayed rounds (graphs) or its rounds after 3 (eager), in steady state
+    (the rounds of a generation but its first and last few)."""
+    # Random weights accept about one token a round; the rounds in the last block_size tokens are not launched
+    # ahead (one of them could end the generation), so they come on top.
+    new_tokens = (rounds + 13 if graphs else rounds + 4) + draft.block_size
     _, stats = generate(target, draft, prompt, new_tokens, method=method, tree_budget=budget, cuda_graph=graphs,
                         return_stats=True)
-    if graphs:
-        picked = [r for r, replayed in enumerate(stats.round_replayed) if replayed]
-    else:
-        picked = list(range(3, stats.rounds))
+    # Steady state: round r launched ahead of round r - 1's read and round r + 1 ahead of r's, so that the time
+    # between r - 1's result and r's holds one launch (r + 1's: a replay too, for graph rounds) and one round on the
+    # device.
+    ahead = stats.round_launched_ahead
+    steady = [r for r in range(stats.rounds - 1) if ahead[r] and ahead[r + 1]]
+    replayed = stats.round_replayed
+    picked = [r for r in steady if replayed[r] and replayed[r + 1]] if graphs else [r for r in steady if r >= 3]
     stages = {}
     for stage in ("draft", "build", "verify", "walk", "commit"):
         values = [stats.round_stage_s[r].get(stage) for r in picked if stage in stats.round_stage_s[r]]
@@ -479,8 +485,9 @@ def markdown(report: dict) -> str:
         f"{report.get('cuda_archs', 'unknown')}.",
         f"- Device copy rate {report['copy_gb_s']:.0f} GB/s (read + write), measured in this run. Floor = weight "
         "bytes one forward reads / that rate. Times are medians over rounds replayed from CUDA graphs (graphs) or "
-        "over eager rounds after 3 warm-up rounds (eager); a round's time is host wall time including its one "
-        "device-to-host read. Stage times are CUDA-event device times.",
+        "over eager rounds after 3 warm-up rounds (eager), of the rounds in steady state (launched ahead of the "
+        "round before, as the next one was); a round's time is host wall time from the round before's result to its "
+        "own. Stage times are CUDA-event device times.",
         "- Random weights: the draft accepts almost nothing, so tau (measured) is about 1. tokens/s at tau 3..9 are "
         "PROJECTIONS (tau / round time), not measurements.",
         "",

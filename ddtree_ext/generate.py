@@ -52,10 +52,14 @@ class GenerationStats:
     would have committed on the same verify; ``accept_lengths[r] > spine_accept_lengths[r]`` means
     the tree accepted a node off the spine. ``stage_time_s`` holds the seconds spent per stage of
     :data:`STAGES` (device time from CUDA events on GPUs, host time on CPU), and ``round_stage_s``
-    the same per round; ``round_time_s`` the host wall time of each round, its one device sync
-    included; ``round_replayed[r]`` whether round r was replayed from CUDA graphs; ``graph_captures``
-    how many sets of graphs were captured (one per attention width; 0 on the eager path). Stage
-    times are recorded only when generate() returns the stats.
+    the same per round; ``round_time_s`` the host wall time from the previous round's result (the
+    first round: from its launch) to this one's; ``round_launched_ahead[r]`` whether round r was
+    launched before round r - 1 was read, so that the host's work between rounds overlapped the
+    device's (all rounds but the first and those that start fewer than a longest path, ``block_size``
+    tokens or 1 for autoregressive, before ``max_new_tokens``); ``round_replayed[r]`` whether round r
+    was replayed from CUDA graphs; ``graph_captures`` how many sets of graphs were captured (one per
+    attention width; 0 on the eager path). Stage times are recorded only when generate() returns the
+    stats.
     """
 
     method: str
@@ -69,6 +73,7 @@ class GenerationStats:
     round_time_s: List[float] = field(default_factory=list)
     round_stage_s: List[Dict[str, float]] = field(default_factory=list)
     round_replayed: List[bool] = field(default_factory=list)
+    round_launched_ahead: List[bool] = field(default_factory=list)
     graph_captures: int = 0
 
     @property
@@ -244,15 +249,26 @@ def generate(
             first = ops.chain_tree(input_ids[:, -1:], state.prefix_len - 1)
             root = acceptor.walk(first, logits[:, None], state.prefix_len - 1, ops.empty_walk(1, 1, device)).next_token
         decode.start(root, context)
+
+        def launch(committed: int):
+            """Enqueues the round after ``committed`` cache slots (an upper bound serves: the width only has
+            to cover them)."""
+            clock.next_round()
+            return decode.launch(min(kv_bucket(committed + reach), capacity), clock)
+
         try:
             done = emit(root.tolist())
             prefix = prompt_len
-            while not done:
-                round_start = time.perf_counter()
-                clock.next_round()
-                replays = decode.replays
-                row = decode.run(min(kv_bucket(prefix + reach), capacity), clock)
-                stats.round_replayed.append(decode.replays > replays)
+            last_read = time.perf_counter()
+            pending, pending_ahead = (None, False) if done else (launch(prefix), False)
+            while pending is not None:
+                # The next round goes out before this one is read, so that the device need not wait for the
+                # host; but only when this round cannot end the generation by length (an EOS still can: the
+                # round launched ahead is then dropped unread).
+                ahead = launch(prefix + max_accept) if len(out_tokens) + max_accept < max_new_tokens else None
+                row = decode.read(pending)
+                stats.round_replayed.append(pending.replayed)
+                stats.round_launched_ahead.append(pending_ahead)
                 accept_len = row[0]
                 tokens = row[2:accept_len + 1] + [row[1 + max_accept]]
                 stats.accept_lengths.append(accept_len)
@@ -260,13 +276,22 @@ def generate(
                     stats.spine_accept_lengths.append(row[2 + max_accept])
                 done = emit(tokens)
                 prefix += accept_len
-                stats.round_time_s.append(time.perf_counter() - round_start)
+                now = time.perf_counter()
+                stats.round_time_s.append(now - last_read)
+                last_read = now
+                if done:
+                    pending = None
+                elif ahead is not None:
+                    pending, pending_ahead = ahead, True
+                else:
+                    pending, pending_ahead = launch(prefix), False
         finally:
             decode.release()  # the graphs go now, also when a round or the streamer raised
         stats.graph_captures = decode.captures
     if streamer is not None:
         streamer.end()
-    prefill_s, stats.round_stage_s = clock.per_round()
+    prefill_s, round_stage_s = clock.per_round()
+    stats.round_stage_s = round_stage_s[: stats.rounds]  # not a round launched ahead and dropped
     totals = {s: prefill_s.get(s, 0.0) + sum(r.get(s, 0.0) for r in stats.round_stage_s) for s in STAGES}
     stats.stage_time_s = {s: t for s, t in totals.items() if t > 0}
     stats.wall_time_s = time.perf_counter() - start
@@ -357,6 +382,10 @@ class _StageClock:
             t = time.perf_counter()
             yield
             self.records.append((self.round, stage, time.perf_counter() - t))
+
+    def add(self, round_index: int, stage: str, seconds: float) -> None:
+        """A stage time measured elsewhere (the timing events inside a replayed graph)."""
+        self.records.append((round_index, stage, seconds))
 
     def per_round(self) -> Tuple[Dict[str, float], List[Dict[str, float]]]:
         """(the prefill's stage seconds, one dict of stage seconds per round)."""

@@ -8,11 +8,17 @@ lengths are device tensors, and no stage reads the device from the host. So the 
 either run eagerly or are captured once into CUDA graphs and replayed every round; the one host read
 per round is the result row (accept length, emitted tokens), copied into pinned memory.
 
+A round is launched (:meth:`DecodeRound.launch`) and read (:meth:`DecodeRound.read`) separately, so the
+caller can launch the next round before reading this one: the next round needs nothing from the host but
+its attention width, for which an upper bound serves. The host's share of a round (reading the result,
+emitting the tokens, launching the next graphs) then runs while the device works on the next round.
+
 Attention widths (``kv_len``, see :func:`kv_bucket`) are the only host-side shape that changes as the
 sequence grows, so graphs are made per ``kv_len``: a round at a width seen fewer than
 ``EAGER_ROUNDS_BEFORE_CAPTURE`` times runs eagerly (these rounds also warm up kernels and libraries
-before capture), the next one captures all stages into graphs sharing one memory pool, and later
-rounds at that width replay them. Only the current width's graphs are kept (widths never shrink).
+before capture), the next one captures the whole round, all its stages, into one CUDA graph, and later
+rounds at that width replay it. Only the current width's graph is kept (widths never shrink). Stage
+times, when asked for, come from timing events recorded inside the graph.
 """
 
 from __future__ import annotations
@@ -78,6 +84,9 @@ class DecodeRound:
         self.tree = ops.empty_tree(1, budget, device)
         self.walk = ops.empty_walk(1, max_accept, device)
         self.root = torch.zeros(1, dtype=torch.int64, device=device)
+        if not self.speculative:
+            # A root-only tree's tables never change: each round sets its token and position only (_build).
+            ops.chain_tree(self.root[:, None], state.prefix_len, out=self.tree)
         # The next draft call's context: the taps of the accepted path (rows past accept_len are padding).
         self.context_rows = None
         self.num_context = torch.ones(1, dtype=torch.int32, device=device)
@@ -89,16 +98,21 @@ class DecodeRound:
         # [accept_len, path tokens (max_accept, root first, -1 padded), next token, spine accept length]
         self.result_width = 1 + max_accept + 1 + (1 if spine_len else 0)
         self.result = torch.zeros(1, self.result_width, dtype=torch.int64, device=device)
-        self.result_host = torch.zeros(self.result_width, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # Two host rows, used in turn: a round launched ahead copies its result into one while the
+        # host reads the round before it from the other.
+        self._result_host = [
+            torch.zeros(self.result_width, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)
+        ]
+        self._launches = 0
         self.tmp: Dict[str, object] = {}  # a round's intermediate tensors
 
         self.use_graphs = use_graphs
         # Capture on a stream of the target's device (torch.cuda.graph's default side stream is made
         # once per process, on whichever device was current then).
         self._capture_stream = torch.cuda.Stream(device) if use_graphs else None
-        self._graphs: Dict[int, Tuple[List[Tuple[str, torch.cuda.CUDAGraph]], Dict[str, object]]] = {}
+        self._graphs: Dict[int, List[_CapturedRound]] = {}
         self._eager_rounds: Dict[int, int] = {}
-        self.captures = 0  # graph sets captured (one per kv_len)
+        self.captures = 0  # widths captured (one graph each, two when timing stages)
         self.replays = 0  # rounds replayed from graphs
 
     # ---- inputs ----------------------------------------------------------------------------------
@@ -131,8 +145,9 @@ class DecodeRound:
         if self.speculative:
             topk = ops.topk_logprobs(self.tmp["draft_logits"], self.draft_top_k)
             ops.build_tree(topk.logp, topk.tokens, self.root, prefix_len, self.budget, spine=self.spine, out=self.tree)
-        else:
-            ops.chain_tree(self.root[:, None], prefix_len, out=self.tree)
+        else:  # the rest of the root-only tree was set once (__init__), as ops.chain_tree sets it
+            self.tree.token.copy_(self.root[:, None])
+            self.tree.position.copy_(prefix_len[:, None])
 
     def _verify(self, kv_len: int) -> None:
         self.tmp["logits"], self.tmp["taps"] = self.adapter.verify_unchecked(self.tree, self.state, kv_len)
@@ -168,17 +183,24 @@ class DecodeRound:
 
     # ---- running ---------------------------------------------------------------------------------
 
-    def run(self, kv_len: int, clock) -> List[int]:
-        """One round with attention over the first ``kv_len`` cache slots; ``clock(stage)`` is a
-        context manager timing each stage. Returns the result row (see ``result``) as host ints."""
+    def launch(self, kv_len: int, clock) -> "LaunchedRound":
+        """Enqueues one round with attention over the first ``kv_len`` cache slots, and the copy of its
+        result row to the host. Reads nothing from the device (a capture, and a GEMM shape's first timing,
+        synchronise), so it may be called while the round before is still running: this one starts from
+        what that one commits. ``clock`` times the stages when ``clock.enabled``: an eager stage inside
+        ``with clock(stage)``, a replayed one by the events inside its graph, which :meth:`read` hands to
+        ``clock.add(clock.round at launch, stage, seconds)``. Returns the handle for :meth:`read`."""
         captured = self._graphs.get(kv_len)
         if captured is None and self._ready_to_capture(kv_len):
             with gemm_tuning.round_shapes():
-                captured = self._capture(kv_len)
+                captured = self._capture(kv_len, timed=clock.enabled)
+        stage_events = []
         if captured is not None:
-            for name, graph in captured[0]:
-                with clock(name):
-                    graph.replay()
+            # With stage timing, two copies of the graph take turns: a round's events are read (read()) before
+            # its copy replays again, two launches later.
+            graph = captured[self.replays % len(captured)]
+            graph.graph.replay()
+            stage_events = graph.stage_events
             self.replays += 1
         else:
             self.tmp = {}
@@ -192,7 +214,27 @@ class DecodeRound:
             self.tmp = {}
             self._eager_rounds[kv_len] = self._eager_rounds.get(kv_len, 0) + 1
             self._first_context = None
-        return self._read_result()
+        # The next launch overwrites self.result, so the row goes to a host buffer now, in stream order.
+        # Two buffers suffice: a caller reads each round before launching the one two after it.
+        row = self._result_host[self._launches % 2]
+        self._launches += 1
+        done = None
+        if row.is_pinned():
+            row.copy_(self.result[0], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            row.copy_(self.result[0])
+        return LaunchedRound(row, done, replayed=captured is not None, clock=clock, stage_events=stage_events)
+
+    def read(self, launched: "LaunchedRound") -> List[int]:
+        """Waits for a launched round's result row and returns it as host ints (see ``result``). Rounds
+        are read in launch order, each before the one two after it is launched."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        for stage, begin, end in launched.stage_events:
+            launched.clock.add(launched.clock_round, stage, begin.elapsed_time(end) / 1e3)
+        return launched.row.tolist()
 
     def _ready_to_capture(self, kv_len: int) -> bool:
         return (
@@ -201,26 +243,34 @@ class DecodeRound:
             and self._eager_rounds.get(kv_len, 0) >= EAGER_ROUNDS_BEFORE_CAPTURE
         )
 
-    def _capture(self, kv_len: int):
-        """Capture every stage at this width into its own graph, all in one new memory pool; nothing
-        runs. The intermediates the graphs own are kept with them: freeing one would let a later capture
-        in the pool reuse its memory under a graph still replaying. Widths only grow within a
-        generation, so the graphs of narrower widths are released first, and their pool with them (a
-        pool dies with its last graph: it is never reused)."""
+    def _capture(self, kv_len: int, timed: bool) -> List["_CapturedRound"]:
+        """Captures the whole round at this width into one graph (two copies with ``timed``: stage timing events
+        recorded inside each), in one new memory pool; nothing runs. The intermediates a graph owns are kept
+        with it: freeing one would let a later capture in the pool reuse its memory under a graph still
+        replaying. Widths only grow within a generation, so the graphs of narrower widths are released first,
+        and their pool with them (a pool dies with its last graph: it is never reused)."""
         torch.cuda.synchronize(self.device)  # nothing of the old graphs may still run when they go
         self._graphs.clear()
         self.tmp = {}
-        graphs = []
+        copies = []
         pool = torch.cuda.graph_pool_handle()
-        for name, stage in self._stages(kv_len):
-            graph = torch.cuda.CUDAGraph()
+        for _ in range(2 if timed else 1):
+            graph, stage_events = torch.cuda.CUDAGraph(), []
             with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream):
-                stage()
-            graphs.append((name, graph))
-        self._graphs[kv_len] = (graphs, self.tmp)
-        self.tmp = {}
+                for name, stage in self._stages(kv_len):
+                    if timed:  # event record nodes in the graph (external), not a capture-time dependency
+                        begin, end = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
+                        begin.record()
+                        stage()
+                        end.record()
+                        stage_events.append((name, begin, end))
+                    else:
+                        stage()
+            copies.append(_CapturedRound(graph, stage_events, self.tmp))
+            self.tmp = {}
+        self._graphs[kv_len] = copies
         self.captures += 1
-        return self._graphs[kv_len]
+        return copies
 
     def release(self) -> None:
         """Drops the captured graphs now, once the device is done with them, rather than whenever the
@@ -232,10 +282,21 @@ class DecodeRound:
             torch.cuda.synchronize(self.device)
             self._graphs.clear()
 
-    def _read_result(self) -> List[int]:
-        """The round's one device-to-host copy (pinned, then wait for it)."""
-        if self.result_host.is_pinned():
-            self.result_host.copy_(self.result[0], non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-            return self.result_host.tolist()
-        return self.result[0].tolist()
+
+class LaunchedRound:
+    """A round enqueued by :meth:`DecodeRound.launch`: its host result row (valid once ``done``, a CUDA
+    event, has completed; at once on the CPU), whether it was replayed from a CUDA graph, and the timing
+    events recorded inside that graph ([(stage, begin, end)]), which :meth:`DecodeRound.read` hands to the
+    clock for the round the clock was on at launch."""
+
+    def __init__(self, row: torch.Tensor, done: Optional["torch.cuda.Event"], replayed: bool, clock, stage_events):
+        self.row, self.done, self.replayed = row, done, replayed
+        self.clock, self.clock_round, self.stage_events = clock, clock.round, stage_events
+
+
+class _CapturedRound:
+    """One captured round: the graph, its stage timing events (empty when untimed) and the intermediate
+    tensors it owns (kept alive with it)."""
+
+    def __init__(self, graph: "torch.cuda.CUDAGraph", stage_events: list, owned: Dict[str, object]):
+        self.graph, self.stage_events, self.owned = graph, stage_events, owned

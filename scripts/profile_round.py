@@ -23,8 +23,10 @@ sys.path.insert(0, ROOT)
 
 
 class _ProfileOneRound:
-    """A streamer that brackets the round after the first ``first`` token deliveries (1: the prompt, 2: the prefill's
-    token, then one per round) with cudaProfilerStart / Stop."""
+    """A streamer that brackets one round with cudaProfilerStart / Stop: the round launched after the ``first``-th token
+    delivery (1: the prompt, 2: the prefill's token, then one per round read). generate() launches each round before
+    it reads the round ahead of it, so when delivery ``first`` comes (round ``first - 3`` read), round ``first - 2`` is
+    already out: it is waited for before the start, and round ``first - 1`` is the one profiled."""
 
     def __init__(self, first: int):
         self.first, self.calls = first, 0
@@ -59,13 +61,13 @@ def run(args) -> None:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, adapter.vocab_size, (1, args.prompt_len), generator=gen).cuda()
     # Eager rounds, then the capturing round, then args.skip replayed rounds before the profiled one (0-based round
-    # first - 2: the streamer's first two calls are the prompt and the prefill's token). Enough tokens that the
-    # generation lasts past it even where every round accepts a whole block.
-    first = 2 + round_module.EAGER_ROUNDS_BEFORE_CAPTURE + 1 + args.skip
+    # first - 1, see _ProfileOneRound). Enough tokens that the generation lasts past it, with rounds launched ahead,
+    # even where every round accepts a whole block.
+    first = 2 + round_module.EAGER_ROUNDS_BEFORE_CAPTURE + args.skip
     kw = dict(method=args.method, tree_budget=max(args.budget, 1), cuda_graph=True, return_stats=True)
-    _, stats = generate(adapter, draft, prompt, (first + 2) * draft.block_size, streamer=_ProfileOneRound(first), **kw)
+    _, stats = generate(adapter, draft, prompt, (first + 3) * draft.block_size, streamer=_ProfileOneRound(first), **kw)
     torch.cuda.synchronize()
-    profiled = first - 2
+    profiled = first - 1
     if stats.rounds <= profiled or not stats.round_replayed[profiled]:
         raise SystemExit(f"round {profiled} was not replayed from graphs (a new attention width?): profile not valid")
     print(f"profiled round {profiled} (0-based) of {args.preset} {args.method} budget {args.budget}")

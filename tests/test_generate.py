@@ -314,8 +314,12 @@ def test_eos_inside_an_accepted_path():
     unused = next(t for t in range(target.config.vocab_size) if t not in new)
     for method in ("ddtree", "dflash", "autoregressive"):
         for eos in (new[eos_at], [unused, new[eos_at]]):
-            out = generate(target, draft, ids, 200, method=method, eos_token_id=eos)
+            out, cut = generate(target, draft, ids, 200, method=method, eos_token_id=eos, return_stats=True)
             assert_same_tokens(out, full[:, : PROMPT_LEN + eos_at + 1])
+            # A round was launched ahead of the EOS round's read (far from max_new_tokens) and dropped unread,
+            # its stage times with it.
+            assert cut.new_tokens == eos_at + 1
+            assert len(cut.round_stage_s) == len(cut.round_time_s) == len(cut.round_launched_ahead) == cut.rounds
 
 
 # ---- streamer ----------------------------------------------------------------------------------
@@ -601,6 +605,11 @@ def test_stats_summary():
     assert stats.tau == pytest.approx(sum(stats.accept_lengths) / stats.rounds)
     assert set(stats.stage_time_s) == {"prefill", "draft", "build", "verify", "walk", "commit"}
     assert len(stats.round_time_s) == len(stats.round_stage_s) == len(stats.round_replayed) == stats.rounds
+    # Round r is launched before round r - 1 is read unless round r - 1 could end the generation by length:
+    # tokens out before it (the prefill's one and the rounds') plus a longest path reach max_new_tokens.
+    out_before = [1 + sum(stats.accept_lengths[:r]) for r in range(stats.rounds)]
+    expected = [False] + [out_before[r - 1] + draft.block_size < 64 for r in range(1, stats.rounds)]
+    assert stats.round_launched_ahead == expected and sum(expected) >= 2
     assert all(set(r) == {"draft", "build", "verify", "walk", "commit"} for r in stats.round_stage_s)
     assert not any(stats.round_replayed) and stats.graph_captures == 0  # CPU: always eager
     text = stats.summary()

@@ -51,6 +51,10 @@ def test_greedy_on_cuda_equals_hf_generate(family, method, budget, cuda_graph):
         assert stats.graph_captures >= 2, stats.graph_captures
         eager_rounds = (EAGER_ROUNDS_BEFORE_CAPTURE + 1) * stats.graph_captures
         assert sum(stats.round_replayed) >= stats.rounds - eager_rounds - 2, (sum(stats.round_replayed), stats.rounds)
+        # A replayed round's stage times come from the events inside its graph: every stage, each a positive time.
+        stages = {"build", "verify", "walk", "commit"} | ({"draft"} if method != "autoregressive" else set())
+        for r in (r for r, replayed in enumerate(stats.round_replayed) if replayed):
+            assert set(stats.round_stage_s[r]) == stages and min(stats.round_stage_s[r].values()) > 0, stats.round_stage_s[r]
     else:
         assert stats.graph_captures == 0
 
@@ -70,6 +74,25 @@ def test_sampled_graph_output_equals_eager(method):
     graphed, stats = generate(target, draft, PROMPT.cuda(), 300, cuda_graph=True, return_stats=True, **kw)
     assert torch.equal(eager, graphed)
     assert sum(stats.round_replayed) > stats.rounds // 2
+
+
+@pytest.mark.parametrize("method", ["ddtree", "autoregressive"])
+def test_eos_on_graphs_drops_the_round_launched_ahead(method):
+    """EOS in a replayed round: the round already launched behind it is dropped unread (the output stops at
+    the EOS, as the graph-free run of the same generation does), and the next generation on the same
+    target starts clean (the dropped round's graphs are released once it is done)."""
+    target, draft = cuda_pair("qwen3_5")
+    full, stats = generate(target, draft, PROMPT.cuda(), 300, method=method, return_stats=True)
+    new = full[0, PROMPT.shape[1]:].tolist()
+    # The token that first appears the latest, but 50 tokens before the end (a round that could end the generation by
+    # length has nothing launched behind it): an EOS there ends the generation after rounds replayed from graphs.
+    eos_at = max(i for i in (new.index(t) for t in set(new)) if i < 250)
+    assert eos_at >= 30, f"every token appears within the first {eos_at + 1}: no late EOS to test"
+    out, cut = generate(target, draft, PROMPT.cuda(), 300, method=method, eos_token_id=new[eos_at], return_stats=True)
+    assert torch.equal(out, full[:, : PROMPT.shape[1] + eos_at + 1])
+    assert any(cut.round_replayed) and cut.round_launched_ahead[-1]
+    assert len(cut.round_stage_s) == len(cut.round_time_s) == cut.rounds
+    assert torch.equal(generate(target, draft, PROMPT.cuda(), 300, method=method), full)
 
 
 def small_real_shaped_hybrid(dtype):
