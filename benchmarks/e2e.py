@@ -223,7 +223,7 @@ def measure_generate(target, draft, prompt, *, method, budget, graphs: bool, rou
         method=method, budget=budget if method == "ddtree" else stats.tree_budget, graphs=graphs,
         rounds_measured=len(picked), round_ms=median_ms([stats.round_time_s[r] for r in picked]),
         stage_ms=stages, tau=statistics.mean(stats.accept_lengths[r] for r in picked) if picked else float("nan"),
-        captures=stats.graph_captures,
+        captures=stats.graph_captures, capture_s=stats.graph_capture_s,
     )
 
 
@@ -518,6 +518,12 @@ def markdown(report: dict) -> str:
                 f"| {run['method']} | {run['budget']} | {'graphs' if run['graphs'] else 'eager'} | {ms:.2f} | "
                 f"{ms / floor:.2f} | {run['tau']:.2f} | {1e3 * run['tau'] / ms:.1f} | {proj} | {stages} |"
             )
+        captured = [r for r in res["runs"] if r.get("captures") and "capture_s" in r]
+        if captured:
+            lines += ["", "Graph capture (host time, the wait for the device before each included; these runs time their "
+                      "stages, so each width is captured twice, see ddtree_ext.round): " + "; ".join(
+                f"{r['method']}{'' if r['method'] == 'autoregressive' else ' ' + str(r['budget'])} "
+                f"{1e3 * r['capture_s'] / r['captures']:.0f} ms a width ({r['captures']} widths)" for r in captured) + "."]
         if "reference_round_ms" in res:
             lines += ["", "Reference implementation's round pattern (re-created here, eager, same run):", ""]
             for budget, ms in res["reference_round_ms"].items():

@@ -57,9 +57,9 @@ class GenerationStats:
     launched before round r - 1 was read, so that the host's work between rounds overlapped the
     device's (all rounds but the first and those that start fewer than a longest path, ``block_size``
     tokens or 1 for autoregressive, before ``max_new_tokens``); ``round_replayed[r]`` whether round r
-    was replayed from CUDA graphs; ``graph_captures`` how many sets of graphs were captured (one per
-    attention width; 0 on the eager path). Stage times are recorded only when generate() returns the
-    stats.
+    was replayed from CUDA graphs; ``graph_captures`` how many graphs were captured (one per attention
+    width; 0 on the eager path) and ``graph_capture_s`` the host seconds that took (part of the rounds'
+    times). Stage times are recorded only when generate() returns the stats.
     """
 
     method: str
@@ -75,6 +75,7 @@ class GenerationStats:
     round_replayed: List[bool] = field(default_factory=list)
     round_launched_ahead: List[bool] = field(default_factory=list)
     graph_captures: int = 0
+    graph_capture_s: float = 0.0
 
     @property
     def rounds(self) -> int:
@@ -100,8 +101,11 @@ class GenerationStats:
         if any(self.round_replayed):
             lines.append(
                 f"{sum(self.round_replayed)} of {self.rounds} rounds replayed from CUDA graphs "
-                f"({self.graph_captures} captured)"
+                f"({self.graph_captures} captured in {self.graph_capture_s:.2f} s)"
             )
+        if any(self.round_launched_ahead):
+            lines.append(f"{sum(self.round_launched_ahead)} of {self.rounds} rounds launched before the round ahead "
+                         "of them was read")
         if self.stage_time_s:
             total = sum(self.stage_time_s.values()) or 1.0
             lines.append(
@@ -287,7 +291,7 @@ def generate(
                     pending, pending_ahead = launch(prefix), False
         finally:
             decode.release()  # the graphs go now, also when a round or the streamer raised
-        stats.graph_captures = decode.captures
+        stats.graph_captures, stats.graph_capture_s = decode.captures, decode.capture_s
     if streamer is not None:
         streamer.end()
     prefill_s, round_stage_s = clock.per_round()

@@ -24,6 +24,7 @@ times, when asked for, come from timing events recorded inside the graph.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -113,6 +114,7 @@ class DecodeRound:
         self._graphs: Dict[int, List[_CapturedRound]] = {}
         self._eager_rounds: Dict[int, int] = {}
         self.captures = 0  # widths captured (one graph each, two when timing stages)
+        self.capture_s = 0.0  # host seconds spent capturing (the wait for the device before each included)
         self.replays = 0  # rounds replayed from graphs
 
     # ---- inputs ----------------------------------------------------------------------------------
@@ -192,8 +194,10 @@ class DecodeRound:
         ``clock.add(clock.round at launch, stage, seconds)``. Returns the handle for :meth:`read`."""
         captured = self._graphs.get(kv_len)
         if captured is None and self._ready_to_capture(kv_len):
+            start = time.perf_counter()
             with gemm_tuning.round_shapes():
                 captured = self._capture(kv_len, timed=clock.enabled)
+            self.capture_s += time.perf_counter() - start
         stage_events = []
         if captured is not None:
             # With stage timing, two copies of the graph take turns: a round's events are read (read()) before

@@ -48,7 +48,7 @@ def test_greedy_on_cuda_equals_hf_generate(family, method, budget, cuda_graph):
         assert len(set(stats.accept_lengths)) >= 3, "acceptance should vary from round to round"
     if cuda_graph:
         # Each width ran EAGER_ROUNDS_BEFORE_CAPTURE rounds eagerly, then captured once; the rest replayed.
-        assert stats.graph_captures >= 2, stats.graph_captures
+        assert stats.graph_captures >= 2 and stats.graph_capture_s > 0, (stats.graph_captures, stats.graph_capture_s)
         eager_rounds = (EAGER_ROUNDS_BEFORE_CAPTURE + 1) * stats.graph_captures
         assert sum(stats.round_replayed) >= stats.rounds - eager_rounds - 2, (sum(stats.round_replayed), stats.rounds)
         # A replayed round's stage times come from the events inside its graph: every stage, each a positive time.
