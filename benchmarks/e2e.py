@@ -523,7 +523,7 @@ def markdown(report: dict) -> str:
             lines += ["", "Graph capture (host time, the wait for the device before each included; these runs time their "
                       "stages, so each width is captured twice, see ddtree_ext.round): " + "; ".join(
                 f"{r['method']}{'' if r['method'] == 'autoregressive' else ' ' + str(r['budget'])} "
-                f"{1e3 * r['capture_s'] / r['captures']:.0f} ms a width ({r['captures']} widths)" for r in captured) + "."]
+                f"{1e3 * r['capture_s'] / r['captures']:.0f} ms a width ({r['captures']} captured)" for r in captured) + "."]
         if "reference_round_ms" in res:
             lines += ["", "Reference implementation's round pattern (re-created here, eager, same run):", ""]
             for budget, ms in res["reference_round_ms"].items():

@@ -55,11 +55,12 @@ class GenerationStats:
     the same per round; ``round_time_s`` the host wall time from the previous round's result (the
     first round: from its launch) to this one's; ``round_launched_ahead[r]`` whether round r was
     launched before round r - 1 was read, so that the host's work between rounds overlapped the
-    device's (all rounds but the first and those that start fewer than a longest path, ``block_size``
-    tokens or 1 for autoregressive, before ``max_new_tokens``); ``round_replayed[r]`` whether round r
-    was replayed from CUDA graphs; ``graph_captures`` how many graphs were captured (one per attention
-    width; 0 on the eager path) and ``graph_capture_s`` the host seconds that took (part of the rounds'
-    times). Stage times are recorded only when generate() returns the stats.
+    device's (on a GPU: all rounds but the first and those after a round that began fewer than a
+    longest path, ``block_size`` tokens or 1 for autoregressive, before ``max_new_tokens``; never on
+    the CPU); ``round_replayed[r]`` whether round r was replayed from a CUDA graph; ``graph_captures``
+    how many attention widths were captured (0 on the eager path; two graphs each, since stats time the
+    stages) and ``graph_capture_s`` the host seconds that took (counted in ``round_time_s`` of the
+    round read while the capture ran). Stage times are recorded only when generate() returns the stats.
     """
 
     method: str
@@ -266,10 +267,12 @@ def generate(
             last_read = time.perf_counter()
             pending, pending_ahead = (None, False) if done else (launch(prefix), False)
             while pending is not None:
-                # The next round goes out before this one is read, so that the device need not wait for the
-                # host; but only when this round cannot end the generation by length (an EOS still can: the
-                # round launched ahead is then dropped unread).
-                ahead = launch(prefix + max_accept) if len(out_tokens) + max_accept < max_new_tokens else None
+                # On a GPU the next round goes out before this one is read, so that the device need not wait
+                # for the host; but only when this round cannot end the generation by length (an EOS still
+                # can: the round launched ahead is then dropped unread).
+                ahead = None
+                if decode.launch_ahead and len(out_tokens) + max_accept < max_new_tokens:
+                    ahead = launch(prefix + max_accept)
                 row = decode.read(pending)
                 stats.round_replayed.append(pending.replayed)
                 stats.round_launched_ahead.append(pending_ahead)
@@ -294,8 +297,7 @@ def generate(
         stats.graph_captures, stats.graph_capture_s = decode.captures, decode.capture_s
     if streamer is not None:
         streamer.end()
-    prefill_s, round_stage_s = clock.per_round()
-    stats.round_stage_s = round_stage_s[: stats.rounds]  # not a round launched ahead and dropped
+    prefill_s, stats.round_stage_s = clock.per_round(stats.rounds)  # not a round launched ahead and dropped
     totals = {s: prefill_s.get(s, 0.0) + sum(r.get(s, 0.0) for r in stats.round_stage_s) for s in STAGES}
     stats.stage_time_s = {s: t for s, t in totals.items() if t > 0}
     stats.wall_time_s = time.perf_counter() - start
@@ -364,6 +366,7 @@ class _StageClock:
     perf_counter on the CPU where ops run synchronously. Disabled (a no-op) unless ``enabled``."""
 
     def __init__(self, device: torch.device, enabled: bool):
+        self.device = device
         self.cuda = device.type == "cuda"
         self.enabled = enabled
         self.records: List[tuple] = []  # (round, stage, seconds, or the CUDA event pair)
@@ -391,13 +394,16 @@ class _StageClock:
         """A stage time measured elsewhere (the timing events inside a replayed graph)."""
         self.records.append((round_index, stage, seconds))
 
-    def per_round(self) -> Tuple[Dict[str, float], List[Dict[str, float]]]:
-        """(the prefill's stage seconds, one dict of stage seconds per round)."""
-        if self.cuda and self.records:
-            torch.cuda.synchronize()
+    def per_round(self, rounds_read: int) -> Tuple[Dict[str, float], List[Dict[str, float]]]:
+        """(the prefill's stage seconds, one dict of stage seconds for each of the first ``rounds_read``
+        rounds). A round launched after those (ahead of a last one, and dropped) is left out, its events
+        unread: they may still be pending."""
+        records = [r for r in self.records if r[0] < rounds_read]
+        if self.cuda and records:
+            torch.cuda.synchronize(self.device)
         prefill: Dict[str, float] = {}
-        rounds: List[Dict[str, float]] = [{} for _ in range(self.round + 1)]
-        for rnd, stage, t in self.records:
+        rounds: List[Dict[str, float]] = [{} for _ in range(rounds_read)]
+        for rnd, stage, t in records:
             seconds = t[0].elapsed_time(t[1]) / 1e3 if isinstance(t, tuple) else t
             into = prefill if rnd < 0 else rounds[rnd]
             into[stage] = into.get(stage, 0.0) + seconds

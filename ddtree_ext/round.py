@@ -105,6 +105,11 @@ class DecodeRound:
             torch.zeros(self.result_width, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)
         ]
         self._launches = 0
+        # Launching a round before the one ahead of it is read pays on a GPU, where the host's part of a round
+        # then overlaps the device's; on the CPU a round runs as it is launched, so it would only delay the
+        # tokens (and compute one round for nothing at an EOS). Read by generate(); tests set it.
+        self.launch_ahead = device.type == "cuda"
+        self._widest = 0  # the widest attention width launched: widths never shrink
         self.tmp: Dict[str, object] = {}  # a round's intermediate tensors
 
         self.use_graphs = use_graphs
@@ -191,7 +196,12 @@ class DecodeRound:
         synchronise), so it may be called while the round before is still running: this one starts from
         what that one commits. ``clock`` times the stages when ``clock.enabled``: an eager stage inside
         ``with clock(stage)``, a replayed one by the events inside its graph, which :meth:`read` hands to
-        ``clock.add(clock.round at launch, stage, seconds)``. Returns the handle for :meth:`read`."""
+        ``clock.add(clock.round at launch, stage, seconds)``. Returns the handle for :meth:`read`.
+
+        A ``kv_len`` narrower than one launched before runs at that wider one (a width only has to cover the
+        committed slots): a round launched ahead asks for the width of an upper bound, the one after it, launched
+        after a read, may ask for less, and a narrower width would be captured anew."""
+        kv_len = self._widest = max(kv_len, self._widest)
         captured = self._graphs.get(kv_len)
         if captured is None and self._ready_to_capture(kv_len):
             start = time.perf_counter()

@@ -73,6 +73,21 @@ def hf_greedy(kind: str, name: str, prompt_seed: int, new_tokens: int) -> torch.
     return tiny.hf_greedy(pair(kind, name)[0], pair_prompt(kind, name, prompt_seed), new_tokens)
 
 
+@pytest.fixture
+def launch_ahead(monkeypatch):
+    """Rounds launched before the round ahead of them is read, as on a GPU (on the CPU a round runs as it is
+    launched, so generate() does not launch ahead there): the same bookkeeping, tested here."""
+    from ddtree_ext import round as round_module
+
+    init = round_module.DecodeRound.__init__
+
+    def init_launching_ahead(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.launch_ahead = True
+
+    monkeypatch.setattr(round_module.DecodeRound, "__init__", init_launching_ahead)
+
+
 def assert_same_tokens(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert out.dtype == torch.int64 and out.shape == ref.shape, (out.dtype, tuple(out.shape), tuple(ref.shape))
     diff = (out != ref)[0].nonzero()
@@ -292,9 +307,13 @@ def test_max_new_tokens_exact(method):
         assert_same_tokens(out, ref[:, : PROMPT_LEN + n])
 
 
-def test_eos_inside_an_accepted_path():
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-turn", "launched-ahead"])
+def test_eos_inside_an_accepted_path(ahead, request):
     """EOS = a token the target emits inside an accepted path (not the bonus: more tokens of the round
-    follow it): output stops right after it, in every method; an unrelated extra id changes nothing."""
+    follow it): output stops right after it, in every method; an unrelated extra id changes nothing. With rounds
+    launched ahead, the round launched behind the EOS round is dropped unread, its stage times with it."""
+    if ahead:
+        request.getfixturevalue("launch_ahead")
     target, draft = pair(AGREEING, HYBRID)
     ids = pair_prompt(AGREEING, HYBRID, 13)
     full, stats = generate(target, draft, ids, 200, return_stats=True)
@@ -597,7 +616,7 @@ def test_a_ready_target_adapter_is_reused():
 # ---- stats and the CLI -------------------------------------------------------------------------
 
 
-def test_stats_summary():
+def test_stats_summary(launch_ahead):
     target, draft = pair(AGREEING, HYBRID)
     _, stats = generate(target, draft, pair_prompt(AGREEING, HYBRID, 37), 64, return_stats=True)
     assert stats.new_tokens == 64 and stats.prompt_tokens == PROMPT_LEN and stats.tree_budget == 64
@@ -615,6 +634,33 @@ def test_stats_summary():
     text = stats.summary()
     assert "tau" in text and "tokens/s" in text and "verify" in text
     assert f"{sum(expected)} of {stats.rounds} rounds launched before the round ahead of them was read" in text
+
+
+def test_rounds_on_the_cpu_run_in_turn():
+    """On the CPU a round runs as it is launched: none is launched before the round ahead of it is read."""
+    target, draft = pair(AGREEING, HYBRID)
+    _, stats = generate(target, draft, pair_prompt(AGREEING, HYBRID, 37), 24, return_stats=True)
+    assert stats.rounds >= 2 and not any(stats.round_launched_ahead)
+
+
+def test_attention_widths_never_shrink(launch_ahead, monkeypatch):
+    """A round launched ahead asks for the width of an upper bound of its committed length; the rounds near the
+    end, launched after a read, may ask for less. Each runs at the widest width asked for so far (on a GPU a
+    narrower one would be captured again), and the output is the target's."""
+    from ddtree_ext import round as round_module
+
+    asked, ran = [], []
+    launch, stages = round_module.DecodeRound.launch, round_module.DecodeRound._stages
+    monkeypatch.setattr(round_module.DecodeRound, "launch",
+                        lambda self, kv_len, clock: asked.append(kv_len) or launch(self, kv_len, clock))
+    monkeypatch.setattr(round_module.DecodeRound, "_stages",
+                        lambda self, kv_len: ran.append(kv_len) or stages(self, kv_len))
+    target, draft = pair(RANDOM, "qwen3")
+    ids = prompt(5, target.config.vocab_size, 196)  # the capacity, 196 + 256 + 65, lies past the 512-slot width
+    out = generate(target, draft, ids, 256, tree_budget=64)
+    assert_same_tokens(out, tiny.hf_greedy(target, ids, 256))
+    assert asked != sorted(asked), "no narrower width asked for: the case is not exercised"
+    assert ran == [max(asked[: i + 1]) for i in range(len(asked))]
 
 
 def test_cli_demo_reports_identical_outputs(capsys):
