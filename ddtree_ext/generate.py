@@ -362,8 +362,10 @@ class _Acceptor:
 
 
 class _StageClock:
-    """Time per stage and round: CUDA events on a GPU (read once at the end, no sync per stage),
-    perf_counter on the CPU where ops run synchronously. Disabled (a no-op) unless ``enabled``."""
+    """Time per stage and round: CUDA events on a GPU (no sync per stage: an eager round's events are read
+    once at the end, a replayed round's, recorded inside its graph, by ``DecodeRound.read`` through
+    :meth:`add`), perf_counter on the CPU where ops run synchronously. Disabled (a no-op) unless
+    ``enabled``."""
 
     def __init__(self, device: torch.device, enabled: bool):
         self.device = device
