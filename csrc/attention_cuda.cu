@@ -4,8 +4,9 @@
 //
 // out[b, h, n] = softmax(scale q[b, h, n] . k[b, h / G, s] over s with mask[b, 0, n, s]) . v[b, h / G, s].
 // Rows are folded per KV head: row r = g N + n is query head h = kvh G + g at node n. A CTA takes 64 folded rows
-// (4 warps x 16; warps past the last row only help load) and one split of the keys, in chunks of 64 whose K, V
-// and mask bytes stream through two shared-memory stages (cp.async). Where two stages do not fit (D = 256 on the
+// (4 warps x 16; warps past the last row only help load), or 128 (8 warps) where a KV head has more than 64 and the
+// head dim is at most 128, and one split of the keys, in chunks of 64 whose K, V and mask bytes stream through two
+// shared-memory stages (cp.async). Where two stages do not fit (D = 256 on the
 // H200), one stage whose K and V load as separate groups: the next chunk's K during this chunk's P V, its V during
 // the next Q K^T. Q K^T and P V on tensor cores (mma m16n8k16 from ldmatrix fragments, f32 sums), the softmax online
 // per row in base 2. With one split the CTA writes the normalised output; with several, unnormalised partial
@@ -21,20 +22,20 @@ namespace {
 
 using cuda::kWarp;
 
-constexpr int kAttnWarps = 4;
-constexpr int kAttnThreads = kAttnWarps * kWarp;
-constexpr int kAttnRows = 16 * kAttnWarps;  // folded query rows per CTA
-constexpr int kAttnKeys = 64;               // keys per chunk
+constexpr int kAttnKeys = 64;  // keys per chunk
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <int D, int STAGES>
+// A CTA of WARPS warps takes 16 WARPS folded query rows (16 a warp).
+template <int D, int STAGES, int WARPS>
 struct AttnLayout {
+  static constexpr int kRows = 16 * WARPS;
+  static constexpr int kThreads = WARPS * kWarp;
   static constexpr int kStride = D + 8;  // elements per staged row: 16 bytes of padding, conflict-free fragments
   static constexpr size_t kQ = 0;
-  static constexpr size_t kKV = kQ + sizeof(uint16_t) * kAttnRows * kStride;  // then per stage: K, V, mask rows
+  static constexpr size_t kKV = kQ + sizeof(uint16_t) * kRows * kStride;  // then per stage: K, V, mask rows
   static constexpr size_t kK = 0, kV = kK + sizeof(uint16_t) * kAttnKeys * kStride;
   static constexpr size_t kMask = kV + sizeof(uint16_t) * kAttnKeys * kStride;  // [row][key] bool bytes
-  static constexpr size_t kStage = kMask + kAttnRows * kAttnKeys;
+  static constexpr size_t kStage = kMask + kRows * kAttnKeys;
   static constexpr size_t kTotal = kKV + STAGES * kStage;
 };
 
@@ -61,15 +62,16 @@ struct AttnShapes {
   bool mask_vec;     // mask rows 16-byte aligned with unit key stride: staged with 16-byte copies
 };
 
-template <typename T, int D, int STAGES>
-__global__ void __launch_bounds__(kAttnThreads, 1) gqa_attention_kernel(
+template <typename T, int D, int STAGES, int WARPS>
+__global__ void __launch_bounds__(WARPS * kWarp, 1) gqa_attention_kernel(
     AttnShapes sh, const T* __restrict__ q, int64_t q_sb, int64_t q_sh, int64_t q_sn, const T* __restrict__ k,
     int64_t k_sb, int64_t k_sh, int64_t k_ss, const T* __restrict__ v, int64_t v_sb, int64_t v_sh, int64_t v_ss,
     const bool* __restrict__ mask, int64_t m_sb, int64_t m_sn, int64_t m_ss, T* __restrict__ out, int64_t o_sb,
     int64_t o_sh, int64_t o_sn, float* __restrict__ part_o, float2* __restrict__ part_ml) {
   cuda::allow_dependent_launch();
   cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
-  using L = AttnLayout<D, STAGES>;
+  using L = AttnLayout<D, STAGES, WARPS>;
+  constexpr int kAttnRows = L::kRows, kAttnThreads = L::kThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* qs = reinterpret_cast<T*>(smem_raw + L::kQ);
   const int bk = blockIdx.x, b = bk / sh.kv_heads, kvh = bk % sh.kv_heads;
@@ -361,36 +363,62 @@ __global__ void __launch_bounds__(kCombineWarps * kWarp) gqa_attention_combine_k
 
 // Whether this build's code for the current GPU has the tensor-core instructions (compute capability >= 8.0).
 bool tensor_cores_built(at::ScalarType dtype) {
-  static const int bf16 = cuda::ptx_version(gqa_attention_kernel<at::BFloat16, 128, 1>);
-  static const int f16 = cuda::ptx_version(gqa_attention_kernel<at::Half, 128, 1>);
+  static const int bf16 = cuda::ptx_version(gqa_attention_kernel<at::BFloat16, 128, 1, 4>);
+  static const int f16 = cuda::ptx_version(gqa_attention_kernel<at::Half, 128, 1, 4>);
   return (dtype == at::kBFloat16 ? bf16 : f16) >= 80;
 }
 
-// Two shared-memory stages where two CTAs of them fit an SM, else one stage (two CTAs overlap each other's loads
-// instead, e.g. D = 256 on the H200), else 0: the CTA does not fit at all.
+// Four-warp CTAs: two shared-memory stages where two CTAs of them fit an SM, else one stage (two CTAs overlap each
+// other's loads instead, e.g. D = 256 on the H200), else 0: the CTA does not fit at all.
 template <int D>
 int attention_stages(const cudaDeviceProp& prop) {
-  if (2 * (AttnLayout<D, 2>::kTotal + prop.reservedSharedMemPerBlock) <= prop.sharedMemPerMultiprocessor) return 2;
-  return AttnLayout<D, 1>::kTotal <= prop.sharedMemPerBlockOptin ? 1 : 0;
+  if (2 * (AttnLayout<D, 2, 4>::kTotal + prop.reservedSharedMemPerBlock) <= prop.sharedMemPerMultiprocessor) return 2;
+  return AttnLayout<D, 1, 4>::kTotal <= prop.sharedMemPerBlockOptin ? 1 : 0;
 }
 
-template <typename T, int D, int STAGES>
+// Eight-warp CTAs (128 folded rows, two stages) for head dims up to 128 where a KV head has 65-128 folded rows (a
+// chain verify of 17 nodes at 4 query heads a KV head): one CTA streams the keys where two did, the second for a few
+// rows (6-11 % faster on the H200 at 576-16384 keys). Not past 128 rows: at 260 (65 nodes) one eight-warp CTA an SM
+// ran 3-55 % slower than two four-warp ones, whose loads and products interleave. (At D = 256 the kernel's registers
+// would not fit 256 threads an SM.) benchmarks/results/2026-12-03-h200-attention-splits.md.
+template <int D>
+bool wide_tiles_fit(const cudaDeviceProp& prop, int rows) {
+  return D <= 128 && rows > 16 * 4 && rows <= 16 * 8 && AttnLayout<D, 2, 8>::kTotal <= prop.sharedMemPerBlockOptin;
+}
+
+template <typename T, int D, int STAGES, int WARPS>
 void launch_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                          double scale, at::Tensor& out) {
-  using L = AttnLayout<D, STAGES>;
+                          double scale, at::Tensor& out, int64_t num_splits) {
+  using L = AttnLayout<D, STAGES, WARPS>;
+  constexpr int kAttnRows = L::kRows, kAttnThreads = L::kThreads;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   const int batch = static_cast<int>(q.size(0)), heads = static_cast<int>(q.size(1)), n = static_cast<int>(q.size(2));
   const int kv_heads = static_cast<int>(k.size(1)), s = static_cast<int>(k.size(2));
   const int group = heads / kv_heads, rows = group * n;
   const int row_tiles = static_cast<int>(cuda::ceil_div(rows, kAttnRows));
   const int base_ctas = batch * kv_heads * row_tiles;
-  // Splits until the CTAs fill the GPU once (as many per SM as shared memory allows, up to 2).
+  // How many splits of the keys, unless the caller asked for a number: enough that the CTAs fill the GPU once (as
+  // many an SM as shared memory allows, up to 2), with two corrections measured over 576-16384 keys on the H200
+  // (benchmarks/results/2026-12-03-h200-attention-splits.md):
+  // - where rounding up leaves a few CTAs for a second wave and splits are long (12 chunks or more), round down: the
+  //   second wave then costs as much as the first (27B / Qwen3-8B verifies of 65 nodes over 8192-16384 keys: 0.7-0.8 x
+  //   the time), while over short splits it costs little;
+  // - from 32 chunks on, at least two chunks a split: one-chunk splits spend more on each CTA's fixed costs and the
+  //   merge than they gain (a 17-node 27B chain verify over 2048 keys: 0.72 x).
+  // Splits take whole chunks, the same number each but the last, so fewer may run than asked.
   const size_t cta_smem = L::kTotal + prop->reservedSharedMemPerBlock;
   const int per_sm = static_cast<int>(std::clamp<size_t>(prop->sharedMemPerMultiprocessor / cta_smem, 1, 2));
   const int chunks = static_cast<int>(cuda::ceil_div(s, kAttnKeys));
-  const int want = static_cast<int>(
-      std::clamp<int64_t>(cuda::ceil_div(static_cast<int64_t>(per_sm) * prop->multiProcessorCount, base_ctas), 1,
-                          chunks));
+  const int64_t slots = static_cast<int64_t>(per_sm) * prop->multiProcessorCount;
+  int64_t asked = num_splits;
+  if (asked <= 0) {
+    asked = std::min<int64_t>(cuda::ceil_div(slots, base_ctas), chunks);
+    if (base_ctas * asked > slots && cuda::ceil_div(chunks, asked) >= 12) {
+      asked = std::max<int64_t>(1, slots / base_ctas);
+    }
+    if (chunks >= 32) asked = std::min<int64_t>(asked, chunks / 2);
+  }
+  const int want = static_cast<int>(std::clamp<int64_t>(asked, 1, chunks));
   const int keys_per_split = static_cast<int>(cuda::ceil_div(chunks, want)) * kAttnKeys;
   const int splits = static_cast<int>(cuda::ceil_div(s, keys_per_split));
   const bool* mask_ptr = mask.data_ptr<bool>();
@@ -404,7 +432,7 @@ void launch_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     part_o = at::empty({splits, batch * kv_heads * rows, D}, f32);
     part_ml = at::empty({splits, batch * kv_heads * rows, 2}, f32);
   }
-  auto kernel = gqa_attention_kernel<T, D, STAGES>;
+  auto kernel = gqa_attention_kernel<T, D, STAGES, WARPS>;
   cuda::allow_dynamic_smem(kernel, L::kTotal);
   cuda::launch_programmatic(
       kernel, dim3(batch * kv_heads, row_tiles, splits), dim3(kAttnThreads), L::kTotal, sh, q.data_ptr<T>(),
@@ -425,11 +453,18 @@ void launch_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 template <typename T, int D>
 void launch_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                          double scale, at::Tensor& out, int stages) {
+                          double scale, at::Tensor& out, int stages, int64_t num_splits) {
+  const int rows = static_cast<int>(q.size(1) / k.size(1) * q.size(2));
+  if constexpr (D <= 128) {
+    if (wide_tiles_fit<D>(*at::cuda::getCurrentDeviceProperties(), rows)) {
+      launch_gqa_attention<T, D, 2, 8>(q, k, v, mask, scale, out, num_splits);
+      return;
+    }
+  }
   if (stages == 2) {
-    launch_gqa_attention<T, D, 2>(q, k, v, mask, scale, out);
+    launch_gqa_attention<T, D, 2, 4>(q, k, v, mask, scale, out, num_splits);
   } else {
-    launch_gqa_attention<T, D, 1>(q, k, v, mask, scale, out);
+    launch_gqa_attention<T, D, 1, 4>(q, k, v, mask, scale, out, num_splits);
   }
 }
 
@@ -438,8 +473,8 @@ void launch_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 // The kernel takes bfloat16/float16 with head dims 64, 128 or 256, q/k/v rows starting 16-byte aligned and out rows
 // 4-byte aligned, on builds with tensor-core code for the GPU and where its shared memory fits; anything else takes ATen's SDPA over repeated K/V (gqa_attention_sdpa, as the CPU op).
 void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                        double scale, at::Tensor& out) {
-  check_gqa_attention(q, k, v, mask, out);
+                        double scale, at::Tensor& out, int64_t num_splits) {
+  check_gqa_attention(q, k, v, mask, out, num_splits);
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   if (k.size(2) == 0) {  // no keys: every row attends to nothing
@@ -467,15 +502,15 @@ void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const at::Tensor m = mask.expand({q.size(0), 1, q.size(2), k.size(2)});
   AT_DISPATCH_SWITCH(q.scalar_type(), "gqa_attention", AT_DISPATCH_CASE(at::kHalf, [&] {
     switch (dim) {
-      case 64: launch_gqa_attention<scalar_t, 64>(q, k, v, m, scale, out, stages); break;
-      case 128: launch_gqa_attention<scalar_t, 128>(q, k, v, m, scale, out, stages); break;
-      default: launch_gqa_attention<scalar_t, 256>(q, k, v, m, scale, out, stages); break;
+      case 64: launch_gqa_attention<scalar_t, 64>(q, k, v, m, scale, out, stages, num_splits); break;
+      case 128: launch_gqa_attention<scalar_t, 128>(q, k, v, m, scale, out, stages, num_splits); break;
+      default: launch_gqa_attention<scalar_t, 256>(q, k, v, m, scale, out, stages, num_splits); break;
     }
   }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
     switch (dim) {
-      case 64: launch_gqa_attention<scalar_t, 64>(q, k, v, m, scale, out, stages); break;
-      case 128: launch_gqa_attention<scalar_t, 128>(q, k, v, m, scale, out, stages); break;
-      default: launch_gqa_attention<scalar_t, 256>(q, k, v, m, scale, out, stages); break;
+      case 64: launch_gqa_attention<scalar_t, 64>(q, k, v, m, scale, out, stages, num_splits); break;
+      case 128: launch_gqa_attention<scalar_t, 128>(q, k, v, m, scale, out, stages, num_splits); break;
+      default: launch_gqa_attention<scalar_t, 256>(q, k, v, m, scale, out, stages, num_splits); break;
     }
   }));
 }

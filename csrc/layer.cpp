@@ -508,8 +508,9 @@ void linear_cublaslt_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t 
 }
 
 void check_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                         const at::Tensor& out) {
+                         const at::Tensor& out, int64_t num_splits) {
   constexpr const char* op = "gqa_attention";
+  DDTREE_CHECK(op, num_splits >= 0, "num_splits must be >= 0 (0: the op's own choice), got ", num_splits);
   DDTREE_CHECK_DIM(op, q, 4);
   DDTREE_CHECK_FLOAT(op, q);
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, q);
@@ -548,9 +549,10 @@ void gqa_attention_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tens
   out.masked_fill_(mask.logical_not().all(-1, /*keepdim=*/true), 0);
 }
 
+// num_splits only steers the CUDA kernel's split of the keys; the CPU op checks it and runs SDPA unsplit.
 void gqa_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                       double scale, at::Tensor& out) {
-  check_gqa_attention(q, k, v, mask, out);
+                       double scale, at::Tensor& out, int64_t num_splits) {
+  check_gqa_attention(q, k, v, mask, out, num_splits);
   if (k.size(2) == 0) {  // no keys: every row attends to nothing
     out.zero_();
     return;

@@ -92,13 +92,13 @@ void linear_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, 
 void check_linear_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
 void linear_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
 void check_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                         const at::Tensor& out);
+                         const at::Tensor& out, int64_t num_splits);
 // The same attention through ATen's SDPA over K/V repeated per query head: the CPU op, and the CUDA op's path for
 // what its kernel does not take (float32, other head dims, unaligned rows).
 void gqa_attention_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                         double scale, at::Tensor& out);
 void gqa_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                       double scale, at::Tensor& out);
+                       double scale, at::Tensor& out, int64_t num_splits);
 
 // ---- walk: follow the target's tokens down the tree ------------------------------------------
 void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& first_child,
@@ -168,7 +168,7 @@ std::string linear_cublaslt_describe_cuda(const at::Tensor& x, const at::Tensor&
                                           int64_t algorithm);
 void linear_cublaslt_cuda(const at::Tensor& x, const at::Tensor& weight, int64_t algorithm, at::Tensor& out);
 void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                        double scale, at::Tensor& out);
+                        double scale, at::Tensor& out, int64_t num_splits);
 void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
                     const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta);
 void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,

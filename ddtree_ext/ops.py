@@ -564,7 +564,7 @@ def linear_cublaslt_describe(x: torch.Tensor, weight: torch.Tensor, algorithm: i
 
 def gqa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, *,
-    out: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None, num_splits: int = 0,
 ) -> torch.Tensor:
     """Masked grouped-query attention: query head h reads KV head h // (H / Hkv).
 
@@ -573,10 +573,13 @@ def gqa_attention(
     out[b, h, n] = softmax(scale q[b, h, n] . k[b, h // G, s] over the unmasked s) . v[b, h // G, s], float32
     sums. A row with no unmasked key gives zeros (as SDPA's math path does since torch 2.5). On CUDA, bfloat16/float16 with D in {64, 128, 256}
     run a split-KV tensor-core kernel; other inputs, and the CPU op, run SDPA over K/V repeated per query head.
+    ``num_splits`` (as flash-attention's): 0 lets the kernel choose how many parts of the keys run apart (their
+    partial results merged in a fixed order), n > 0 asks for at most n (whole 64-key chunks each, so fewer may run);
+    it changes the rounding of the sums, not what is computed, and the other paths ignore it.
     """
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    load_ops().gqa_attention(q, k, v, mask, float(scale), out)
+    load_ops().gqa_attention(q, k, v, mask, float(scale), out, int(num_splits))
     return out
 
 

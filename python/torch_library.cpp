@@ -41,7 +41,8 @@ TORCH_LIBRARY(ddtree, m) {
   // host queries: how many cuBLASLt candidates a problem has, and what one of them is
   m.def("linear_cublaslt_algorithms(Tensor x, Tensor weight, Tensor out) -> int");
   m.def("linear_cublaslt_describe(Tensor x, Tensor weight, Tensor out, int algorithm) -> str");
-  m.def("gqa_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor(a!) out) -> ()");
+  m.def(
+      "gqa_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor(a!) out, int num_splits=0) -> ()");
   m.def(
       "gdn_gates(Tensor x, Tensor weight_a, Tensor weight_b, Tensor A_log, Tensor dt_bias, Tensor(a!) g, "
       "Tensor(b!) beta) -> ()");

@@ -2,6 +2,8 @@
 
     python scripts/profile_attention.py                         # 27B and Qwen3-8B, N 1 17 65, S 528..768 2048 4096
     python scripts/profile_attention.py --shapes 27b --nodes 17 --keys 528 576 624
+    python scripts/profile_attention.py --sweep-splits --keys 576 2048 8192 --json splits.json  # the op's choice of
+        # key splits beside each number of splits forced through num_splits
 
 us per call: 20 calls captured in a CUDA graph (benchmarks/test_bench_cuda.py's helpers), the median of 9 replays after
 3 warm-up replays; bf16, q in the verify's [B, N, H, D] memory order, K and V sliced from a larger cache, masks 90 %
@@ -33,7 +35,14 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     parser.add_argument("--nodes", nargs="+", type=int, default=[1, 17, 65], help="query rows N (budget + 1)")
     parser.add_argument("--keys", nargs="+", type=int, default=[528, 576, 624, 672, 720, 768, 2048, 4096])
+    parser.add_argument("--sweep-splits", action="store_true",
+                        help="per (shape, N, S): the op's own split (num_splits=0, timed before and after) and every "
+                             "distinct number of splits from a geometric list, forced through num_splits")
+    parser.add_argument("--json", help="with --sweep-splits, also write the table here")
     args = parser.parse_args()
+    if args.sweep_splits:
+        sweep_splits(args)
+        return
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes:
         heads, kv_heads, dim = SHAPES[name]
@@ -52,6 +61,70 @@ def main() -> None:
                     times[s].append(time_per_call(lambda: ops.gqa_attention(q, k, v, mask, dim**-0.5, out=out)))
             print(f"{name} N={n}: " + "  ".join(f"S={s} {statistics.mean(t):.2f} ({t[0]:.2f}/{t[1]:.2f})"
                                                for s, t in times.items()), flush=True)
+
+
+SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+def chosen_splits(heads: int, kv_heads: int, dim: int, n: int, chunks: int, sms: int) -> int:
+    """The number of key splits csrc/attention_cuda.cu's rule runs, as the H200's shared memory has it: 128-row CTAs,
+    one an SM, for 65-128 folded rows a KV head at D <= 128, else 64-row CTAs, two an SM."""
+    rows = heads // kv_heads * n
+    tile, per_sm = (128, 1) if dim <= 128 and 64 < rows <= 128 else (64, 2)
+    base, slots = kv_heads * -(-rows // tile), per_sm * sms
+    want = min(-(-slots // base), chunks)
+    if base * want > slots and -(-chunks // want) >= 12:
+        want = max(1, slots // base)
+    if chunks >= 32:
+        want = min(want, chunks // 2)
+    per_split = -(-chunks // max(want, 1))
+    return -(-chunks // per_split)
+
+
+def sweep_splits(args) -> None:
+    """For each (shape, N, S): us per call of the op's choice (timed first and last: their spread is the noise) and of
+    each number of splits that runs (num_splits n takes ceil(chunks / n) 64-key chunks a split, so distinct n can run
+    the same split: each split count is timed once)."""
+    import json
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name in args.shapes:
+        heads, kv_heads, dim = SHAPES[name]
+        cache = [torch.randn(1, kv_heads, max(args.keys) + 64, dim, device="cuda", dtype=torch.bfloat16,
+                             generator=gen) for _ in range(2)]
+        for n in args.nodes:
+            for s in args.keys:
+                q = torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+                mask = torch.rand(1, 1, n, s, device="cuda", generator=gen) < 0.9
+                mask[..., 0] = True
+                out = torch.empty(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
+                k, v = cache[0][:, :, :s], cache[1][:, :, :s]
+
+                def timed(splits: int) -> float:
+                    return time_per_call(lambda: ops.gqa_attention(q, k, v, mask, dim**-0.5, out=out,
+                                                                   num_splits=splits))
+
+                chunks = -(-s // 64)
+                first = timed(0)
+                forced = {}
+                for want in sorted({w for w in SPLIT_COUNTS if w < chunks} | {chunks}):
+                    per_split = -(-chunks // want)
+                    runs = -(-chunks // per_split)
+                    if runs not in forced:
+                        forced[runs] = timed(want)
+                last = timed(0)
+                best = min(forced, key=forced.get)
+                choice = chosen_splits(heads, kv_heads, dim, n, chunks, sms)
+                rows.append(dict(shape=name, n=n, s=s, chunks=chunks, choice_splits=choice, choice_us=[first, last],
+                                 forced_us=forced))
+                print(f"{name} N={n} S={s}: choice {first:.2f}/{last:.2f} ({choice} splits)  "
+                      f"best {forced[best]:.2f} ({best} splits)  "
+                      + " ".join(f"{r}:{t:.2f}" for r, t in forced.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

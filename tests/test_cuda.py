@@ -1058,6 +1058,32 @@ def test_gqa_attention_op(bsz, heads, kv_heads, n, slots, mask_rows, dim, dtype)
     assert_close(got, expected_ref, dtype, "vs reference")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,n,slots,dim",
+                         [(24, 4, 17, 600, 256), (32, 8, 65, 1000, 128), (32, 8, 17, 300, 128), (16, 2, 9, 200, 64),
+                          (8, 2, 3, 70, 64)])
+def test_gqa_attention_num_splits(heads, kv_heads, n, slots, dim, dtype):
+    """Any number of key splits asked for (one; a few; more than the 64-key chunks) gives the reference's attention,
+    the same bits on a second call, and the default choice's result up to the rounding of the merged sums; with
+    four-warp CTAs (64 folded rows; D = 256) and eight-warp ones (more than 64 folded rows a KV head at D <= 128:
+    260 rows, 68, 72)."""
+    gen = make_gen(slots + n + dim)
+    q = torch.randn(1, n, heads, dim, generator=gen).to(dtype).transpose(1, 2).to(DEV)
+    k, v = (torch.randn(1, kv_heads, slots, dim, generator=gen).to(dtype).to(DEV) for _ in range(2))
+    mask = torch.rand(1, 1, n, slots, generator=gen) > 0.3
+    mask[..., 0] = True
+    mask = mask.to(DEV)
+    expected = reference.gqa_attention(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), dim**-0.5)
+    chosen = ops.gqa_attention(q, k, v, mask, dim**-0.5)
+    for splits in (1, 2, 3, 7, 10_000):
+        got = ops.gqa_attention(q, k, v, mask, dim**-0.5, num_splits=splits)
+        assert_close(got, expected, dtype, f"num_splits={splits} vs reference")
+        assert_close(got, chosen, dtype, f"num_splits={splits} vs the op's choice")
+        assert torch.equal(got, ops.gqa_attention(q, k, v, mask, dim**-0.5, num_splits=splits))
+    with pytest.raises(ValueError, match="num_splits must be >= 0"):
+        ops.gqa_attention(q, k, v, mask, dim**-0.5, num_splits=-2)
+
+
 # ---- projections ------------------------------------------------------------------------------------
 
 

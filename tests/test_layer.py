@@ -489,6 +489,8 @@ def test_gqa_attention_bad_inputs():
         ops.gqa_attention(q, k, k, mask, 1.0, out=torch.empty(1, 6, 5, 7))
     with pytest.raises(ValueError, match="gqa_attention: out must not overlap q"):
         ops.gqa_attention(q, k, k, mask, 1.0, out=q)
+    with pytest.raises(ValueError, match="gqa_attention: num_splits must be >= 0"):
+        ops.gqa_attention(q, k, k, mask, 1.0, num_splits=-1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
