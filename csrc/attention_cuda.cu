@@ -4,8 +4,8 @@
 //
 // out[b, h, n] = softmax(scale q[b, h, n] . k[b, h / G, s] over s with mask[b, 0, n, s]) . v[b, h / G, s].
 // Rows are folded per KV head: row r = g N + n is query head h = kvh G + g at node n. A CTA takes 64 folded rows
-// (4 warps x 16; warps past the last row only help load), or 128 (8 warps) where a KV head has more than 64 and the
-// head dim is at most 128, and one split of the keys, in chunks of 64 whose K, V and mask bytes stream through two
+// (4 warps x 16; warps past the last row only help load), or 128 (8 warps) where a KV head has 65-128 and the
+// head dim is 128, and one split of the keys, in chunks of 64 whose K, V and mask bytes stream through two
 // shared-memory stages (cp.async). Where two stages do not fit (D = 256 on the
 // H200), one stage whose K and V load as separate groups: the next chunk's K during this chunk's P V, its V during
 // the next Q K^T. Q K^T and P V on tensor cores (mma m16n8k16 from ldmatrix fragments, f32 sums), the softmax online
@@ -376,14 +376,15 @@ int attention_stages(const cudaDeviceProp& prop) {
   return AttnLayout<D, 1, 4>::kTotal <= prop.sharedMemPerBlockOptin ? 1 : 0;
 }
 
-// Eight-warp CTAs (128 folded rows, two stages) for head dims up to 128 where a KV head has 65-128 folded rows (a
-// chain verify of 17 nodes at 4 query heads a KV head): one CTA streams the keys where two did, the second for a few
-// rows (6-11 % faster on the H200 at 576-16384 keys). Not past 128 rows: at 260 (65 nodes) one eight-warp CTA an SM
-// ran 3-55 % slower than two four-warp ones, whose loads and products interleave. (At D = 256 the kernel's registers
-// would not fit 256 threads an SM.) benchmarks/results/2026-12-03-h200-attention-splits.md.
+// Eight-warp CTAs (128 folded rows, two stages, one an SM by shared memory and registers) for D = 128 where a KV head
+// has 65-128 folded rows (a 17-node verify at 4 query heads a KV head: DDTree at budget 16): one CTA streams the keys
+// where two did, the second for a few rows (Qwen3-8B: 6-12 % faster on the H200 at 576-16384 keys). Not past 128
+// rows: at 260 (65 nodes) one eight-warp CTA an SM ran 3-54 % slower than two four-warp ones, whose loads and products
+// interleave. Other head dims were not measured (at D = 64 two such CTAs would fit an SM's shared memory but not its
+// registers, which the split rule below does not count). benchmarks/results/2026-12-03-h200-attention-splits.md.
 template <int D>
 bool wide_tiles_fit(const cudaDeviceProp& prop, int rows) {
-  return D <= 128 && rows > 16 * 4 && rows <= 16 * 8 && AttnLayout<D, 2, 8>::kTotal <= prop.sharedMemPerBlockOptin;
+  return D == 128 && rows > 16 * 4 && rows <= 16 * 8 && AttnLayout<D, 2, 8>::kTotal <= prop.sharedMemPerBlockOptin;
 }
 
 template <typename T, int D, int STAGES, int WARPS>
@@ -400,11 +401,12 @@ void launch_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   // How many splits of the keys, unless the caller asked for a number: enough that the CTAs fill the GPU once (as
   // many an SM as shared memory allows, up to 2), with two corrections measured over 576-16384 keys on the H200
   // (benchmarks/results/2026-12-03-h200-attention-splits.md):
-  // - where rounding up leaves a few CTAs for a second wave and splits are long (12 chunks or more), round down: the
-  //   second wave then costs as much as the first (27B / Qwen3-8B verifies of 65 nodes over 8192-16384 keys: 0.7-0.8 x
-  //   the time), while over short splits it costs little;
+  // - where rounding up leaves CTAs past the slots (a second wave) and splits are long (12 chunks or more), round
+  //   down: the second wave then costs as much as the first (27B / Qwen3-8B verifies of 65 nodes over 8192-16384
+  //   keys: 0.7-0.8 x the time), while over short splits it costs little;
   // - from 32 chunks on, at least two chunks a split: one-chunk splits spend more on each CTA's fixed costs and the
-  //   merge than they gain (a 17-node 27B chain verify over 2048 keys: 0.72 x).
+  //   merge than they gain (the 27B 16- and 17-node verifies over 2048 keys: 0.72 x).
+  // Measured at batch 1 only.
   // Splits take whole chunks, the same number each but the last, so fewer may run than asked.
   const size_t cta_smem = L::kTotal + prop->reservedSharedMemPerBlock;
   const int per_sm = static_cast<int>(std::clamp<size_t>(prop->sharedMemPerMultiprocessor / cta_smem, 1, 2));
@@ -455,7 +457,7 @@ template <typename T, int D>
 void launch_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                           double scale, at::Tensor& out, int stages, int64_t num_splits) {
   const int rows = static_cast<int>(q.size(1) / k.size(1) * q.size(2));
-  if constexpr (D <= 128) {
+  if constexpr (D == 128) {
     if (wide_tiles_fit<D>(*at::cuda::getCurrentDeviceProperties(), rows)) {
       launch_gqa_attention<T, D, 2, 8>(q, k, v, mask, scale, out, num_splits);
       return;

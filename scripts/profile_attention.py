@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument("--keys", nargs="+", type=int, default=[528, 576, 624, 672, 720, 768, 2048, 4096])
     parser.add_argument("--sweep-splits", action="store_true",
                         help="per (shape, N, S): the op's own split (num_splits=0, timed before and after) and every "
-                             "distinct number of splits from a geometric list, forced through num_splits")
+                             "distinct number of splits that SPLIT_COUNTS and one split a chunk give, forced through "
+                             "num_splits")
     parser.add_argument("--json", help="with --sweep-splits, also write the table here")
     args = parser.parse_args()
     if args.sweep_splits:
@@ -68,9 +69,9 @@ SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
 def chosen_splits(heads: int, kv_heads: int, dim: int, n: int, chunks: int, sms: int) -> int:
     """The number of key splits csrc/attention_cuda.cu's rule runs, as the H200's shared memory has it: 128-row CTAs,
-    one an SM, for 65-128 folded rows a KV head at D <= 128, else 64-row CTAs, two an SM."""
+    one an SM, for 65-128 folded rows a KV head at D = 128, else 64-row CTAs, two an SM."""
     rows = heads // kv_heads * n
-    tile, per_sm = (128, 1) if dim <= 128 and 64 < rows <= 128 else (64, 2)
+    tile, per_sm = (128, 1) if dim == 128 and 64 < rows <= 128 else (64, 2)
     base, slots = kv_heads * -(-rows // tile), per_sm * sms
     want = min(-(-slots // base), chunks)
     if base * want > slots and -(-chunks // want) >= 12:

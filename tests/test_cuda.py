@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Callable, Dict, List, NamedTuple
 
 import pytest
@@ -1058,28 +1059,43 @@ def test_gqa_attention_op(bsz, heads, kv_heads, n, slots, mask_rows, dim, dtype)
     assert_close(got, expected_ref, dtype, "vs reference")
 
 
+def attention_launches(run) -> List[str]:
+    """Names of the gqa_attention kernels (and its split combine) that run() launched, in order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "gqa_attention_kernel" in e.name or "gqa_attention_combine" in e.name]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,n,slots,dim",
-                         [(24, 4, 17, 600, 256), (32, 8, 65, 1000, 128), (32, 8, 17, 300, 128), (16, 2, 9, 200, 64),
-                          (8, 2, 3, 70, 64)])
-def test_gqa_attention_num_splits(heads, kv_heads, n, slots, dim, dtype):
+@pytest.mark.parametrize("bsz,heads,kv_heads,n,slots,dim",
+                         [(1, 24, 4, 17, 600, 256), (1, 32, 8, 65, 1000, 128), (1, 32, 8, 17, 300, 128),
+                          (2, 32, 8, 17, 320, 128), (1, 8, 2, 3, 70, 64)])
+def test_gqa_attention_num_splits(bsz, heads, kv_heads, n, slots, dim, dtype):
     """Any number of key splits asked for (one; a few; more than the 64-key chunks) gives the reference's attention,
-    the same bits on a second call, and the default choice's result up to the rounding of the merged sums; with
-    four-warp CTAs (64 folded rows; D = 256) and eight-warp ones (more than 64 folded rows a KV head at D <= 128:
-    260 rows, 68, 72)."""
+    the same bits on a second call, and the default choice's result up to the rounding of the merged sums; one split
+    launches no combine, more do. Eight-warp CTAs run for 65-128 folded rows a KV head at D = 128 (68 here, once with
+    two batch rows and 16-byte mask rows), four-warp ones otherwise (260 rows, D = 256, D = 64)."""
     gen = make_gen(slots + n + dim)
-    q = torch.randn(1, n, heads, dim, generator=gen).to(dtype).transpose(1, 2).to(DEV)
-    k, v = (torch.randn(1, kv_heads, slots, dim, generator=gen).to(dtype).to(DEV) for _ in range(2))
-    mask = torch.rand(1, 1, n, slots, generator=gen) > 0.3
+    q = torch.randn(bsz, n, heads, dim, generator=gen).to(dtype).transpose(1, 2).to(DEV)
+    k, v = (torch.randn(bsz, kv_heads, slots, dim, generator=gen).to(dtype).to(DEV) for _ in range(2))
+    mask = torch.rand(bsz, 1, n, slots, generator=gen) > 0.3
     mask[..., 0] = True
     mask = mask.to(DEV)
     expected = reference.gqa_attention(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), dim**-0.5)
     chosen = ops.gqa_attention(q, k, v, mask, dim**-0.5)
+    rows = heads // kv_heads * n
+    warps = 8 if dim == 128 and 64 < rows <= 128 else 4
+    chunks = -(-slots // 64)
     for splits in (1, 2, 3, 7, 10_000):
         got = ops.gqa_attention(q, k, v, mask, dim**-0.5, num_splits=splits)
         assert_close(got, expected, dtype, f"num_splits={splits} vs reference")
         assert_close(got, chosen, dtype, f"num_splits={splits} vs the op's choice")
+        names = attention_launches(lambda: ops.gqa_attention(q, k, v, mask, dim**-0.5, out=got, num_splits=splits))
         assert torch.equal(got, ops.gqa_attention(q, k, v, mask, dim**-0.5, num_splits=splits))
+        kernels = [m for m in (re.search(r"gqa_attention_kernel<([^<>]*)>", name) for name in names) if m]
+        assert kernels and all(int(m.group(1).split(",")[-1]) == warps for m in kernels), names  # <T, D, STAGES, WARPS>
+        assert any("gqa_attention_combine" in name for name in names) == (min(splits, chunks) > 1), names
     with pytest.raises(ValueError, match="num_splits must be >= 0"):
         ops.gqa_attention(q, k, v, mask, dim**-0.5, num_splits=-2)
 
