@@ -382,9 +382,10 @@ int attention_stages(const cudaDeviceProp& prop) {
 // rows: at 260 (65 nodes) one eight-warp CTA an SM ran 3-54 % slower than two four-warp ones, whose loads and products
 // interleave. Other head dims were not measured (at D = 64 two such CTAs would fit an SM's shared memory but not its
 // registers, which the split rule below does not count). benchmarks/results/2026-12-03-h200-attention-splits.md.
+// (The caller instantiates it for D = 128 only.)
 template <int D>
 bool wide_tiles_fit(const cudaDeviceProp& prop, int rows) {
-  return D == 128 && rows > 16 * 4 && rows <= 16 * 8 && AttnLayout<D, 2, 8>::kTotal <= prop.sharedMemPerBlockOptin;
+  return rows > 16 * 4 && rows <= 16 * 8 && AttnLayout<D, 2, 8>::kTotal <= prop.sharedMemPerBlockOptin;
 }
 
 template <typename T, int D, int STAGES, int WARPS>

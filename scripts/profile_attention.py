@@ -14,6 +14,7 @@ import argparse
 import os
 import statistics
 import sys
+from typing import Callable, List
 
 import torch
 
@@ -46,40 +47,37 @@ def main() -> None:
         return
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes:
-        heads, kv_heads, dim = SHAPES[name]
-        cache = [torch.randn(1, kv_heads, max(args.keys) + 64, dim, device="cuda", dtype=torch.bfloat16,
-                             generator=gen) for _ in range(2)]
+        cache = key_cache(name, max(args.keys), gen)
         for n in args.nodes:
             times = {s: [] for s in args.keys}
             for keys in (args.keys, args.keys[::-1]):
                 for s in keys:
-                    q = torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-                    q = q.transpose(1, 2)
-                    mask = torch.rand(1, 1, n, s, device="cuda", generator=gen) < 0.9
-                    mask[..., 0] = True
-                    out = torch.empty(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
-                    k, v = cache[0][:, :, :s], cache[1][:, :, :s]
-                    times[s].append(time_per_call(lambda: ops.gqa_attention(q, k, v, mask, dim**-0.5, out=out)))
+                    times[s].append(time_per_call(attention_call(name, n, s, cache, gen)))
             print(f"{name} N={n}: " + "  ".join(f"S={s} {statistics.mean(t):.2f} ({t[0]:.2f}/{t[1]:.2f})"
                                                for s, t in times.items()), flush=True)
 
 
+def key_cache(name: str, keys: int, gen: torch.Generator) -> List[torch.Tensor]:
+    """K and V caches of the shape's KV heads with 64 slots past ``keys``: the op reads them sliced, as a verify does."""
+    _, kv_heads, dim = SHAPES[name]
+    return [torch.randn(1, kv_heads, keys + 64, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2)]
+
+
+def attention_call(name: str, n: int, s: int, cache: List[torch.Tensor], gen: torch.Generator,
+                   num_splits: int = 0) -> Callable[[], None]:
+    """One gqa_attention call of the shape over S keys of the cache, for N query rows in the verify's memory order
+    with a mask 90 % true (key 0 always)."""
+    heads, _, dim = SHAPES[name]
+    q = torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+    mask = torch.rand(1, 1, n, s, device="cuda", generator=gen) < 0.9
+    mask[..., 0] = True
+    out = torch.empty(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = cache[0][:, :, :s], cache[1][:, :, :s]
+    return lambda: ops.gqa_attention(q, k, v, mask, dim**-0.5, out=out, num_splits=num_splits)
+
+
 SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
-
-
-def chosen_splits(heads: int, kv_heads: int, dim: int, n: int, chunks: int, sms: int) -> int:
-    """The number of key splits csrc/attention_cuda.cu's rule runs, as the H200's shared memory has it: 128-row CTAs,
-    one an SM, for 65-128 folded rows a KV head at D = 128, else 64-row CTAs, two an SM."""
-    rows = heads // kv_heads * n
-    tile, per_sm = (128, 1) if dim == 128 and 64 < rows <= 128 else (64, 2)
-    base, slots = kv_heads * -(-rows // tile), per_sm * sms
-    want = min(-(-slots // base), chunks)
-    if base * want > slots and -(-chunks // want) >= 12:
-        want = max(1, slots // base)
-    if chunks >= 32:
-        want = min(want, chunks // 2)
-    per_split = -(-chunks // max(want, 1))
-    return -(-chunks // per_split)
 
 
 def sweep_splits(args) -> None:
@@ -89,39 +87,22 @@ def sweep_splits(args) -> None:
     import json
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for name in args.shapes:
-        heads, kv_heads, dim = SHAPES[name]
-        cache = [torch.randn(1, kv_heads, max(args.keys) + 64, dim, device="cuda", dtype=torch.bfloat16,
-                             generator=gen) for _ in range(2)]
+        cache = key_cache(name, max(args.keys), gen)
         for n in args.nodes:
             for s in args.keys:
-                q = torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
-                mask = torch.rand(1, 1, n, s, device="cuda", generator=gen) < 0.9
-                mask[..., 0] = True
-                out = torch.empty(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
-                k, v = cache[0][:, :, :s], cache[1][:, :, :s]
-
-                def timed(splits: int) -> float:
-                    return time_per_call(lambda: ops.gqa_attention(q, k, v, mask, dim**-0.5, out=out,
-                                                                   num_splits=splits))
-
                 chunks = -(-s // 64)
-                first = timed(0)
+                first = time_per_call(attention_call(name, n, s, cache, gen))
                 forced = {}
                 for want in sorted({w for w in SPLIT_COUNTS if w < chunks} | {chunks}):
-                    per_split = -(-chunks // want)
-                    runs = -(-chunks // per_split)
+                    runs = -(-chunks // -(-chunks // want))
                     if runs not in forced:
-                        forced[runs] = timed(want)
-                last = timed(0)
+                        forced[runs] = time_per_call(attention_call(name, n, s, cache, gen, num_splits=want))
+                last = time_per_call(attention_call(name, n, s, cache, gen))
                 best = min(forced, key=forced.get)
-                choice = chosen_splits(heads, kv_heads, dim, n, chunks, sms)
-                rows.append(dict(shape=name, n=n, s=s, chunks=chunks, choice_splits=choice, choice_us=[first, last],
-                                 forced_us=forced))
-                print(f"{name} N={n} S={s}: choice {first:.2f}/{last:.2f} ({choice} splits)  "
-                      f"best {forced[best]:.2f} ({best} splits)  "
+                rows.append(dict(shape=name, n=n, s=s, chunks=chunks, choice_us=[first, last], forced_us=forced))
+                print(f"{name} N={n} S={s}: choice {first:.2f}/{last:.2f}  best {forced[best]:.2f} ({best} splits)  "
                       + " ".join(f"{r}:{t:.2f}" for r, t in forced.items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:
