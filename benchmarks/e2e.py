@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ddtree_ext  # noqa: E402
 from ddtree_ext import fused, gemm_tuning, generate  # noqa: E402
+from ddtree_ext import target as target_module  # noqa: E402
 from ddtree_ext.draft import DFlashDraftModel  # noqa: E402
 from ddtree_ext.target import TargetAdapter, record_layer_outputs  # noqa: E402
 from ddtree_ext.tiny import tiny_draft_config  # noqa: E402
@@ -479,7 +480,8 @@ def markdown(report: dict) -> str:
         f"fla importable: {report['fla']}.",
         f"- Command: `{report['command']}`",
         f"- Projections: {report.get('projections', 'cuBLAS (F.linear)')}; residual adds: "
-        f"{report.get('residual_adds', 'apart (torch add, then the norm)')}; projections reading one input: "
+        f"{report.get('residual_adds', 'apart (torch add, then the norm)')}; GDN conv: "
+        f"{report.get('gdn_conv', 'apart from the delta rule')}; projections reading one input: "
         f"{'one GEMM over their stacked weights' if report.get('stacked_projections') else 'apart'}; "
         f"the core built for CUDA architectures "
         f"{report.get('cuda_archs', 'unknown')}.",
@@ -588,6 +590,9 @@ def main(argv=None) -> None:
                         help="run the attention layers' q/k norms, RoPE and output gate as HF's body does (four "
                              "launches and a gate of three) instead of ops.qk_norm_rope and ops.sigmoid_mul "
                              "(ddtree_ext.fused.fuse_attention_heads), for A/B runs")
+    parser.add_argument("--no-fused-gdn-conv", action="store_true",
+                        help="run a GDN layer's conv and delta rule as two ops (tree_conv1d, tree_gated_delta_rule) "
+                             "instead of ops.gdn_conv_delta_rule (ddtree_ext.target.fuse_gdn_conv), for A/B runs")
     parser.add_argument("--no-stacked-projections", action="store_true",
                         help="keep each projection's weight apart (else ddtree_ext.stack_projections stacks those that "
                              "read the same input, one GEMM for each group), for A/B runs")
@@ -604,6 +609,7 @@ def main(argv=None) -> None:
     gemm_tuning.gemv_candidate = args.gemv
     fused.fuse_residual_adds = not args.no_fused_adds
     fused.fuse_attention_heads = not args.no_fused_attention
+    target_module.fuse_gdn_conv = not args.no_fused_gdn_conv
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
     if bool(args.target) != bool(args.draft):
@@ -630,6 +636,8 @@ def main(argv=None) -> None:
                      + (", and ops.linear_gemv for single rows" if gemm_tuning.gemv_candidate else "")
                      if gemm_tuning.enabled else "cuBLAS (F.linear)"),
         residual_adds="fused into the next norm" if fused.fuse_residual_adds else "apart (torch add, then the norm)",
+        gdn_conv=("with the delta rule, one op (gdn_conv_delta_rule)" if target_module.fuse_gdn_conv
+                  else "apart from the delta rule (tree_conv1d, then tree_gated_delta_rule)"),
         stacked_projections=not args.no_stacked_projections,
         cuda_archs=ddtree_ext.build_info().get("cuda_archs", "unknown"),
     )

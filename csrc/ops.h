@@ -15,6 +15,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -40,18 +41,39 @@ void tree_attention_mask_cpu(const at::Tensor& ancestor_mask, const at::Tensor& 
 
 // ---- verify: GDN layers on a tree ------------------------------------------------------------
 void check_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                       const at::Tensor& conv_state, const at::Tensor& parent, const at::Tensor& out);
+                       const at::Tensor& conv_state, const at::Tensor& parent, const at::Tensor& out,
+                       const char* op = "tree_conv1d");
 void tree_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                      const at::Tensor& conv_state, const at::Tensor& parent, bool silu, at::Tensor& out);
 
 void check_tree_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
                                  const at::Tensor& parent, const at::Tensor& out, const at::Tensor& stash_u,
-                                 const at::Tensor& stash_k, const at::Tensor& stash_cumg);
+                                 const at::Tensor& stash_k, const at::Tensor& stash_cumg,
+                                 const char* op = "tree_gated_delta_rule");
 void tree_gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                const at::Tensor& beta, const at::Tensor& state, const at::Tensor& parent,
                                double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,
                                at::Tensor& stash_k, at::Tensor& stash_cumg);
+
+// gdn_conv_delta_rule: a GDN layer's causal conv (with SiLU) and its delta rule over the conv's q, k, v channels.
+// The check returns a buffer for the conv's output ([B, N, C], x's dtype) and its q, k, v views ([B, N, H, K] twice,
+// [B, N, HV, V]).
+struct GdnConvBuffers {
+  at::Tensor conv_out;
+  std::array<at::Tensor, 3> qkv;
+};
+GdnConvBuffers check_gdn_conv_delta_rule(const at::Tensor& x, const at::Tensor& conv_weight,
+                                     const c10::optional<at::Tensor>& conv_bias, const at::Tensor& conv_state,
+                                     const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                                     const at::Tensor& parent, int64_t heads, int64_t kdim, const at::Tensor& out,
+                                     const at::Tensor& stash_u, const at::Tensor& stash_k,
+                                     const at::Tensor& stash_cumg);
+void gdn_conv_delta_rule_cpu(const at::Tensor& x, const at::Tensor& conv_weight,
+                             const c10::optional<at::Tensor>& conv_bias, const at::Tensor& conv_state,
+                             const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                             const at::Tensor& parent, int64_t heads, int64_t kdim, double scale, bool use_qk_l2norm,
+                             at::Tensor& out, at::Tensor& stash_u, at::Tensor& stash_k, at::Tensor& stash_cumg);
 
 // ---- layer bodies: fused norms, SwiGLU, RoPE, projections, GDN gates, GQA attention (csrc/layer.cpp) ----------
 void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
@@ -147,6 +169,11 @@ void build_tree_cuda(const at::Tensor& logp, const at::Tensor& tokens, const at:
 void tree_attention_mask_cuda(const at::Tensor& ancestor_mask, const at::Tensor& prefix_len, at::Tensor& mask);
 void tree_conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                       const at::Tensor& conv_state, const at::Tensor& parent, bool silu, at::Tensor& out);
+void gdn_conv_delta_rule_cuda(const at::Tensor& x, const at::Tensor& conv_weight,
+                              const c10::optional<at::Tensor>& conv_bias, const at::Tensor& conv_state,
+                              const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                              const at::Tensor& parent, int64_t heads, int64_t kdim, double scale, bool use_qk_l2norm,
+                              at::Tensor& out, at::Tensor& stash_u, at::Tensor& stash_k, at::Tensor& stash_cumg);
 void tree_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                 const at::Tensor& beta, const at::Tensor& state, const at::Tensor& parent,
                                 double scale, bool use_qk_l2norm, at::Tensor& out, at::Tensor& stash_u,

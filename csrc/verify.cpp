@@ -241,8 +241,7 @@ void tree_gated_delta_rule_kernel(const float* qs, const float* kn, int64_t head
 }  // namespace
 
 void check_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& maybe_bias,
-                       const at::Tensor& conv_state, const at::Tensor& parent, const at::Tensor& out) {
-  constexpr const char* op = "tree_conv1d";
+                       const at::Tensor& conv_state, const at::Tensor& parent, const at::Tensor& out, const char* op) {
   DDTREE_CHECK_DIM(op, x, 3);
   DDTREE_CHECK_FLOAT(op, x);
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, x);
@@ -292,8 +291,7 @@ void tree_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::o
 void check_tree_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
                                  const at::Tensor& parent, const at::Tensor& out, const at::Tensor& stash_u,
-                                 const at::Tensor& stash_k, const at::Tensor& stash_cumg) {
-  constexpr const char* op = "tree_gated_delta_rule";
+                                 const at::Tensor& stash_k, const at::Tensor& stash_cumg, const char* op) {
   DDTREE_CHECK_DIM(op, q, 4);
   DDTREE_CHECK_FLOAT(op, q);
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, q);
@@ -341,6 +339,49 @@ void tree_gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const a
     tree_gated_delta_rule_kernel<scalar_t>(queries.data(), stash_k.data_ptr<float>(), q.size(2), v, g, beta, state,
                                            parent, out, stash_u, stash_cumg);
   });
+}
+
+GdnConvBuffers check_gdn_conv_delta_rule(const at::Tensor& x, const at::Tensor& conv_weight,
+                                     const c10::optional<at::Tensor>& conv_bias, const at::Tensor& conv_state,
+                                     const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                                     const at::Tensor& parent, int64_t heads, int64_t kdim, const at::Tensor& out,
+                                     const at::Tensor& stash_u, const at::Tensor& stash_k,
+                                     const at::Tensor& stash_cumg) {
+  constexpr const char* op = "gdn_conv_delta_rule";
+  DDTREE_CHECK_DIM(op, x, 3);
+  DDTREE_CHECK_FLOAT(op, x);
+  DDTREE_CHECK(op, heads >= 1, "num_heads must be >= 1, got ", heads);
+  DDTREE_CHECK(op, kdim >= 1, "head_k_dim must be >= 1, got ", kdim);
+  DDTREE_CHECK_DIM(op, out, 4);
+  const int64_t channels = x.size(2), value_heads = out.size(2), vdim = out.size(3);
+  DDTREE_CHECK(op, value_heads >= 1 && vdim >= 1 && channels == 2 * heads * kdim + value_heads * vdim,
+               "x's channels C = ", channels, " must be 2 * num_heads * head_k_dim + HV * V = 2 * ", heads, " * ", kdim,
+               " + ", value_heads, " * ", vdim, " (HV, V from out's shape ", shape_str(out.sizes()), ")");
+  // The conv's output, in x's layout: checked as the conv's out, then split as the delta rule's q, k and v.
+  const int64_t bsz = x.size(0), n = x.size(1), key_dim = heads * kdim;
+  at::Tensor conv_out = at::empty({bsz, n, channels}, x.options());
+  check_tree_conv1d(x, conv_weight, conv_bias, conv_state, parent, conv_out, op);
+  GdnConvBuffers buffers{conv_out,
+                         {conv_out.narrow(2, 0, key_dim).view({bsz, n, heads, kdim}),
+                          conv_out.narrow(2, key_dim, key_dim).view({bsz, n, heads, kdim}),
+                          conv_out.narrow(2, 2 * key_dim, value_heads * vdim).view({bsz, n, value_heads, vdim})}};
+  const auto& qkv = buffers.qkv;
+  check_tree_gated_delta_rule(qkv[0], qkv[1], qkv[2], g, beta, state, parent, out, stash_u, stash_k, stash_cumg, op);
+  return buffers;
+}
+
+void gdn_conv_delta_rule_cpu(const at::Tensor& x, const at::Tensor& conv_weight,
+                             const c10::optional<at::Tensor>& conv_bias, const at::Tensor& conv_state,
+                             const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                             const at::Tensor& parent, int64_t heads, int64_t kdim, double scale, bool use_qk_l2norm,
+                             at::Tensor& out, at::Tensor& stash_u, at::Tensor& stash_k, at::Tensor& stash_cumg) {
+  auto buffers = check_gdn_conv_delta_rule(x, conv_weight, conv_bias, conv_state, g, beta, state, parent, heads, kdim,
+                                           out, stash_u, stash_k, stash_cumg);
+  check_parent_values("gdn_conv_delta_rule", parent);
+  tree_conv1d_cpu(x, conv_weight, conv_bias, conv_state, parent, /*silu=*/true, buffers.conv_out);
+  const auto& qkv = buffers.qkv;
+  tree_gated_delta_rule_cpu(qkv[0], qkv[1], qkv[2], g, beta, state, parent, scale, use_qk_l2norm, out, stash_u,
+                            stash_k, stash_cumg);
 }
 
 }  // namespace ddtree

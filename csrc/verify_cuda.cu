@@ -1264,14 +1264,50 @@ constexpr int kNodeThreads = 256;
 constexpr int kNodeWarps = kNodeThreads / kWarp;
 constexpr int kNodeBatch = 16;  // H0 rows a thread loads before its first product
 
+// gdn_conv_delta_rule's input for one node: the GDN layer's pre-conv channels x [B, 1, C] (q's, then k's, then v's)
+// and what the node's causal window needs besides (its weights, bias and the committed conv state).
 template <typename T>
+struct NodeConvInput {
+  const T* x;
+  int64_t x_sb;
+  const T* weight;  // [C, W]
+  int64_t w_sc, w_st;
+  const T* bias;  // nullptr: none
+  int64_t bias_s;
+  const T* conv_state;  // [B, C, S], the newest input last
+  int64_t cs_sb, cs_sc, cs_ss;
+  int state_len, width;
+  int64_t k_offset, v_offset;  // the first key and value channels: H K and 2 H K
+};
+
+// tree_conv1d's output at channel c of a one-node tree (its window: the last W - 1 committed inputs, then x): the
+// same sums in the same order, rounded as it rounds them (to T before the SiLU, and after it).
+template <typename T>
+__device__ __forceinline__ float node_conv_silu(const NodeConvInput<T>& in, int b, int64_t c) {
+  float acc = 0.f;
+  for (int t = 0; t < in.width; ++t) {
+    const int m = in.width - 1 - t;  // window column t holds the input m steps back
+    const float col = m == 0 ? cuda::to_float(in.x[b * in.x_sb + c])
+                             : cuda::to_float(in.conv_state[b * in.cs_sb + c * in.cs_sc + (in.state_len - m) * in.cs_ss]);
+    acc = fmaf(col, cuda::to_float(in.weight[c * in.w_sc + t * in.w_st]), acc);
+  }
+  float y = acc;
+  if (in.bias != nullptr) y += cuda::to_float(in.bias[c * in.bias_s]);
+  y = cuda::to_float(cuda::from_float<T>(y));
+  return cuda::to_float(cuda::from_float<T>(y / (1.f + expf(-y))));
+}
+
+// CONV: q, k and v are the SiLU of the causal conv of conv.x (gdn_conv_delta_rule), computed here, not read: one
+// launch where an autoregressive step ran tree_conv1d and this kernel one after the other.
+template <typename T, bool CONV>
 __global__ void __launch_bounds__(kNodeThreads) gdn_single_node_kernel(
-    GdnShapes sh, const T* __restrict__ q, int64_t q_sb, int64_t q_sh, const T* __restrict__ k, int64_t k_sb,
-    int64_t k_sh, const T* __restrict__ v, int64_t v_sb, int64_t v_sh, const float* __restrict__ g, int64_t g_sb,
-    int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sh, const float* __restrict__ state,
-    int64_t st_sb, int64_t st_sh, int64_t st_sk, int64_t st_sv, T* __restrict__ out, int64_t o_sb, int64_t o_sh,
-    float* __restrict__ stash_u, int64_t su_sb, int64_t su_sh, float* __restrict__ stash_k, int64_t sk_sb,
-    int64_t sk_sh, float* __restrict__ stash_cumg, int64_t cg_sb, int64_t cg_sh) {
+    GdnShapes sh, NodeConvInput<T> conv, const T* __restrict__ q, int64_t q_sb, int64_t q_sh, const T* __restrict__ k,
+    int64_t k_sb, int64_t k_sh, const T* __restrict__ v, int64_t v_sb, int64_t v_sh, const float* __restrict__ g,
+    int64_t g_sb, int64_t g_sh, const float* __restrict__ beta, int64_t be_sb, int64_t be_sh,
+    const float* __restrict__ state, int64_t st_sb, int64_t st_sh, int64_t st_sk, int64_t st_sv, T* __restrict__ out,
+    int64_t o_sb, int64_t o_sh, float* __restrict__ stash_u, int64_t su_sb, int64_t su_sh,
+    float* __restrict__ stash_k, int64_t sk_sb, int64_t sk_sh, float* __restrict__ stash_cumg, int64_t cg_sb,
+    int64_t cg_sh) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int kdim = sh.kdim;
   float* krow = reinterpret_cast<float*>(smem_raw);  // [K] raw key
@@ -1285,19 +1321,41 @@ __global__ void __launch_bounds__(kNodeThreads) gdn_single_node_kernel(
   const bool col_ok = v0 + lane < sh.vdim;
 
   // Launched as a programmatic dependent: the block's H0 tile (committed rounds ago) moves into L2 while the kernel
-  // ahead (the conv, which writes q, k and v) ends; a prefetch loads no register, and every load comes after the wait.
+  // ahead (the conv, which writes q, k and v; with CONV the qkv projection, which writes x) ends, and with CONV so do
+  // the conv's weights and committed inputs of the block's channels; a prefetch loads no register, and every load
+  // comes after the wait.
   cuda::allow_dependent_launch();
   for (int e = tid; e < kdim; e += kNodeThreads) cuda::prefetch_l2(state + b * st_sb + hv * st_sh + e * st_sk + v0 * st_sv);
+  if constexpr (CONV) {
+    for (int e = tid; e < 2 * kdim + kTileV; e += kNodeThreads) {
+      const int64_t c = e < kdim ? h * kdim + e
+                        : e < 2 * kdim ? conv.k_offset + h * kdim + (e - kdim)
+                                       : conv.v_offset + hv * sh.vdim + min(v0 + e - 2 * kdim, sh.vdim - 1);
+      cuda::prefetch_l2(conv.weight + c * conv.w_sc);
+      cuda::prefetch_l2(conv.conv_state + b * conv.cs_sb + c * conv.cs_sc);
+    }
+  }
   cuda::wait_for_preceding_grid();
 
   // The rows, and this lane's v, g and beta (warp 0); the H0 column entries follow.
-  for (int e = tid; e < kdim; e += kNodeThreads) {
-    krow[e] = cuda::to_float(k[b * k_sb + h * k_sh + e]);
-    qrow[e] = cuda::to_float(q[b * q_sb + h * q_sh + e]);
-  }
   float vv = 0.f, gg = 0.f, bt = 0.f;
+  if constexpr (CONV) {
+    for (int e = tid; e < 2 * kdim; e += kNodeThreads) {
+      if (e < kdim) {
+        qrow[e] = node_conv_silu(conv, b, h * kdim + e);
+      } else {
+        krow[e - kdim] = node_conv_silu(conv, b, conv.k_offset + h * kdim + (e - kdim));
+      }
+    }
+    if (warp == 0) vv = node_conv_silu(conv, b, conv.v_offset + hv * sh.vdim + col);
+  } else {
+    for (int e = tid; e < kdim; e += kNodeThreads) {
+      krow[e] = cuda::to_float(k[b * k_sb + h * k_sh + e]);
+      qrow[e] = cuda::to_float(q[b * q_sb + h * q_sh + e]);
+    }
+    if (warp == 0) vv = cuda::to_float(v[b * v_sb + hv * v_sh + col]);
+  }
   if (warp == 0) {
-    vv = cuda::to_float(v[b * v_sb + hv * v_sh + col]);
     gg = g[b * g_sb + hv * g_sh];
     bt = beta[b * be_sb + hv * be_sh];
   }
@@ -1361,6 +1419,27 @@ bool rows_in_packs(const at::Tensor& x) {
          cuda::is_aligned(x.data_ptr(), 16);
 }
 
+// q, k, v: the delta rule's inputs (views of x's layout with CONV, where the kernel reads conv.x instead: their
+// shapes and strides still give the kernel its shapes).
+template <typename T, bool CONV>
+void launch_single_node(const GdnShapes& sh, const NodeConvInput<T>& conv, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                        at::Tensor& out, at::Tensor& stash_u, at::Tensor& stash_k, at::Tensor& stash_cumg) {
+  const int64_t kdim = k.size(3), vdim = v.size(3);
+  const size_t smem = sizeof(float) * (2 * kdim + 2 * kNodeWarps * kWarp);
+  cuda::allow_dynamic_smem(gdn_single_node_kernel<T, CONV>, smem);
+  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(vdim, kTileV)), static_cast<unsigned>(v.size(2)),
+                  static_cast<unsigned>(k.size(0)));
+  cuda::launch_programmatic(
+      gdn_single_node_kernel<T, CONV>, grid, dim3(kNodeThreads), smem, sh, conv, q.data_ptr<T>(), q.stride(0),
+      q.stride(2), k.data_ptr<T>(), k.stride(0), k.stride(2), v.data_ptr<T>(), v.stride(0), v.stride(2),
+      g.data_ptr<float>(), g.stride(0), g.stride(2), beta.data_ptr<float>(), beta.stride(0), beta.stride(2),
+      state.data_ptr<float>(), state.stride(0), state.stride(1), state.stride(2), state.stride(3), out.data_ptr<T>(),
+      out.stride(0), out.stride(2), stash_u.data_ptr<float>(), stash_u.stride(0), stash_u.stride(2),
+      stash_k.data_ptr<float>(), stash_k.stride(0), stash_k.stride(2), stash_cumg.data_ptr<float>(),
+      stash_cumg.stride(0), stash_cumg.stride(2));
+}
+
 template <typename T>
 void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                      const at::Tensor& beta, const at::Tensor& state, const at::Tensor& parent, double scale,
@@ -1390,18 +1469,7 @@ void launch_tree_gdn(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                     " need more shared memory than this GPU offers (", std::max(lay.total, prep_smem), " bytes)");
   const cudaStream_t stream = cuda::current_stream();
   if (n == 1) {
-    const size_t smem = sizeof(float) * (2 * kdim + 2 * kNodeWarps * kWarp);
-    cuda::allow_dynamic_smem(gdn_single_node_kernel<T>, smem);
-    const dim3 grid(static_cast<unsigned>(cuda::ceil_div(vdim, kTileV)), static_cast<unsigned>(value_heads),
-                    static_cast<unsigned>(bsz));
-    cuda::launch_programmatic(
-        gdn_single_node_kernel<T>, grid, dim3(kNodeThreads), smem, sh, q.data_ptr<T>(), q.stride(0), q.stride(2),
-        k.data_ptr<T>(), k.stride(0), k.stride(2), v.data_ptr<T>(),
-        v.stride(0), v.stride(2), g.data_ptr<float>(), g.stride(0), g.stride(2), beta.data_ptr<float>(),
-        beta.stride(0), beta.stride(2), state.data_ptr<float>(), state.stride(0), state.stride(1), state.stride(2),
-        state.stride(3), out.data_ptr<T>(), out.stride(0), out.stride(2), stash_u.data_ptr<float>(),
-        stash_u.stride(0), stash_u.stride(2), stash_k.data_ptr<float>(), stash_k.stride(0), stash_k.stride(2),
-        stash_cumg.data_ptr<float>(), stash_cumg.stride(0), stash_cumg.stride(2));
+    launch_single_node<T, false>(sh, NodeConvInput<T>{}, q, k, v, g, beta, state, out, stash_u, stash_k, stash_cumg);
     return;
   }
   // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture. coef_near holds T_i[a] and
@@ -1483,6 +1551,37 @@ void tree_conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::
   if (x.numel() == 0) return;
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "tree_conv1d",
                         [&] { launch_tree_conv1d<scalar_t>(x, weight, bias, conv_state, parent, silu, out); });
+}
+
+void gdn_conv_delta_rule_cuda(const at::Tensor& x, const at::Tensor& conv_weight,
+                              const c10::optional<at::Tensor>& conv_bias, const at::Tensor& conv_state,
+                              const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                              const at::Tensor& parent, int64_t heads, int64_t kdim, double scale, bool use_qk_l2norm,
+                              at::Tensor& out, at::Tensor& stash_u, at::Tensor& stash_k, at::Tensor& stash_cumg) {
+  auto buffers = check_gdn_conv_delta_rule(x, conv_weight, conv_bias, conv_state, g, beta, state, parent, heads, kdim,
+                                           out, stash_u, stash_k, stash_cumg);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (x.size(0) == 0 || x.size(1) == 0) return;
+  const auto& qkv = buffers.qkv;
+  if (x.size(1) > 1) {  // a tree: the conv, then the tree kernels (which read each node's q, k, v many times)
+    tree_conv1d_cuda(x, conv_weight, conv_bias, conv_state, parent, /*silu=*/true, buffers.conv_out);
+    tree_gated_delta_rule_cuda(qkv[0], qkv[1], qkv[2], g, beta, state, parent, scale, use_qk_l2norm, out, stash_u,
+                               stash_k, stash_cumg);
+    return;
+  }
+  DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "gdn_conv_delta_rule", [&] {
+    const int64_t key_dim = heads * kdim;
+    const NodeConvInput<scalar_t> conv{
+        x.data_ptr<scalar_t>(), x.stride(0), conv_weight.data_ptr<scalar_t>(), conv_weight.stride(0),
+        conv_weight.stride(1), conv_bias.has_value() ? conv_bias->data_ptr<scalar_t>() : nullptr,
+        conv_bias.has_value() ? conv_bias->stride(0) : 0, conv_state.data_ptr<scalar_t>(), conv_state.stride(0),
+        conv_state.stride(1), conv_state.stride(2), static_cast<int>(conv_state.size(2)),
+        static_cast<int>(conv_weight.size(1)), key_dim, 2 * key_dim};
+    const GdnShapes sh{1, static_cast<int>(heads), static_cast<int>(out.size(2)), static_cast<int>(kdim),
+                       static_cast<int>(out.size(3)), static_cast<float>(scale), use_qk_l2norm};
+    launch_single_node<scalar_t, true>(sh, conv, qkv[0], qkv[1], qkv[2], g, beta, state, out, stash_u, stash_k,
+                                       stash_cumg);
+  });
 }
 
 void tree_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,

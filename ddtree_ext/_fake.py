@@ -10,6 +10,7 @@ _OPS = (
     "tree_attention_mask",
     "tree_conv1d",
     "tree_gated_delta_rule",
+    "gdn_conv_delta_rule",
     "rms_norm",
     "add_rms_norm",
     "silu_mul",

@@ -276,6 +276,14 @@ def tree_conv1d(
     return out
 
 
+def _gdn_outputs(b: int, n: int, h: int, kd: int, hv: int, vd: int, dtype: torch.dtype,
+                 device: torch.device) -> GDNTreeOutput:
+    """Contiguous buffers of a GDNTreeOutput: out [B, N, HV, V] in ``dtype``, the float32 stash."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return GDNTreeOutput(torch.empty(b, n, hv, vd, dtype=dtype, device=device), torch.empty(b, n, hv, vd, **f32),
+                         torch.empty(b, n, h, kd, **f32), torch.empty(b, n, hv, **f32))
+
+
 def tree_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -302,18 +310,46 @@ def tree_gated_delta_rule(
     :func:`commit_gdn_state`).
     """
     if out is None:
-        b, n, h, kd = k.shape
-        hv, vd = v.shape[2], v.shape[3]
-        f32 = dict(dtype=torch.float32, device=v.device)
-        out = GDNTreeOutput(
-            torch.empty(b, n, hv, vd, dtype=v.dtype, device=v.device),
-            torch.empty(b, n, hv, vd, **f32),
-            torch.empty(b, n, h, kd, **f32),
-            torch.empty(b, n, hv, **f32),
-        )
+        out = _gdn_outputs(*k.shape, *v.shape[2:], v.dtype, v.device)
     if scale is None:
         scale = k.shape[-1] ** -0.5
     load_ops().tree_gated_delta_rule(q, k, v, g, beta, state, parent, float(scale), use_qk_l2norm, *out)
+    return out
+
+
+def gdn_conv_delta_rule(
+    x: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: Optional[torch.Tensor],
+    conv_state: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    parent: torch.Tensor,
+    *,
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    scale: Optional[float] = None,
+    use_qk_l2norm: bool = True,
+    out: Optional[GDNTreeOutput] = None,
+) -> GDNTreeOutput:
+    """A GDN layer's causal conv with SiLU and its gated delta rule, from the pre-conv channels: the same bits as
+    :func:`tree_conv1d` (``silu=True``) whose output is split into q, k [B, N, H, K] and v [B, N, HV, V] (channels
+    [0, H K), [H K, 2 H K), [2 H K, C)) and given to :func:`tree_gated_delta_rule`.
+
+    H, K, V: ``num_heads``, ``head_k_dim``, ``head_v_dim``.
+    x [B, N, C] float16/bfloat16/float32 (last dim contiguous) with C = 2 H K + HV V, conv_weight [C, W] and
+    conv_bias [C] or None in x's dtype, conv_state [B, C, S] (S >= W - 1); g, beta, state, parent and the result as
+    for :func:`tree_gated_delta_rule` (HV is g's last dim). On CUDA a single node (an autoregressive step) runs as one
+    launch, the conv computed where the delta rule reads its inputs; a tree runs the two ops' kernels.
+    """
+    if out is None:
+        out = _gdn_outputs(*x.shape[:2], num_heads, head_k_dim, g.shape[-1], head_v_dim, x.dtype, x.device)
+    if scale is None:
+        scale = head_k_dim ** -0.5
+    load_ops().gdn_conv_delta_rule(x, conv_weight, conv_bias, conv_state, g, beta, state, parent, int(num_heads),
+                                   int(head_k_dim), float(scale), use_qk_l2norm, *out)
     return out
 
 

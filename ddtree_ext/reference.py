@@ -252,6 +252,21 @@ def tree_gated_delta_rule(
     return GDNTreeOutput(out.to(dtype=v.dtype, device=dev), stash_u.to(dev), kf.to(dev), stash_cumg.to(dev))
 
 
+def gdn_conv_delta_rule(
+    x, conv_weight, conv_bias, conv_state, g, beta, state, parent, *, num_heads: int, head_k_dim: int,
+    head_v_dim: int, scale=None, use_qk_l2norm: bool = True
+) -> GDNTreeOutput:
+    """tree_conv1d (SiLU) split into q, k, v, then tree_gated_delta_rule."""
+    bsz, n, _ = x.shape
+    key_dim = num_heads * head_k_dim
+    y = tree_conv1d(x, conv_weight, conv_bias, conv_state, parent, silu=True)
+    q, k, v = torch.split(y, [key_dim, key_dim, y.shape[-1] - 2 * key_dim], dim=-1)
+    return tree_gated_delta_rule(
+        q.reshape(bsz, n, num_heads, head_k_dim), k.reshape(bsz, n, num_heads, head_k_dim),
+        v.reshape(bsz, n, -1, head_v_dim), g, beta, state, parent, scale=scale, use_qk_l2norm=use_qk_l2norm,
+    )
+
+
 # ---- layer bodies ----------------------------------------------------------------------------
 # The HF modules' own arithmetic (Qwen3RMSNorm, Qwen3_5RMSNorm, Qwen3_5RMSNormGated, the MLPs' SwiGLU,
 # apply_rotary_pos_emb, Qwen3_5GatedDeltaNet's gates), written out so the tests need no model to check the

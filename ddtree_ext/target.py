@@ -56,9 +56,14 @@ from ddtree_ext.fused import OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, ops
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
 
-# The op functions the adapter calls (tree_attention_mask, store_kv, tree_conv1d, tree_gated_delta_rule,
-# commit_kv, commit_gdn_state, commit_conv_state) all go through this one name.
+# The op functions the adapter calls (tree_attention_mask, store_kv, gdn_conv_delta_rule, tree_conv1d,
+# tree_gated_delta_rule, commit_kv, commit_gdn_state, commit_conv_state) all go through this one name.
 _ops = ops
+
+# Whether a GDN layer with a SiLU conv runs its conv and delta rule as one op (``ops.gdn_conv_delta_rule``: one launch
+# for an autoregressive step's single node on CUDA), else as tree_conv1d then tree_gated_delta_rule. The same bits
+# either way; ``benchmarks/e2e.py --no-fused-gdn-conv`` turns it off for A/B runs.
+fuse_gdn_conv = True
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 
@@ -553,22 +558,29 @@ def _gdn_tree_forward(
     mixed_qkv = gdn.in_proj_qkv(hidden_states)
 
     # HF's torch conv (causal_conv1d_fn / causal_conv1d_update fallbacks) rounds the conv to the model
-    # dtype before the activation; the op's SiLU does the same (one launch instead of two), another activation
+    # dtype before the activation; the ops' SiLU does the same (one launch instead of two), another activation
     # runs after it as HF's.
     weight = gdn.conv1d.weight.squeeze(1)
-    if gdn.activation in SILU_ACTIVATIONS:
-        conv_out = _ops.tree_conv1d(mixed_qkv, weight, gdn.conv1d.bias, conv_state, parent, silu=True)
-    else:
-        conv_out = ACT2FN[gdn.activation](
-            _ops.tree_conv1d(mixed_qkv, weight, gdn.conv1d.bias, conv_state, parent, silu=False)
+    if gdn.activation in SILU_ACTIVATIONS and fuse_gdn_conv:
+        # The gates are ready long before the qkv projection is: joining them before the conv costs no wait.
+        fork.join(gates_done, g, beta)
+        delta = _ops.gdn_conv_delta_rule(
+            mixed_qkv, weight, gdn.conv1d.bias, conv_state, g, beta, recurrent_state, parent,
+            num_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim, use_qk_l2norm=True,
         )
-    query, key, value = torch.split(conv_out, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
-    query = query.reshape(batch, num_nodes, -1, gdn.head_k_dim)
-    key = key.reshape(batch, num_nodes, -1, gdn.head_k_dim)
-    value = value.reshape(batch, num_nodes, -1, gdn.head_v_dim)
-
-    fork.join(gates_done, g, beta)
-    delta = _ops.tree_gated_delta_rule(query, key, value, g, beta, recurrent_state, parent, use_qk_l2norm=True)
+    else:
+        if gdn.activation in SILU_ACTIVATIONS:
+            conv_out = _ops.tree_conv1d(mixed_qkv, weight, gdn.conv1d.bias, conv_state, parent, silu=True)
+        else:
+            conv_out = ACT2FN[gdn.activation](
+                _ops.tree_conv1d(mixed_qkv, weight, gdn.conv1d.bias, conv_state, parent, silu=False)
+            )
+        query, key, value = torch.split(conv_out, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+        query = query.reshape(batch, num_nodes, -1, gdn.head_k_dim)
+        key = key.reshape(batch, num_nodes, -1, gdn.head_k_dim)
+        value = value.reshape(batch, num_nodes, -1, gdn.head_v_dim)
+        fork.join(gates_done, g, beta)
+        delta = _ops.tree_gated_delta_rule(query, key, value, g, beta, recurrent_state, parent, use_qk_l2norm=True)
 
     fork.join(z)
     core = gdn.norm(delta.out.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))

@@ -24,6 +24,10 @@ TORCH_LIBRARY(ddtree, m) {
       "tree_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, Tensor parent, "
       "float scale, bool use_qk_l2norm, Tensor(a!) out, Tensor(b!) stash_u, Tensor(c!) stash_k, "
       "Tensor(d!) stash_cumg) -> ()");
+  m.def(
+      "gdn_conv_delta_rule(Tensor x, Tensor conv_weight, Tensor? conv_bias, Tensor conv_state, Tensor g, "
+      "Tensor beta, Tensor state, Tensor parent, int num_heads, int head_k_dim, float scale, bool use_qk_l2norm, "
+      "Tensor(a!) out, Tensor(b!) stash_u, Tensor(c!) stash_k, Tensor(d!) stash_cumg) -> ()");
   // layer bodies
   m.def("rms_norm(Tensor x, Tensor weight, Tensor? gate, float eps, bool zero_centered, Tensor(a!) out) -> ()");
   m.def(
@@ -70,6 +74,7 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("tree_attention_mask", &ddtree::tree_attention_mask_cpu);
   m.impl("tree_conv1d", &ddtree::tree_conv1d_cpu);
   m.impl("tree_gated_delta_rule", &ddtree::tree_gated_delta_rule_cpu);
+  m.impl("gdn_conv_delta_rule", &ddtree::gdn_conv_delta_rule_cpu);
   m.impl("rms_norm", &ddtree::rms_norm_cpu);
   m.impl("add_rms_norm", &ddtree::add_rms_norm_cpu);
   m.impl("silu_mul", &ddtree::silu_mul_cpu);

@@ -10,6 +10,7 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("tree_attention_mask", &ddtree::tree_attention_mask_cuda);
   m.impl("tree_conv1d", &ddtree::tree_conv1d_cuda);
   m.impl("tree_gated_delta_rule", &ddtree::tree_gated_delta_rule_cuda);
+  m.impl("gdn_conv_delta_rule", &ddtree::gdn_conv_delta_rule_cuda);
   m.impl("rms_norm", &ddtree::rms_norm_cuda);
   m.impl("add_rms_norm", &ddtree::add_rms_norm_cuda);
   m.impl("silu_mul", &ddtree::silu_mul_cuda);

@@ -421,6 +421,58 @@ def test_tree_gated_delta_rule_single_node(dtype, l2norm, bsz, heads, value_head
     assert_gdn_close(got, gdn_recurrence_fp64(x, scale or kdim**-0.5, l2norm=l2norm), dtype, "vs float64 recurrence")
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(
+    "n,heads,value_heads,kdim,vdim,width,state_len,bias",
+    [
+        (1, 2, 4, 16, 8, 4, 3, True),
+        (1, 1, 3, 32, 40, 3, 5, False),  # V not a multiple of the 32-column tile, a longer state
+        (1, 16, 48, 128, 128, 4, 4, True),  # Qwen3.6-27B's GDN layer
+        (1, 2, 2, 160, 33, 2, 1, True),  # 2 K channels of q and k past one a thread
+        (17, 2, 4, 16, 8, 4, 3, True),  # a tree: the conv, then the tree kernels
+    ],
+)
+def test_gdn_conv_delta_rule_is_the_two_ops(dtype, n, heads, value_heads, kdim, vdim, width, state_len, bias):
+    """gdn_conv_delta_rule on CUDA has the bits of tree_conv1d (SiLU) then tree_gated_delta_rule on CUDA, x a column
+    slice of a wider projection output; a single node runs one kernel (no conv kernel), a tree the two ops'."""
+    gen = make_gen(n + kdim + vdim + width)
+    channels = 2 * heads * kdim + value_heads * vdim
+    x_wide = torch.randn(2, n, channels + 8, generator=gen).to(dtype).to(DEV)
+    x = x_wide[..., 8:]
+    weight = (torch.randn(channels, width, generator=gen) * 0.5).to(dtype).to(DEV)
+    b = (torch.randn(channels, generator=gen) * 0.1).to(dtype).to(DEV) if bias else None
+    conv_state = torch.randn(2, channels, state_len, generator=gen).to(dtype).to(DEV)
+    parent = torch.stack([random_parents(n, gen, "random") for _ in range(2)]).to(DEV)
+    g = (-torch.rand(2, n, value_heads, generator=gen).exp()).to(DEV)
+    beta = torch.sigmoid(torch.randn(2, n, value_heads, generator=gen)).to(DEV)
+    state = (torch.randn(2, value_heads, kdim, vdim, generator=gen) * 0.3).to(DEV)
+
+    def outputs():
+        return poisoned(GDNTreeOutput(
+            torch.empty(2, n, value_heads, vdim, dtype=dtype, device=DEV),
+            torch.empty(2, n, value_heads, vdim, device=DEV),
+            torch.empty(2, n, heads, kdim, device=DEV),
+            torch.empty(2, n, value_heads, device=DEV),
+        ))
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = ops.gdn_conv_delta_rule(x, weight, b, conv_state, g, beta, state, parent, num_heads=heads,
+                                      head_k_dim=kdim, head_v_dim=vdim, out=outputs())
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("tree_conv1d_kernel" in k for k in kernels) == (n > 1), kernels
+    y = ops.tree_conv1d(x, weight, b, conv_state, parent, silu=True)
+    q, k, v = torch.split(y, [heads * kdim, heads * kdim, value_heads * vdim], dim=-1)
+    apart = ops.tree_gated_delta_rule(q.unflatten(-1, (heads, kdim)), k.unflatten(-1, (heads, kdim)),
+                                      v.unflatten(-1, (value_heads, vdim)), g, beta, state, parent, out=outputs())
+    for name, a, e in zip(GDNTreeOutput._fields, got, apart):
+        assert torch.equal(a, e), name
+    cpu = ops.gdn_conv_delta_rule(x.cpu(), weight.cpu(), None if b is None else b.cpu(), conv_state.cpu(), g.cpu(),
+                                  beta.cpu(), state.cpu(), parent.cpu(), num_heads=heads, head_k_dim=kdim,
+                                  head_v_dim=vdim)
+    assert_gdn_close(got, cpu, dtype, "vs CPU op")
+
+
 @pytest.mark.parametrize("dtype,n", [(torch.float32, 48), (torch.bfloat16, 100), (torch.bfloat16, 64), (torch.float16, 96)])
 def test_tree_gated_delta_rule_deep_chain(dtype, n):
     """Paths longer than the 17 ancestor distances the kernels keep in shared memory (and than a warp): the

@@ -301,15 +301,17 @@ def test_failed_verify_restores_layers_and_cache(hybrid, monkeypatch):
     before = {k: v.clone() for k, v in _cache_tensors(adapter, state).items()}
 
     calls = []
-    delta_rule = target._ops.tree_gated_delta_rule
 
-    def failing_delta_rule(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected failure")
-        return delta_rule(*args, **kwargs)
+    def failing(op):
+        def failing_delta_rule(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure")
+            return op(*args, **kwargs)
+        return failing_delta_rule
 
-    monkeypatch.setattr(target._ops, "tree_gated_delta_rule", failing_delta_rule)
+    for name in ("gdn_conv_delta_rule", "tree_gated_delta_rule"):  # the one a GDN layer calls (target.fuse_gdn_conv)
+        monkeypatch.setattr(target._ops, name, failing(getattr(target._ops, name)))
     tree = _random_tree(gen, state.prefix_len, 5, "random")
     with pytest.raises(RuntimeError, match="injected"):
         adapter.verify(tree, state)

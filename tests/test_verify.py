@@ -380,6 +380,78 @@ def test_tree_gated_delta_rule_rejects_bad_input(mistake, gen):
         assert torch.isnan(args[name]).all(), f"{name} was written before the error"
 
 
+# ---- gdn_conv_delta_rule: the conv and the delta rule as one op --------------------------------
+
+
+def gdn_conv_case(bsz, n, heads, vheads, kdim, vdim, width, dtype, gen, *, bias=True, parent=None):
+    """The one op's inputs: pre-conv channels [q | k | v] as a column slice of a wider projection output."""
+    channels = 2 * heads * kdim + vheads * vdim
+    x, weight, b, conv_state = conv_inputs(bsz, n, channels, width, width + 1, dtype, gen, bias=bias)
+    parent = random_tree_batch(bsz, n, gen) if parent is None else parent
+    g = -0.5 * torch.rand(bsz, n, vheads, generator=gen)
+    beta = torch.rand(bsz, n, vheads, generator=gen)
+    state = torch.randn(bsz, vheads, kdim, vdim, generator=gen)
+    return x, weight, b, conv_state, g, beta, state, parent
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 9])
+def test_gdn_conv_delta_rule_is_the_conv_then_the_rule(dtype, n, gen):
+    """The same bits as tree_conv1d (SiLU) split into q, k, v and tree_gated_delta_rule, and the reference's values."""
+    heads, vheads, kdim, vdim = 2, 6, 16, 8
+    x, weight, b, conv_state, g, beta, state, parent = gdn_conv_case(2, n, heads, vheads, kdim, vdim, 4, dtype, gen)
+    q0 = torch.empty(2, n, heads, kdim, dtype=dtype)
+    v0 = torch.empty(2, n, vheads, vdim, dtype=dtype)
+    got = ops.gdn_conv_delta_rule(x, weight, b, conv_state, g, beta, state, parent, num_heads=heads, head_k_dim=kdim,
+                                  head_v_dim=vdim, out=empty_gdn_out(q0, v0))
+    y = ops.tree_conv1d(x, weight, b, conv_state, parent, silu=True)
+    q, k, v = torch.split(y, [heads * kdim, heads * kdim, vheads * vdim], dim=-1)
+    apart = ops.tree_gated_delta_rule(q.unflatten(-1, (heads, kdim)), k.unflatten(-1, (heads, kdim)),
+                                      v.unflatten(-1, (vheads, vdim)), g, beta, state, parent)
+    for name, a, e in zip(GDN_OUTPUTS, got, apart):
+        assert torch.equal(a, e), name
+    want = reference.gdn_conv_delta_rule(x, weight, b, conv_state, g, beta, state, parent, num_heads=heads,
+                                         head_k_dim=kdim, head_v_dim=vdim)
+    assert_gdn_matches(got, want, dtype)
+
+
+BAD_GDN_CONV = {
+    "channels": (dict(num_heads=3), r"x's channels C = 112 must be 2 \* num_heads \* head_k_dim \+ HV \* V"),
+    "heads": (dict(num_heads=0), "num_heads must be >= 1, got 0"),
+    "head_k_dim": (dict(head_k_dim=0), "head_k_dim must be >= 1, got 0"),
+    "weight": (dict(weight=lambda w: w[:-1]), r"weight must have shape \[C, W\] with C = 112"),
+    "conv_state": (dict(conv_state=lambda s: s[:, :, :2]), "conv_state must hold at least W - 1 = 3 columns"),
+    "g": (dict(g=lambda t: t[..., :-1]), "g must have shape"),
+    "state": (dict(state=lambda t: t.double()), "state must have dtype Float"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(BAD_GDN_CONV))
+def test_gdn_conv_delta_rule_rejects_bad_input(mistake, gen):
+    """Errors name the op and the argument, before any output is written."""
+    change, message = BAD_GDN_CONV[mistake]
+    x, weight, b, conv_state, g, beta, state, parent = gdn_conv_case(2, 5, 2, 6, 16, 8, 4, torch.float32, gen)
+    args = dict(x=x, weight=weight, b=b, conv_state=conv_state, g=g, beta=beta, state=state, parent=parent)
+    sizes = dict(num_heads=2, head_k_dim=16)
+    for name, value in change.items():
+        if name in sizes:
+            sizes[name] = value
+        else:
+            args[name] = value(args[name])
+    out = empty_gdn_out(torch.empty(2, 5, 2, 16), torch.empty(2, 5, 6, 8))
+    with pytest.raises(ValueError, match=f"^gdn_conv_delta_rule: {message}"):
+        load_ops().gdn_conv_delta_rule(*args.values(), sizes["num_heads"], sizes["head_k_dim"], 0.25, True, *out)
+    for name, t in zip(GDN_OUTPUTS, out):
+        assert torch.isnan(t).all(), f"{name} was written before the error"
+
+
+def test_gdn_conv_delta_rule_opcheck(gen):
+    x, weight, b, conv_state, g, beta, state, parent = gdn_conv_case(2, 3, 2, 6, 8, 4, 4, torch.bfloat16, gen)
+    out = empty_gdn_out(torch.empty(2, 3, 2, 8), torch.empty(2, 3, 6, 4, dtype=torch.bfloat16))
+    torch.library.opcheck(load_ops().gdn_conv_delta_rule.default,
+                          (x, weight, b, conv_state, g, beta, state, parent, 2, 8, 0.35, True, *out))
+
+
 # ---- registration ----------------------------------------------------------------------------
 
 
