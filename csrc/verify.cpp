@@ -357,6 +357,8 @@ GdnConvBuffers check_gdn_conv_delta_rule(const at::Tensor& x, const at::Tensor& 
   DDTREE_CHECK(op, value_heads >= 1 && vdim >= 1 && channels == 2 * heads * kdim + value_heads * vdim,
                "x's channels C = ", channels, " must be 2 * num_heads * head_k_dim + HV * V = 2 * ", heads, " * ", kdim,
                " + ", value_heads, " * ", vdim, " (HV, V from out's shape ", shape_str(out.sizes()), ")");
+  DDTREE_CHECK(op, value_heads % heads == 0, "out's value heads HV = ", value_heads,
+               " must be a multiple of num_heads = ", heads);
   // The conv's output, in x's layout: checked as the conv's out, then split as the delta rule's q, k and v.
   const int64_t bsz = x.size(0), n = x.size(1), key_dim = heads * kdim;
   at::Tensor conv_out = at::empty({bsz, n, channels}, x.options());

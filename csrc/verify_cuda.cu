@@ -1332,7 +1332,9 @@ __global__ void __launch_bounds__(kNodeThreads) gdn_single_node_kernel(
                         : e < 2 * kdim ? conv.k_offset + h * kdim + (e - kdim)
                                        : conv.v_offset + hv * sh.vdim + min(v0 + e - 2 * kdim, sh.vdim - 1);
       cuda::prefetch_l2(conv.weight + c * conv.w_sc);
-      cuda::prefetch_l2(conv.conv_state + b * conv.cs_sb + c * conv.cs_sc);
+      if (conv.width > 1) {  // the newest committed input the window reads
+        cuda::prefetch_l2(conv.conv_state + b * conv.cs_sb + c * conv.cs_sc + (conv.state_len - 1) * conv.cs_ss);
+      }
     }
   }
   cuda::wait_for_preceding_grid();
@@ -1569,6 +1571,9 @@ void gdn_conv_delta_rule_cuda(const at::Tensor& x, const at::Tensor& conv_weight
                                stash_k, stash_cumg);
     return;
   }
+  const size_t smem = sizeof(float) * (2 * kdim + 2 * kNodeWarps * kWarp);  // launch_single_node's
+  TORCH_CHECK_VALUE(smem <= cuda::max_dynamic_smem(), "gdn_conv_delta_rule: head_k_dim = ", kdim,
+                    " needs more shared memory than this GPU offers (", smem, " bytes)");
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "gdn_conv_delta_rule", [&] {
     const int64_t key_dim = heads * kdim;
     const NodeConvInput<scalar_t> conv{

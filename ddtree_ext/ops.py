@@ -338,7 +338,7 @@ def gdn_conv_delta_rule(
     :func:`tree_conv1d` (``silu=True``) whose output is split into q, k [B, N, H, K] and v [B, N, HV, V] (channels
     [0, H K), [H K, 2 H K), [2 H K, C)) and given to :func:`tree_gated_delta_rule`.
 
-    H, K, V: ``num_heads``, ``head_k_dim``, ``head_v_dim``.
+    H, K, V: ``num_heads``, ``head_k_dim``, ``head_v_dim`` (with ``out`` given, V and HV are its last two dims).
     x [B, N, C] float16/bfloat16/float32 (last dim contiguous) with C = 2 H K + HV V, conv_weight [C, W] and
     conv_bias [C] or None in x's dtype, conv_state [B, C, S] (S >= W - 1); g, beta, state, parent and the result as
     for :func:`tree_gated_delta_rule` (HV is g's last dim). On CUDA a single node (an autoregressive step) runs as one

@@ -429,15 +429,19 @@ def test_tree_gated_delta_rule_single_node(dtype, l2norm, bsz, heads, value_head
         (1, 1, 3, 32, 40, 3, 5, False),  # V not a multiple of the 32-column tile, a longer state
         (1, 16, 48, 128, 128, 4, 4, True),  # Qwen3.6-27B's GDN layer
         (1, 2, 2, 160, 33, 2, 1, True),  # 2 K channels of q and k past one a thread
+        (1, 2, 4, 16, 8, 1, 0, True),  # W = 1: no committed input read, an empty state
         (17, 2, 4, 16, 8, 4, 3, True),  # a tree: the conv, then the tree kernels
     ],
 )
-def test_gdn_conv_delta_rule_is_the_two_ops(dtype, n, heads, value_heads, kdim, vdim, width, state_len, bias):
+@pytest.mark.parametrize("l2norm,scale", [(True, None), (False, 0.37)])
+def test_gdn_conv_delta_rule_is_the_two_ops(dtype, n, heads, value_heads, kdim, vdim, width, state_len, bias, l2norm,
+                                            scale):
     """gdn_conv_delta_rule on CUDA has the bits of tree_conv1d (SiLU) then tree_gated_delta_rule on CUDA, x a column
-    slice of a wider projection output; a single node runs one kernel (no conv kernel), a tree the two ops'."""
+    slice of a wider projection output, with and without the q/k l2 norm; a single node runs one kernel (no conv
+    kernel), a tree the two ops'."""
     gen = make_gen(n + kdim + vdim + width)
     channels = 2 * heads * kdim + value_heads * vdim
-    x_wide = torch.randn(2, n, channels + 8, generator=gen).to(dtype).to(DEV)
+    x_wide = (torch.randn(2, n, channels + 8, generator=gen) * (1.0 if l2norm else 0.2)).to(dtype).to(DEV)
     x = x_wide[..., 8:]
     weight = (torch.randn(channels, width, generator=gen) * 0.5).to(dtype).to(DEV)
     b = (torch.randn(channels, generator=gen) * 0.1).to(dtype).to(DEV) if bias else None
@@ -457,19 +461,21 @@ def test_gdn_conv_delta_rule_is_the_two_ops(dtype, n, heads, value_heads, kdim, 
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         got = ops.gdn_conv_delta_rule(x, weight, b, conv_state, g, beta, state, parent, num_heads=heads,
-                                      head_k_dim=kdim, head_v_dim=vdim, out=outputs())
+                                      head_k_dim=kdim, head_v_dim=vdim, scale=scale, use_qk_l2norm=l2norm,
+                                      out=outputs())
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert any("tree_conv1d_kernel" in k for k in kernels) == (n > 1), kernels
     y = ops.tree_conv1d(x, weight, b, conv_state, parent, silu=True)
     q, k, v = torch.split(y, [heads * kdim, heads * kdim, value_heads * vdim], dim=-1)
     apart = ops.tree_gated_delta_rule(q.unflatten(-1, (heads, kdim)), k.unflatten(-1, (heads, kdim)),
-                                      v.unflatten(-1, (value_heads, vdim)), g, beta, state, parent, out=outputs())
+                                      v.unflatten(-1, (value_heads, vdim)), g, beta, state, parent, scale=scale,
+                                      use_qk_l2norm=l2norm, out=outputs())
     for name, a, e in zip(GDNTreeOutput._fields, got, apart):
         assert torch.equal(a, e), name
     cpu = ops.gdn_conv_delta_rule(x.cpu(), weight.cpu(), None if b is None else b.cpu(), conv_state.cpu(), g.cpu(),
                                   beta.cpu(), state.cpu(), parent.cpu(), num_heads=heads, head_k_dim=kdim,
-                                  head_v_dim=vdim)
+                                  head_v_dim=vdim, scale=scale, use_qk_l2norm=l2norm)
     assert_gdn_close(got, cpu, dtype, "vs CPU op")
 
 

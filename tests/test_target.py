@@ -363,6 +363,31 @@ def test_attention_width_does_not_change_the_result(adapter):
         assert rel_err(a, b) < 1e-6
 
 
+@pytest.mark.parametrize("num_nodes", [1, 9])
+def test_fused_gdn_conv_gives_the_bits_of_the_two_ops(adapter, monkeypatch, num_nodes):
+    """target.fuse_gdn_conv: a GDN layer's conv and delta rule as one op (gdn_conv_delta_rule) or as tree_conv1d then
+    tree_gated_delta_rule give the same logits, taps and GDN stash, bit for bit, on a tree and on a single node; the
+    fused path runs the one op per GDN layer, the other none of it."""
+    gen = torch.Generator().manual_seed(11)
+    prompt = _tokens(gen, 1, 6)
+    tree, results = None, []
+    for fuse in (True, False):
+        monkeypatch.setattr(target, "fuse_gdn_conv", fuse)
+        calls = []
+        stock = target._ops.gdn_conv_delta_rule
+        monkeypatch.setattr(target._ops, "gdn_conv_delta_rule", lambda *a, **k: calls.append(1) or stock(*a, **k))
+        state = adapter.new_state(capacity=CAPACITY)
+        adapter.prefill(prompt, state)
+        tree = tree if tree is not None else _random_tree(gen, state.prefix_len, num_nodes, "random")
+        results.append((adapter.verify(tree, state), [tuple(state.pending.gdn[i]) for i in adapter.gdn_layer_ids]))
+        monkeypatch.setattr(target._ops, "gdn_conv_delta_rule", stock)
+        assert len(calls) == (len(adapter.gdn_layer_ids) if fuse else 0)
+    (fused_out, fused_stash), (apart_out, apart_stash) = results
+    assert all(torch.equal(a, b) for a, b in zip(fused_out, apart_out))
+    for a, b in zip(fused_stash, apart_stash):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 BAD_WALKS = {
     "accept_len 0": ([[0, 1, -1]], [0], "accept_len"),
     "accept_len > D": ([[0, 1, 2]], [4], "accept_len"),

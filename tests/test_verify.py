@@ -418,6 +418,10 @@ def test_gdn_conv_delta_rule_is_the_conv_then_the_rule(dtype, n, gen):
 BAD_GDN_CONV = {
     "channels": (dict(num_heads=3), r"x's channels C = 112 must be 2 \* num_heads \* head_k_dim \+ HV \* V"),
     "heads": (dict(num_heads=0), "num_heads must be >= 1, got 0"),
+    "value_heads": (dict(num_heads=4, head_k_dim=8), "out's value heads HV = 6 must be a multiple of num_heads = 4"),
+    "x_dtype": (dict(x=lambda t: t.double()), "x must be float32, float16 or bfloat16, got Double"),
+    "bias": (dict(b=lambda t: t[:-1]), "bias must have shape"),
+    "parent": (dict(parent=lambda t: t.long()), "parent must have dtype Int"),
     "head_k_dim": (dict(head_k_dim=0), "head_k_dim must be >= 1, got 0"),
     "weight": (dict(weight=lambda w: w[:-1]), r"weight must have shape \[C, W\] with C = 112"),
     "conv_state": (dict(conv_state=lambda s: s[:, :, :2]), "conv_state must hold at least W - 1 = 3 columns"),
