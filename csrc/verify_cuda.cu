@@ -32,6 +32,19 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t w) {
 
 constexpr int kConvThreads = 128;
 
+// A channel's conv output from its window sum, before the store rounds it to T: plus the bias, then (silu) rounded to
+// T, as HF rounds the conv to the model dtype, and its SiLU. gdn_single_node_kernel's conv shares it.
+template <typename T>
+__device__ __forceinline__ float conv_output(float acc, const T* bias, int64_t bias_at, bool silu) {
+  float y = acc;
+  if (bias != nullptr) y += cuda::to_float(bias[bias_at]);
+  if (silu) {
+    y = cuda::to_float(cuda::from_float<T>(y));
+    y = y / (1.f + expf(-y));
+  }
+  return y;
+}
+
 template <typename T, int VEC, int W>
 __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
     const T* __restrict__ x, int64_t x_sb, int64_t x_sn, const T* __restrict__ weight, int64_t w_sc, int64_t w_st,
@@ -120,15 +133,7 @@ __global__ void __launch_bounds__(kConvThreads) tree_conv1d_kernel(
     for (int e = 0; e < VEC; ++e) acc[e] = fmaf(col[e], wt[e][t], acc[e]);
   }
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) {
-    float y = acc[e];
-    if (bias != nullptr) y += cuda::to_float(bias[(c0 + e) * bias_s]);
-    if (silu) {
-      y = cuda::to_float(cuda::from_float<T>(y));  // HF rounds the conv to the model dtype before its SiLU
-      y = y / (1.f + expf(-y));
-    }
-    acc[e] = y;
-  }
+  for (int e = 0; e < VEC; ++e) acc[e] = conv_output<T>(acc[e], bias, (c0 + e) * bias_s, silu);
   cuda::store_pack_float<T, VEC>(out + b * o_sb + i * o_sn + c0, acc);
 }
 
@@ -1291,10 +1296,8 @@ __device__ __forceinline__ float node_conv_silu(const NodeConvInput<T>& in, int 
                              : cuda::to_float(in.conv_state[b * in.cs_sb + c * in.cs_sc + (in.state_len - m) * in.cs_ss]);
     acc = fmaf(col, cuda::to_float(in.weight[c * in.w_sc + t * in.w_st]), acc);
   }
-  float y = acc;
-  if (in.bias != nullptr) y += cuda::to_float(in.bias[c * in.bias_s]);
-  y = cuda::to_float(cuda::from_float<T>(y));
-  return cuda::to_float(cuda::from_float<T>(y / (1.f + expf(-y))));
+  const float y = conv_output<T>(acc, in.bias, c * in.bias_s, /*silu=*/true);
+  return cuda::to_float(cuda::from_float<T>(y));  // what tree_conv1d stores
 }
 
 // CONV: q, k and v are the SiLU of the causal conv of conv.x (gdn_conv_delta_rule), computed here, not read: one
@@ -1421,6 +1424,9 @@ bool rows_in_packs(const at::Tensor& x) {
          cuda::is_aligned(x.data_ptr(), 16);
 }
 
+// Dynamic shared memory of gdn_single_node_kernel: the raw key and query rows, the warps' partial sums.
+inline size_t single_node_smem(int64_t kdim) { return sizeof(float) * (2 * kdim + 2 * kNodeWarps * kWarp); }
+
 // q, k, v: the delta rule's inputs (views of x's layout with CONV, where the kernel reads conv.x instead: their
 // shapes and strides still give the kernel its shapes).
 template <typename T, bool CONV>
@@ -1428,7 +1434,7 @@ void launch_single_node(const GdnShapes& sh, const NodeConvInput<T>& conv, const
                         const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
                         at::Tensor& out, at::Tensor& stash_u, at::Tensor& stash_k, at::Tensor& stash_cumg) {
   const int64_t kdim = k.size(3), vdim = v.size(3);
-  const size_t smem = sizeof(float) * (2 * kdim + 2 * kNodeWarps * kWarp);
+  const size_t smem = single_node_smem(kdim);
   cuda::allow_dynamic_smem(gdn_single_node_kernel<T, CONV>, smem);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(vdim, kTileV)), static_cast<unsigned>(v.size(2)),
                   static_cast<unsigned>(k.size(0)));
@@ -1571,7 +1577,7 @@ void gdn_conv_delta_rule_cuda(const at::Tensor& x, const at::Tensor& conv_weight
                                stash_k, stash_cumg);
     return;
   }
-  const size_t smem = sizeof(float) * (2 * kdim + 2 * kNodeWarps * kWarp);  // launch_single_node's
+  const size_t smem = single_node_smem(kdim);
   TORCH_CHECK_VALUE(smem <= cuda::max_dynamic_smem(), "gdn_conv_delta_rule: head_k_dim = ", kdim,
                     " needs more shared memory than this GPU offers (", smem, " bytes)");
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "gdn_conv_delta_rule", [&] {
