@@ -398,18 +398,23 @@ void check_store_kv(const at::Tensor& keys, const at::Tensor& values, const at::
   }
 }
 
-void store_kv_cpu(at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& key_states,
-                  const at::Tensor& value_states) {
-  constexpr const char* op = "store_kv";
-  check_store_kv(keys, values, slots, key_states, value_states);
-  // Every slot is checked before anything is written: a bad one leaves the caches as they were.
+// A host-side table: every slot below num_slots (a negative one stores nothing), so that a bad one leaves the caches
+// as they were.
+void check_slots_below(const char* op, const at::Tensor& slots, int64_t num_slots) {
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t n = slots.size(-1);
   for (int64_t i = 0; i < slots.numel(); ++i) {
-    DDTREE_CHECK(op, s[i] < keys.size(2), "slots[",
+    DDTREE_CHECK(op, s[i] < num_slots, "slots[",
                  slots.dim() == 2 ? std::to_string(i / n) + ", " + std::to_string(i % n) : std::to_string(i), "] = ",
-                 s[i], " must be below ", keys.size(2), " (the caches' slots; a negative slot stores nothing)");
+                 s[i], " must be below ", num_slots, " (the caches' slots; a negative slot stores nothing)");
   }
+}
+
+void store_kv_cpu(at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& key_states,
+                  const at::Tensor& value_states) {
+  check_store_kv(keys, values, slots, key_states, value_states);
+  check_slots_below("store_kv", slots, keys.size(2));  // before anything is written
+  const int64_t n = slots.size(-1);
   for (int64_t b = 0; b < keys.size(0); ++b) {
     const at::Tensor row = slots.dim() == 2 ? slots[b] : slots;
     const at::Tensor keep = (row >= 0).nonzero().view(-1);  // the rows stored, in order

@@ -325,10 +325,12 @@ void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   DDTREE_CHECK(op, !may_overlap(x, out), "out must not overlap x");
 }
 
-void check_qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
-                        const at::Tensor& k_weight, const at::Tensor& cos, const at::Tensor& sin, double eps,
-                        const at::Tensor& q_out, const at::Tensor& k_out) {
-  constexpr const char* op = "qk_norm_rope";
+namespace {
+
+// The inputs of qk_norm_rope and qk_norm_rope_store_kv: q [B, N, Hq, D], k [B, N, Hk, D], their norms' weights [D],
+// the rotary tables [B, N, R] and eps.
+void check_qk_norm_rope_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
+                               const at::Tensor& k_weight, const at::Tensor& cos, const at::Tensor& sin, double eps) {
   DDTREE_CHECK_DIM(op, q, 4);
   DDTREE_CHECK_FLOAT(op, q);
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, q);
@@ -346,21 +348,65 @@ void check_qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
   check_rotary_tables(op, "q", q, bsz, n, dim, cos, sin);
   DDTREE_CHECK(op, std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
-  DDTREE_CHECK_SHAPE(op, q_out, {bsz, q.size(2), n, dim});
-  DDTREE_CHECK_SHAPE(op, k_out, {bsz, k.size(2), n, dim});
+}
+
+// An output (q_out, k_out, or the caches of qk_norm_rope_store_kv) of the given shape, like q, contiguous in its last
+// dim, overlapping neither itself nor any input: a row's outputs are written while other rows' inputs (rotate-half
+// partners, the norm's sums) may still be read.
+void check_qk_norm_rope_output(const char* op, const char* name, const at::Tensor& q, const at::Tensor& out,
+                               const std::vector<int64_t>& shape, std::initializer_list<const at::Tensor*> inputs) {
+  TORCH_CHECK_VALUE(out.sizes() == at::IntArrayRef(shape), op, ": ", name, " must have shape ", shape_str(shape),
+                    ", got ", shape_str(out.sizes()));
+  check_like(op, name, "q", q, out);
+  TORCH_CHECK_VALUE(out.stride(3) == 1, op, ": ", name, " must be contiguous in its last dim, got strides ",
+                    shape_str(out.strides()));
+  DDTREE_CHECK(op, at::has_internal_overlap(out) != at::MemOverlap::Yes, name,
+               " must not overlap itself (e.g. an expanded tensor)");
+  for (const auto* in : inputs) DDTREE_CHECK(op, !may_overlap(*in, out), name, " must not overlap the inputs");
+}
+
+}  // namespace
+
+void check_qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
+                        const at::Tensor& k_weight, const at::Tensor& cos, const at::Tensor& sin, double eps,
+                        const at::Tensor& q_out, const at::Tensor& k_out) {
+  constexpr const char* op = "qk_norm_rope";
+  check_qk_norm_rope_inputs(op, q, k, q_weight, k_weight, cos, sin, eps);
+  const int64_t bsz = q.size(0), n = q.size(1), dim = q.size(3);
   for (const auto* t : {&q_out, &k_out}) {
-    const char* name = t == &q_out ? "q_out" : "k_out";
-    check_like(op, name, "q", q, *t);
-    TORCH_CHECK_VALUE(t->stride(3) == 1, op, ": ", name, " must be contiguous in its last dim, got strides ",
-                      shape_str(t->strides()));
-    DDTREE_CHECK(op, at::has_internal_overlap(*t) != at::MemOverlap::Yes, name,
-                 " must not overlap itself (e.g. an expanded tensor)");
-    // A row's outputs are written while other rows' inputs (rotate-half partners, the norm's sums) may still be read.
-    for (const auto* in : {&q, &k, &q_weight, &k_weight, &cos, &sin}) {
-      DDTREE_CHECK(op, !may_overlap(*in, *t), name, " must not overlap the inputs");
-    }
+    check_qk_norm_rope_output(op, t == &q_out ? "q_out" : "k_out", q, *t,
+                              {bsz, (t == &q_out ? q : k).size(2), n, dim}, {&q, &k, &q_weight, &k_weight, &cos, &sin});
   }
   DDTREE_CHECK(op, !may_overlap(q_out, k_out), "q_out and k_out must not overlap");
+}
+
+void check_qk_norm_rope_store_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& q_weight, const at::Tensor& k_weight, const at::Tensor& cos,
+                                 const at::Tensor& sin, double eps, const at::Tensor& slots, const at::Tensor& q_out,
+                                 const at::Tensor& keys, const at::Tensor& values) {
+  constexpr const char* op = "qk_norm_rope_store_kv";
+  check_qk_norm_rope_inputs(op, q, k, q_weight, k_weight, cos, sin, eps);
+  const int64_t bsz = q.size(0), n = q.size(1), dim = q.size(3), kv_heads = k.size(2);
+  DDTREE_CHECK(op, v.sizes() == k.sizes(), "v must have k's shape ", shape_str(k.sizes()), ", got ",
+               shape_str(v.sizes()));
+  check_like(op, "v", "q", q, v);
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, v);
+  TORCH_CHECK_VALUE(slots.dim() == 1 || (slots.dim() == 2 && slots.size(0) == bsz), op,
+                    ": slots must have shape [N] (one slot table for every batch row) or [B, N] = [", bsz,
+                    ", N], got ", shape_str(slots.sizes()));
+  TORCH_CHECK_VALUE(slots.size(-1) == n, op, ": slots must have one slot for each of q's ", n, " nodes, got shape ",
+                    shape_str(slots.sizes()));
+  DDTREE_CHECK_DTYPE(op, slots, at::kLong);
+  DDTREE_CHECK_CONTIGUOUS(op, slots);
+  DDTREE_CHECK_SAME_DEVICE(op, q, slots);
+  DDTREE_CHECK_DIM(op, keys, 4);
+  const std::vector<int64_t> cache_shape = {bsz, kv_heads, keys.size(2), dim};
+  const std::initializer_list<const at::Tensor*> inputs = {&q, &k, &v, &q_weight, &k_weight, &cos, &sin, &slots};
+  check_qk_norm_rope_output(op, "q_out", q, q_out, {bsz, q.size(2), n, dim}, inputs);
+  check_qk_norm_rope_output(op, "keys", q, keys, cache_shape, inputs);
+  check_qk_norm_rope_output(op, "values", q, values, cache_shape, inputs);
+  DDTREE_CHECK(op, !may_overlap(q_out, keys) && !may_overlap(q_out, values) && !may_overlap(keys, values),
+               "q_out, keys and values must not overlap each other");
 }
 
 void check_sigmoid_mul(const at::Tensor& gate, const at::Tensor& x, const at::Tensor& out) {
@@ -575,6 +621,18 @@ void qk_norm_rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     if (q.numel() != 0) norm_rope_heads<scalar_t>(q, q_weight, cos, sin, static_cast<float>(eps), zero_centered, q_out);
     if (k.numel() != 0) norm_rope_heads<scalar_t>(k, k_weight, cos, sin, static_cast<float>(eps), zero_centered, k_out);
   });
+}
+
+void qk_norm_rope_store_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& q_weight, const at::Tensor& k_weight, const at::Tensor& cos,
+                               const at::Tensor& sin, double eps, bool zero_centered, const at::Tensor& slots,
+                               at::Tensor& q_out, at::Tensor& keys, at::Tensor& values) {
+  constexpr const char* op = "qk_norm_rope_store_kv";
+  check_qk_norm_rope_store_kv(q, k, v, q_weight, k_weight, cos, sin, eps, slots, q_out, keys, values);
+  check_slots_below(op, slots, keys.size(2));  // before anything is written
+  at::Tensor k_out = at::empty({k.size(0), k.size(2), k.size(1), k.size(3)}, k.options());
+  qk_norm_rope_cpu(q, k, q_weight, k_weight, cos, sin, eps, zero_centered, q_out, k_out);
+  store_kv_cpu(keys, values, slots, k_out, v.transpose(1, 2));
 }
 
 // torch's own sigmoid and multiply, for HF's bits: on the CPU torch's float32 sigmoid gives other bits in its

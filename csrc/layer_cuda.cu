@@ -252,18 +252,22 @@ __global__ void __launch_bounds__(kThreads)
 
 // qk_norm_rope: an attention layer's q_norm and k_norm and the RoPE after them in one launch, where HF (and the
 // separate ops) run four: rms_norm of q's heads, of k's, then rope of each. A row is one head of one node, of q
-// (the first q_rows rows) or k, in the output's (batch, head, node) order.
+// (the first q_rows rows) or k (the next k_rows), in the output's (batch, head, node) order. STORE
+// (qk_norm_rope_store_kv): k's output rows, and v's rows after them (copied as they are), go to cache slot
+// slots[b, node] instead of node, as store_kv stores them: the K/V store is the same launch.
 template <typename T>
 struct QkNormRopeArgs {
-  const T* x[2];  // q, k [B, N, H, D]
-  const T* weight[2];
-  T* out[2];            // [B, H, N, D]
-  int64_t x_stride[2][3];    // of b, n, h
-  int64_t out_stride[2][3];  // of b, h, n
+  const T* x[3];  // q, k, v [B, N, H, D] (v: STORE only)
+  const T* weight[3];   // q's, k's, k's again for v (its rows are not normed: their sums are computed and unused)
+  T* out[3];            // q_out [B, Hq, N, D]; k_out [B, Hk, N, D], or with STORE the caches keys, values [B, Hk, S, D]
+  int64_t x_stride[3][3];    // of b, n, h
+  int64_t out_stride[3][3];  // of b, h, n (the cache's slot with STORE)
   const T* cos;
   const T* sin;
   int64_t cos_stride[2], sin_stride[2];  // of b, n
-  int n, heads_q, heads_k, q_rows, rows;  // rows (q's and k's) < 2^31: checked by the launcher
+  const int64_t* slots;  // STORE: [B, N] (slots_sb = its row stride) or [N] (slots_sb = 0); a negative slot stores nothing
+  int64_t slots_sb, cache_len;
+  int n, heads_q, heads_k, q_rows, k_rows, rows;  // rows (q's, k's and v's) < 2^31: checked by the launcher
   int dim, rot;
   float eps, inv_dim;
   bool zero_centered;
@@ -273,15 +277,16 @@ struct QkNormRopeArgs {
 // GROUP threads a row, each holding one chunk of it (rows of at most GROUP chunks): the group rms_norm gives a row of
 // this length, with its sum of squares in the same order, so the normed values are rms_norm's bits. They go through
 // shared memory, where each thread finds its chunk's rotate-half partners, and the output is rope's bits of them.
-template <typename T, int GROUP, bool PACKED>
+template <typename T, int GROUP, bool PACKED, bool STORE>
 __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRopeArgs<T> p) {
   constexpr int kRowsPerBlock = kThreads / GROUP;
   constexpr int C = 16 / sizeof(T);
   __shared__ float normed[kRowsPerBlock][GROUP * C];
   const int slot = threadIdx.x / GROUP, t = threadIdx.x % GROUP;
   const int row = blockIdx.x * kRowsPerBlock + slot;
-  const int which = row < p.q_rows ? 0 : 1;  // q or k
-  const int r = which == 0 ? row : row - p.q_rows, heads = which == 0 ? p.heads_q : p.heads_k;
+  const int which = row < p.q_rows ? 0 : row < p.q_rows + p.k_rows ? 1 : 2;  // q, k or v (2: STORE only)
+  const int r = row - (which == 0 ? 0 : which == 1 ? p.q_rows : p.q_rows + p.k_rows);
+  const int heads = which == 0 ? p.heads_q : p.heads_k;
   const int i = r % p.n, h = (r / p.n) % heads, b = r / p.n / heads;
   const int e0 = t * C;
   const bool mine = row < p.rows && e0 < p.dim;  // this thread holds a chunk of a row
@@ -323,6 +328,20 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
   __syncwarp();  // a row's threads are one warp or half of one
   if (!mine) return;
 
+  int64_t node = i;  // the output row's index along its node (or cache slot) dim
+  if constexpr (STORE) {
+    if (which > 0) {
+      node = p.slots[b * p.slots_sb + i];
+      if (node < 0 || node >= p.cache_len) return;  // a padding row (or past the caches, as store_kv): not stored
+    }
+    if (which == 2) {  // a value row: stored as it is (load and store round-trip its bits)
+      store_chunk<T, C, PACKED>(p.out[2] + b * p.out_stride[2][0] + h * p.out_stride[2][1] + node * p.out_stride[2][2] +
+                                    e0,
+                                p.dim - e0, v);
+      return;
+    }
+  }
+
   const int half = p.rot / 2;
   float c[C], sn[C];
   if (p.tables_packed && e0 < p.rot) {  // the chunk lies inside the rotary width
@@ -346,7 +365,7 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
       o[e] = y[e];
     }
   }
-  T* out = p.out[which] + b * p.out_stride[which][0] + h * p.out_stride[which][1] + i * p.out_stride[which][2];
+  T* out = p.out[which] + b * p.out_stride[which][0] + h * p.out_stride[which][1] + node * p.out_stride[which][2];
   store_chunk<T, C, PACKED>(out + e0, p.dim - e0, o);
 }
 
@@ -683,6 +702,84 @@ void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
   });
 }
 
+namespace {
+
+template <typename T, bool STORE>
+void launch_qk_norm_rope_kernel(const QkNormRopeArgs<T>& args, bool packed, int64_t dim) {
+  auto launch = [&](auto kernel, int group) {
+    const unsigned blocks = static_cast<unsigned>(cuda::ceil_div(args.rows, kThreads / group));
+    cuda::launch_programmatic(kernel, dim3(blocks), dim3(kThreads), 0, args);
+  };
+  // The group rms_norm gives a row of this length (launch_rms_norm_rows): its sums, its bits.
+  constexpr int C = 16 / sizeof(T), kHalfWarp = cuda::kWarp / 2;
+  if (dim <= kHalfWarp * C) {
+    packed ? launch(qk_norm_rope_kernel<T, kHalfWarp, true, STORE>, kHalfWarp)
+           : launch(qk_norm_rope_kernel<T, kHalfWarp, false, STORE>, kHalfWarp);
+  } else {
+    packed ? launch(qk_norm_rope_kernel<T, cuda::kWarp, true, STORE>, cuda::kWarp)
+           : launch(qk_norm_rope_kernel<T, cuda::kWarp, false, STORE>, cuda::kWarp);
+  }
+}
+
+// One qk_norm_rope_kernel launch for heads of up to 32 16-byte chunks. k_out is k's output [B, Hk, N, D], or with a
+// value tensor the keys cache [B, Hk, S, D] (STORE: v's rows into values, both at slots).
+template <typename T>
+void launch_qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
+                         const at::Tensor& k_weight, const at::Tensor& cos, const at::Tensor& sin, double eps,
+                         bool zero_centered, at::Tensor& q_out, at::Tensor& k_out, const at::Tensor* v = nullptr,
+                         at::Tensor* values = nullptr, const at::Tensor* slots = nullptr) {
+  const bool store = v != nullptr;
+  QkNormRopeArgs<T> args{};
+  const at::Tensor* xs[3] = {&q, &k, store ? v : &k};
+  const at::Tensor* ws[3] = {&q_weight, &k_weight, &k_weight};
+  at::Tensor* outs[3] = {&q_out, &k_out, store ? values : &k_out};
+  for (int which = 0; which < 3; ++which) {
+    args.x[which] = xs[which]->data_ptr<T>();
+    args.weight[which] = ws[which]->data_ptr<T>();
+    args.out[which] = outs[which]->data_ptr<T>();
+    for (int d = 0; d < 3; ++d) {
+      args.x_stride[which][d] = xs[which]->stride(d);
+      args.out_stride[which][d] = outs[which]->stride(d);
+    }
+  }
+  args.cos = cos.data_ptr<T>();
+  args.sin = sin.data_ptr<T>();
+  args.cos_stride[0] = cos.stride(0);
+  args.cos_stride[1] = cos.stride(1);
+  args.sin_stride[0] = sin.stride(0);
+  args.sin_stride[1] = sin.stride(1);
+  if (store) {
+    args.slots = slots->data_ptr<int64_t>();
+    args.slots_sb = slots->dim() == 2 ? slots->stride(0) : 0;
+    args.cache_len = k_out.size(2);
+  }
+  const int64_t q_rows = q.size(0) * q.size(2) * q.size(1), k_rows = k.size(0) * k.size(2) * k.size(1);
+  const int64_t rows = q_rows + (store ? 2 : 1) * k_rows;
+  TORCH_CHECK_VALUE(rows <= INT32_MAX - kThreads, store ? "qk_norm_rope_store_kv" : "qk_norm_rope",
+                    ": q, k (and v) have too many heads (", rows, " rows)");
+  const int64_t dim = q.size(3);
+  args.n = static_cast<int>(q.size(1));
+  args.heads_q = static_cast<int>(std::max<int64_t>(q.size(2), 1));
+  args.heads_k = static_cast<int>(std::max<int64_t>(k.size(2), 1));
+  args.q_rows = static_cast<int>(q_rows);
+  args.k_rows = static_cast<int>(k_rows);
+  args.rows = static_cast<int>(rows);
+  args.dim = static_cast<int>(dim);
+  args.rot = static_cast<int>(cos.size(2));
+  args.eps = static_cast<float>(eps);
+  args.inv_dim = 1.f / static_cast<float>(dim);
+  args.zero_centered = zero_centered;
+  const bool packed = store ? can_pack<T>({&q, &k, v, &q_weight, &k_weight, &q_out, &k_out, values}, dim)
+                            : can_pack<T>({&q, &k, &q_weight, &k_weight, &q_out, &k_out}, dim);
+  args.tables_packed = packed && can_pack<T>({&cos, &sin}, cos.size(2));
+  store ? launch_qk_norm_rope_kernel<T, true>(args, packed, dim) : launch_qk_norm_rope_kernel<T, false>(args, packed, dim);
+}
+
+// Whether a head is longer than a warp's chunks (the kernel's limit): then the ops run apart, through buffers.
+bool long_heads(const at::Tensor& q) { return q.size(3) > cuda::kWarp * (16 / static_cast<int64_t>(q.element_size())); }
+
+}  // namespace
+
 void qk_norm_rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
                        const at::Tensor& cos, const at::Tensor& sin, double eps, bool zero_centered, at::Tensor& q_out,
                        at::Tensor& k_out) {
@@ -690,69 +787,40 @@ void qk_norm_rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const c10::cuda::CUDAGuard guard(q.device());
   if (q.numel() == 0 && k.numel() == 0) return;
   TORCH_CHECK_VALUE(q.size(3) <= INT32_MAX, "qk_norm_rope: q has too large a head dim (", q.size(3), ")");
-  DDTREE_CUDA_DISPATCH_FLOAT(q.scalar_type(), "qk_norm_rope", [&] {
-    using T = scalar_t;
-    constexpr int C = 16 / sizeof(T);
+  if (long_heads(q)) {  // the two ops, through a buffer
     const int64_t dim = q.size(3);
-    if (dim > cuda::kWarp * C) {  // a head longer than a warp's chunks: the two ops, through a buffer
-      for (int which = 0; which < 2; ++which) {
-        const at::Tensor& x = which == 0 ? q : k;
-        if (x.numel() == 0) continue;
-        const at::Tensor rows = x.contiguous().view({-1, dim});
-        at::Tensor normed = at::empty_like(rows);
-        rms_norm_cuda(rows, which == 0 ? q_weight : k_weight, c10::nullopt, eps, zero_centered, normed);
-        rope_cuda(normed.view(x.sizes()).transpose(1, 2), cos, sin, which == 0 ? q_out : k_out);
-      }
-      return;
-    }
-    QkNormRopeArgs<T> args{};
-    const at::Tensor* xs[2] = {&q, &k};
-    const at::Tensor* ws[2] = {&q_weight, &k_weight};
-    at::Tensor* outs[2] = {&q_out, &k_out};
     for (int which = 0; which < 2; ++which) {
-      args.x[which] = xs[which]->data_ptr<T>();
-      args.weight[which] = ws[which]->data_ptr<T>();
-      args.out[which] = outs[which]->data_ptr<T>();
-      args.x_stride[which][0] = xs[which]->stride(0);
-      args.x_stride[which][1] = xs[which]->stride(1);
-      args.x_stride[which][2] = xs[which]->stride(2);
-      args.out_stride[which][0] = outs[which]->stride(0);
-      args.out_stride[which][1] = outs[which]->stride(1);
-      args.out_stride[which][2] = outs[which]->stride(2);
+      const at::Tensor& x = which == 0 ? q : k;
+      if (x.numel() == 0) continue;
+      const at::Tensor rows = x.contiguous().view({-1, dim});
+      at::Tensor normed = at::empty_like(rows);
+      rms_norm_cuda(rows, which == 0 ? q_weight : k_weight, c10::nullopt, eps, zero_centered, normed);
+      rope_cuda(normed.view(x.sizes()).transpose(1, 2), cos, sin, which == 0 ? q_out : k_out);
     }
-    args.cos = cos.data_ptr<T>();
-    args.sin = sin.data_ptr<T>();
-    args.cos_stride[0] = cos.stride(0);
-    args.cos_stride[1] = cos.stride(1);
-    args.sin_stride[0] = sin.stride(0);
-    args.sin_stride[1] = sin.stride(1);
-    const int64_t q_rows = q.size(0) * q.size(2) * q.size(1), rows = q_rows + k.size(0) * k.size(2) * k.size(1);
-    TORCH_CHECK_VALUE(rows <= INT32_MAX - kThreads, "qk_norm_rope: q and k have too many heads (", rows, " rows)");
-    args.n = static_cast<int>(q.size(1));
-    args.heads_q = static_cast<int>(std::max<int64_t>(q.size(2), 1));
-    args.heads_k = static_cast<int>(std::max<int64_t>(k.size(2), 1));
-    args.q_rows = static_cast<int>(q_rows);
-    args.rows = static_cast<int>(rows);
-    args.dim = static_cast<int>(dim);
-    args.rot = static_cast<int>(cos.size(2));
-    args.eps = static_cast<float>(eps);
-    args.inv_dim = 1.f / static_cast<float>(dim);
-    args.zero_centered = zero_centered;
-    const bool packed = can_pack<T>({&q, &k, &q_weight, &k_weight, &q_out, &k_out}, dim);
-    args.tables_packed = packed && can_pack<T>({&cos, &sin}, cos.size(2));
-    auto launch = [&](auto kernel, int group) {
-      const unsigned blocks = static_cast<unsigned>(cuda::ceil_div(args.rows, kThreads / group));
-      cuda::launch_programmatic(kernel, dim3(blocks), dim3(kThreads), 0, args);
-    };
-    // The group rms_norm gives a row of this length (launch_rms_norm_rows): its sums, its bits.
-    constexpr int kHalfWarp = cuda::kWarp / 2;
-    if (dim <= kHalfWarp * C) {
-      packed ? launch(qk_norm_rope_kernel<T, kHalfWarp, true>, kHalfWarp)
-             : launch(qk_norm_rope_kernel<T, kHalfWarp, false>, kHalfWarp);
-    } else {
-      packed ? launch(qk_norm_rope_kernel<T, cuda::kWarp, true>, cuda::kWarp)
-             : launch(qk_norm_rope_kernel<T, cuda::kWarp, false>, cuda::kWarp);
-    }
+    return;
+  }
+  DDTREE_CUDA_DISPATCH_FLOAT(q.scalar_type(), "qk_norm_rope", [&] {
+    launch_qk_norm_rope<scalar_t>(q, k, q_weight, k_weight, cos, sin, eps, zero_centered, q_out, k_out);
+  });
+}
+
+void qk_norm_rope_store_kv_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& q_weight, const at::Tensor& k_weight, const at::Tensor& cos,
+                                const at::Tensor& sin, double eps, bool zero_centered, const at::Tensor& slots,
+                                at::Tensor& q_out, at::Tensor& keys, at::Tensor& values) {
+  check_qk_norm_rope_store_kv(q, k, v, q_weight, k_weight, cos, sin, eps, slots, q_out, keys, values);
+  const c10::cuda::CUDAGuard guard(q.device());
+  if (q.numel() == 0 && k.numel() == 0) return;
+  TORCH_CHECK_VALUE(q.size(3) <= INT32_MAX, "qk_norm_rope_store_kv: q has too large a head dim (", q.size(3), ")");
+  if (long_heads(q)) {  // the two ops, through a buffer for k's output
+    at::Tensor k_out = at::empty({k.size(0), k.size(2), k.size(1), k.size(3)}, k.options());
+    qk_norm_rope_cuda(q, k, q_weight, k_weight, cos, sin, eps, zero_centered, q_out, k_out);
+    store_kv_cuda(keys, values, slots, k_out, v.transpose(1, 2));
+    return;
+  }
+  DDTREE_CUDA_DISPATCH_FLOAT(q.scalar_type(), "qk_norm_rope_store_kv", [&] {
+    launch_qk_norm_rope<scalar_t>(q, k, q_weight, k_weight, cos, sin, eps, zero_centered, q_out, keys, &v, &values,
+                                  &slots);
   });
 }
 

@@ -94,6 +94,14 @@ void check_qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tens
 void qk_norm_rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
                       const at::Tensor& cos, const at::Tensor& sin, double eps, bool zero_centered, at::Tensor& q_out,
                       at::Tensor& k_out);
+void check_qk_norm_rope_store_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& q_weight, const at::Tensor& k_weight, const at::Tensor& cos,
+                                 const at::Tensor& sin, double eps, const at::Tensor& slots, const at::Tensor& q_out,
+                                 const at::Tensor& keys, const at::Tensor& values);
+void qk_norm_rope_store_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& q_weight, const at::Tensor& k_weight, const at::Tensor& cos,
+                               const at::Tensor& sin, double eps, bool zero_centered, const at::Tensor& slots,
+                               at::Tensor& q_out, at::Tensor& keys, at::Tensor& values);
 void check_sigmoid_mul(const at::Tensor& gate, const at::Tensor& x, const at::Tensor& out);
 void sigmoid_mul_cpu(const at::Tensor& gate, const at::Tensor& x, at::Tensor& out);
 void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b,
@@ -152,6 +160,7 @@ void commit_kv_cpu(at::TensorList cache, const at::Tensor& prefix_len, const at:
                    const at::Tensor& accept_len);
 void check_store_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                     const at::Tensor& key_states, const at::Tensor& value_states);
+void check_slots_below(const char* op, const at::Tensor& slots, int64_t num_slots);
 void store_kv_cpu(at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& key_states,
                   const at::Tensor& value_states);
 void check_gather_rows(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,
@@ -187,6 +196,10 @@ void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
 void qk_norm_rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
                        const at::Tensor& cos, const at::Tensor& sin, double eps, bool zero_centered, at::Tensor& q_out,
                        at::Tensor& k_out);
+void qk_norm_rope_store_kv_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& q_weight, const at::Tensor& k_weight, const at::Tensor& cos,
+                                const at::Tensor& sin, double eps, bool zero_centered, const at::Tensor& slots,
+                                at::Tensor& q_out, at::Tensor& keys, at::Tensor& values);
 void sigmoid_mul_cuda(const at::Tensor& gate, const at::Tensor& x, at::Tensor& out);
 void linear_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);
 void linear_gemv_cuda(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, bool prefetch_weight);

@@ -16,6 +16,7 @@ _OPS = (
     "silu_mul",
     "rope",
     "qk_norm_rope",
+    "qk_norm_rope_store_kv",
     "sigmoid_mul",
     "linear",
     "linear_cublaslt",

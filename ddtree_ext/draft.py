@@ -30,7 +30,9 @@ import torch
 from torch import nn
 
 from ddtree_ext import ops
-from ddtree_ext.fused import LayerFusion, add_norm, gqa_attention, ops_apply, rotary
+from ddtree_ext.fused import (
+    LayerFusion, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, ops_apply, rotary, stacked_outputs,
+)
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -98,12 +100,36 @@ class DFlashAttention(nn.Module):
         Writes the K/V of the context and the block, then attends over the first kv_len rows. Returns
         [B, S, hidden]."""
         ctx_len = context.shape[1]
-        query = self.q_norm(self._heads(self.q_proj, block, self.num_heads))
         kv_input = torch.cat([context, block], dim=1)
-        key = self.k_norm(self._heads(self.k_proj, kv_input, self.num_kv_heads))
-        value = self._heads(self.v_proj, kv_input, self.num_kv_heads)
-        query = rotary(query, cos[:, 0, ctx_len:], sin[:, 0, ctx_len:])
-        key = rotary(key, cos[:, 0], sin[:, 0])
+        cos_all, sin_all = cos[:, 0], sin[:, 0]
+        outputs = stacked_outputs((self.q_proj, self.k_proj, self.v_proj), kv_input)
+        if outputs is not None:
+            # One GEMM over every [context ; block] row (the context rows' queries computed and dropped: a few rows
+            # more of a GEMM that streams its weights), then one launch norms, rotates and stores the K/V.
+            q, k, v = (t.view(*kv_input.shape[:-1], -1, self.head_dim) for t in outputs)
+            query = fused_qk_norm_rope_store_kv(self.q_norm, self.k_norm, q, k, v, cos_all, sin_all, cache_keys,
+                                                cache_values, kv_slots)
+            if query is None:
+                query = rotary(self.q_norm(q.transpose(1, 2)), cos_all, sin_all)
+                key = rotary(self.k_norm(k.transpose(1, 2)), cos_all, sin_all)
+                self._store_kv(cache_keys, cache_values, kv_slots, key, v.transpose(1, 2))
+            query = query[:, :, ctx_len:]
+        else:
+            query = self.q_norm(self._heads(self.q_proj, block, self.num_heads))
+            key = self.k_norm(self._heads(self.k_proj, kv_input, self.num_kv_heads))
+            value = self._heads(self.v_proj, kv_input, self.num_kv_heads)
+            query = rotary(query, cos_all[:, ctx_len:], sin_all[:, ctx_len:])
+            key = rotary(key, cos_all, sin_all)
+            self._store_kv(cache_keys, cache_values, kv_slots, key, value)
+        attn = gqa_attention(
+            query, cache_keys[:, :, :kv_len], cache_values[:, :, :kv_len],
+            self.mask(block_rows, kv_len) if mask is None else mask, self.head_dim**-0.5,
+        )
+        return self.o_proj(attn.transpose(1, 2).reshape(*block.shape[:-1], self.num_heads * self.head_dim))
+
+    @staticmethod
+    def _store_kv(cache_keys, cache_values, kv_slots, key, value) -> None:
+        """key, value [B, Hkv, T, D] into the cache rows kv_slots [B, T] (negative: padding, not stored)."""
         if ops_apply(key, value, cache_keys, cache_values):
             ops.store_kv(cache_keys, cache_values, kv_slots, key, value)  # one launch for K and V, every row
         else:  # autograd or a dtype the ops do not take: index copies, which read which rows are padding
@@ -111,11 +137,6 @@ class DFlashAttention(nn.Module):
                 keep = slots >= 0
                 cache_keys[b].index_copy_(1, slots[keep], key[b][:, keep])
                 cache_values[b].index_copy_(1, slots[keep], value[b][:, keep])
-        attn = gqa_attention(
-            query, cache_keys[:, :, :kv_len], cache_values[:, :, :kv_len],
-            self.mask(block_rows, kv_len) if mask is None else mask, self.head_dim**-0.5,
-        )
-        return self.o_proj(attn.transpose(1, 2).reshape(*block.shape[:-1], self.num_heads * self.head_dim))
 
     def mask(self, block_rows: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Boolean [B, 1, S, kv_len] (True = attend) of the block's queries (positions block_rows

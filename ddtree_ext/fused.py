@@ -300,14 +300,20 @@ def _stackable_classes() -> Dict[type, Tuple[str, ...]]:
     """Layer class -> its projections that read the same input, in the order their outputs are stacked."""
     from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
-    table = {qwen3.Qwen3Attention: ("q_proj", "k_proj", "v_proj"), qwen3.Qwen3MLP: ("gate_proj", "up_proj")}
+    from ddtree_ext.draft import DFlashAttention  # here: the draft module imports this one
+
+    table = {
+        qwen3.Qwen3Attention: ("q_proj", "k_proj", "v_proj"), qwen3.Qwen3MLP: ("gate_proj", "up_proj"),
+        DFlashAttention: ("q_proj", "k_proj", "v_proj"),
+    }
     try:
         from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
     except ImportError:
         return table
     # Not a GDN layer's qkv and z: apart, z runs on a side stream beside the qkv GEMM and the latency-bound conv and
     # delta rule after it, and the H200 measured the stacked GEMM slower end to end (a 27B budget-64 round +0.12 ms,
-    # the verify of 17 nodes +0.19 ms, though alone it beats the two side by side: 42.9 against 48.1 us at 16 rows).
+    # the verify of 17 nodes +0.19 ms, though alone it beats the two side by side: 42.9 against 48.1 us at 16 rows;
+    # stacked for a decode step only, a 27B AR step +0.21 ms: benchmarks/results/2026-12-04-h200-draft-stacked-qkv.md).
     table.update({
         qwen3_5.Qwen3_5Attention: ("q_proj", "k_proj", "v_proj"),
         qwen3_5.Qwen3_5MLP: ("gate_proj", "up_proj"),
@@ -350,11 +356,12 @@ def _check_module(op: str, model) -> None:
 
 def stack_projections(model: torch.nn.Module) -> int:
     """Stores, in place, the weights of each layer's projections that read the same input as row blocks of one
-    tensor: an attention layer's q, k and v, an MLP's gate and up. The fused forwards then run one GEMM over the
-    stacked weight where they ran one per projection; at decode and verify sizes a GEMM's fixed costs (ramp-up,
-    tail, a split-K reduce) are a large part of its time, and the stacked GEMM pays them once (on the H200, a
-    Qwen3-8B attention layer's three projections at one row: 20.1 us apart, 16.0 stacked; its MLP's two: 58.2
-    against 52.4 us; ``scripts/profile_projections.py``).
+    tensor: an attention layer's q, k and v (a DFlash draft layer's too), an MLP's gate and up. The fused forwards
+    then run one GEMM over the stacked weight where they ran one per projection; at decode and verify sizes a GEMM's
+    fixed costs (ramp-up, tail, a split-K reduce) are a large part of its time, and the stacked GEMM pays them once
+    (on the H200, a Qwen3-8B attention layer's three projections at one row: 20.1 us apart, 16.0 stacked; its MLP's
+    two: 58.2 against 52.4 us; ``scripts/profile_projections.py``). A draft layer's q reads only the block, its k and
+    v the context rows too: stacked, one GEMM reads them all (the context rows' queries computed and dropped).
 
     The parameters stay the same objects with the same values (each becomes a view of the stacked tensor), so
     ``state_dict``, ``load_state_dict`` and HF's own forwards work as before; the memory peak is one extra group.
@@ -576,6 +583,11 @@ def _kv_prefetch_swaps(attn: torch.nn.Module) -> Optional[List[Tuple[torch.nn.Mo
 # ``benchmarks/e2e.py --no-fused-attention`` turns it off for A/B runs.
 fuse_attention_heads = True
 
+# Whether an attention layer's new K/V rows go into the static caches from the launch that norms and rotates q and k
+# (``ops.qk_norm_rope_store_kv``: the target's verify cache, the draft's stacked layers), else through a store_kv launch
+# of their own. ``benchmarks/e2e.py --no-fused-kv-store`` turns it off for A/B runs.
+fuse_kv_store = True
+
 
 def _attention_swaps(attn: torch.nn.Module, gated: bool) -> Optional[List[Tuple[torch.nn.Module, Callable]]]:
     """An attention layer's swaps: its projections' (:func:`_kv_prefetch_swaps`) and its own forward
@@ -642,9 +654,18 @@ def _attention_forward(attn, signature, var_keyword, cache_name, gated, modeling
     else:
         query = query.view(*input_shape, -1, head_dim)
     key = attn.k_proj(hidden_states).view(*input_shape, -1, head_dim)
-    value = attn.v_proj(hidden_states).view(*input_shape, -1, head_dim).transpose(1, 2)
-    query, key = _heads_norm_rope(attn, modeling, query, key, cos, sin)
-    key, value = cache.update(key, value, attn.layer_idx)
+    value = attn.v_proj(hidden_states).view(*input_shape, -1, head_dim)
+    # The verify cache tells where update would write (slot_buffers): then one launch norms, rotates and stores.
+    slot_buffers = getattr(cache, "slot_buffers", None)
+    stored = None if slot_buffers is None else fused_qk_norm_rope_store_kv(
+        attn.q_norm, attn.k_norm, query, key, value, cos, sin, *slot_buffers(attn.layer_idx)
+    )
+    if stored is not None:
+        query = stored
+        key, value = cache.stored(attn.layer_idx)
+    else:
+        query, key = _heads_norm_rope(attn, modeling, query, key, cos, sin)
+        key, value = cache.update(key, value.transpose(1, 2), attn.layer_idx)
 
     interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                                modeling.eager_attention_forward)
@@ -663,19 +684,49 @@ def _attention_forward(attn, signature, var_keyword, cache_name, gated, modeling
     return attn.o_proj(out), weights
 
 
-def _heads_norm_rope(attn, modeling, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """(query, key) [B, N, H, D] -> [B, H, N, D] each, normed by the layer's q_norm / k_norm and rotated:
-    ``ops.qk_norm_rope`` where it applies (recognised norms without hooks, of one eps and kind; cos / sin [B, N, R]
-    in their dtype), else the norms' forwards and the modeling module's ``apply_rotary_pos_emb``, as HF's body."""
-    q_params, k_params = _norm_params(attn.q_norm), _norm_params(attn.k_norm)
+def _qk_norm_rope_params(q_norm: torch.nn.Module, k_norm: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor) -> Optional[Tuple[float, bool]]:
+    """(eps, zero_centered) where ``ops.qk_norm_rope`` can stand in for the two norms and the rotation (recognised norms
+    without hooks, of one eps and kind; query, key [B, N, H, D] and cos, sin [B, N, R] on tensors the ops take), else
+    None."""
+    q_params, k_params = _norm_params(q_norm), _norm_params(k_norm)
     if (
-        q_params is not None and q_params == k_params and _plain_module(attn.q_norm) and _plain_module(attn.k_norm)
+        q_params is not None and q_params == k_params and _plain_module(q_norm) and _plain_module(k_norm)
+        and query.dim() == 4 and key.dim() == 4 and key.shape[:2] == query.shape[:2]
         and cos.dim() == 3 and sin.shape == cos.shape and cos.shape[:2] == query.shape[:2]
         and cos.shape[2] % 2 == 0 and 2 <= cos.shape[2] <= query.shape[3]
-        and ops_apply(query, key, cos, sin, attn.q_norm.weight, attn.k_norm.weight)
+        and ops_apply(query, key, cos, sin, q_norm.weight, k_norm.weight)
     ):
-        return ops.qk_norm_rope(query, key, attn.q_norm.weight, attn.k_norm.weight, cos, sin, q_params[0],
-                                zero_centered=q_params[1])
+        return q_params
+    return None
+
+
+def fused_qk_norm_rope_store_kv(q_norm: torch.nn.Module, k_norm: torch.nn.Module, query: torch.Tensor,
+                                key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> Optional[torch.Tensor]:
+    """query [B, N, H, D] and key [B, N, Hk, D] normed by ``q_norm`` / ``k_norm`` and rotated as
+    :func:`_heads_norm_rope` does, and the rotated key and ``value`` [B, N, Hk, D] stored into the caches keys, values
+    [B, Hk, S, D] at slots ([B, N] or [N] int64, negative: not stored) as ``ops.store_kv`` would, in one launch
+    (``ops.qk_norm_rope_store_kv``). Returns the query [B, H, N, D], or None where it does not apply (nothing run: the
+    caller norms, rotates and stores itself, with the same bits). ``fuse_kv_store`` off: always None."""
+    params = _qk_norm_rope_params(q_norm, k_norm, query, key, cos, sin) if fuse_kv_store else None
+    if (
+        params is None or not ops_apply(query, value, keys, values) or value.shape != key.shape
+        or slots.dtype != torch.int64 or slots.device != query.device
+    ):
+        return None
+    return ops.qk_norm_rope_store_kv(query, key, value, q_norm.weight, k_norm.weight, cos, sin, params[0], keys,
+                                     values, slots, zero_centered=params[1])
+
+
+def _heads_norm_rope(attn, modeling, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(query, key) [B, N, H, D] -> [B, H, N, D] each, normed by the layer's q_norm / k_norm and rotated: one
+    ``ops.qk_norm_rope`` launch where it applies (:func:`_qk_norm_rope_params`), else the norms' forwards and the
+    modeling module's ``apply_rotary_pos_emb``, as HF's body (the same bits)."""
+    params = _qk_norm_rope_params(attn.q_norm, attn.k_norm, query, key, cos, sin)
+    if params is not None:
+        return ops.qk_norm_rope(query, key, attn.q_norm.weight, attn.k_norm.weight, cos, sin, params[0],
+                                zero_centered=params[1])
     query, key = attn.q_norm(query).transpose(1, 2), attn.k_norm(key).transpose(1, 2)
     return modeling.apply_rotary_pos_emb(query, key, cos, sin)
 

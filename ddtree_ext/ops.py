@@ -498,6 +498,40 @@ def qk_norm_rope(
     return q_out, k_out
 
 
+def qk_norm_rope_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    zero_centered: bool = False,
+    q_out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`qk_norm_rope` and then :func:`store_kv` of its k and of v, in one launch on CUDA: an attention layer's
+    q and k normed and rotated, and its new K/V rows written into the static caches, bit for bit what the two ops give.
+
+    q [B, N, Hq, D], k and v [B, N, Hk, D] (projection outputs viewed per head: last dim contiguous, any other
+    strides), q_weight, k_weight [D], cos, sin [B, N, R] as in :func:`qk_norm_rope`; keys, values [B, Hk, S, D] the
+    caches and slots int64 [B, N] or [N] as in :func:`store_kv` (row n of batch row b goes to slot slots[b, n]; a
+    negative slot stores nothing; the CPU op checks every slot is below S before it writes, on CUDA a slot past the
+    caches is skipped). Returns q_out [B, Hq, N, D] (contiguous unless given). Heads longer than 32 16-byte chunks run
+    the two ops through a buffer.
+    """
+    if q_out is None:
+        shape = (q.shape[0], q.shape[2], q.shape[1], q.shape[3]) if q.dim() == 4 else (0,)  # else: the op's error
+        q_out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    load_ops().qk_norm_rope_store_kv(q, k, v, q_weight, k_weight, cos, sin, float(eps), zero_centered, slots, q_out,
+                                     keys, values)
+    return q_out
+
+
 def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Qwen3.5 attention's output gate round(x * round(sigmoid(gate))) in one pass (HF's ``attn_output *
     torch.sigmoid(gate)``, bit for bit).

@@ -310,6 +310,14 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, *, zero_centered: bool
     return one(q, q_weight), one(k, k_weight)
 
 
+def qk_norm_rope_store_kv(q, k, v, q_weight, k_weight, cos, sin, eps, keys, values, slots, *,
+                          zero_centered: bool = False) -> torch.Tensor:
+    """qk_norm_rope, then store_kv of its k and of v (turned to [B, Hk, N, D]); returns q's output."""
+    q_out, k_out = qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, zero_centered=zero_centered)
+    store_kv(keys, values, slots, k_out, v.transpose(1, 2))
+    return q_out
+
+
 def sigmoid_mul(gate, x) -> torch.Tensor:
     return x * torch.sigmoid(gate)
 

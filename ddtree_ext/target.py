@@ -120,22 +120,33 @@ class _StaticAttentionCache:
     layer ``layer_idx`` at slots ``slots`` (a device index [N] on that layer's device) of the static
     buffers and returns their first ``kv_len`` slots."""
 
-    # update(key, value, layer_idx) needs nothing else: the attention layers may run fused.py's attention body.
+    # update(key, value, layer_idx) needs nothing else: the attention layers may run fused.py's attention body (which
+    # also stores through slot_buffers and stored).
     fused_attention_body = True
 
     def __init__(self, state: TargetState, slots: Dict[torch.device, torch.Tensor], kv_len: int):
         self.state, self.slots, self.kv_len = state, slots, kv_len
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = self.state.keys[layer_idx], self.state.values[layer_idx]
-        slots = self.slots[keys.device]
+        keys, values, slots = self.slot_buffers(layer_idx)
         key_states, value_states = key_states.to(keys.dtype), value_states.to(values.dtype)
         if ops_apply(key_states, value_states, keys, values):
             _ops.store_kv(keys, values, slots, key_states, value_states)  # one launch for both
         else:
             keys.index_copy_(2, slots, key_states)
             values.index_copy_(2, slots, value_states)
-        return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]
+        return self.stored(layer_idx)
+
+    def slot_buffers(self, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, slots): where ``update`` writes layer ``layer_idx``'s new rows, for an op that stores them
+        itself (fused.py's attention body: ``ops.qk_norm_rope_store_kv``); :meth:`stored` then gives what ``update``
+        returns."""
+        keys, values = self.state.keys[layer_idx], self.state.values[layer_idx]
+        return keys, values, self.slots[keys.device]
+
+    def stored(self, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The first ``kv_len`` slots of layer ``layer_idx``'s caches: what attention reads."""
+        return self.state.keys[layer_idx][:, :, : self.kv_len], self.state.values[layer_idx][:, :, : self.kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise RuntimeError("ddtree_ext: the verify cache has no host-side length (positions are always passed)")

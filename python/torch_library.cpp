@@ -38,6 +38,9 @@ TORCH_LIBRARY(ddtree, m) {
   m.def(
       "qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, float eps, "
       "bool zero_centered, Tensor(a!) q_out, Tensor(b!) k_out) -> ()");
+  m.def(
+      "qk_norm_rope_store_kv(Tensor q, Tensor k, Tensor v, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, "
+      "float eps, bool zero_centered, Tensor slots, Tensor(a!) q_out, Tensor(b!) keys, Tensor(c!) values) -> ()");
   m.def("sigmoid_mul(Tensor gate, Tensor x, Tensor(a!) out) -> ()");
   m.def("linear(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False) -> ()");
   m.def("linear_cublaslt(Tensor x, Tensor weight, int algorithm, Tensor(a!) out) -> ()");
@@ -80,6 +83,7 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("silu_mul", &ddtree::silu_mul_cpu);
   m.impl("rope", &ddtree::rope_cpu);
   m.impl("qk_norm_rope", &ddtree::qk_norm_rope_cpu);
+  m.impl("qk_norm_rope_store_kv", &ddtree::qk_norm_rope_store_kv_cpu);
   m.impl("sigmoid_mul", &ddtree::sigmoid_mul_cpu);
   m.impl("linear", &ddtree::linear_cpu);
   m.impl("linear_cublaslt", &ddtree::linear_cublaslt_cpu);

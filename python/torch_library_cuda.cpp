@@ -16,6 +16,7 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("silu_mul", &ddtree::silu_mul_cuda);
   m.impl("rope", &ddtree::rope_cuda);
   m.impl("qk_norm_rope", &ddtree::qk_norm_rope_cuda);
+  m.impl("qk_norm_rope_store_kv", &ddtree::qk_norm_rope_store_kv_cuda);
   m.impl("sigmoid_mul", &ddtree::sigmoid_mul_cuda);
   m.impl("linear", &ddtree::linear_cuda);
   m.impl("linear_cublaslt", &ddtree::linear_cublaslt_cuda);

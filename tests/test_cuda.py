@@ -1013,6 +1013,49 @@ def test_qk_norm_rope_is_the_two_ops_bit_for_bit(tokens, heads, kv_heads, dim, r
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("slot_table", ["shared", "per-row"])
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,dim,rot,gated",
+    # 27B (partial rotary) at one node and a 65-node verify, Qwen3-8B / the draft, a half-warp row, the element path,
+    # a head past a warp's chunks (the two ops through a buffer).
+    [(1, 24, 4, 256, 64, True), (65, 24, 4, 256, 64, True), (31, 32, 8, 128, 128, False), (3, 4, 2, 64, 16, True),
+     (5, 3, 1, 10, 6, True), (2, 2, 1, 512, 128, False)],
+)
+def test_qk_norm_rope_store_kv_is_the_two_ops_bit_for_bit(tokens, heads, kv_heads, dim, rot, gated, slot_table,
+                                                          dtype):
+    """One launch gives the bits of ops.qk_norm_rope then ops.store_kv of its k and of v: q's output, and the caches
+    at the stored slots (a negative slot and one past the caches store nothing; every other slot keeps its bits), with
+    one slot table for the batch or one per batch row, v read in place from a wider projection output; and the CPU op's
+    caches within the norms' float32 sum order."""
+    gen = make_gen(tokens * dim + heads + 7)
+    q, k, qw, kw, cos, sin = to(_qk_inputs(gen, tokens, heads, kv_heads, dim, rot, dtype, gated), DEV)
+    v = (torch.randn(2, tokens, kv_heads, 2 * dim, generator=gen) * 3).to(dtype).to(DEV)[..., dim:]
+    capacity = tokens + 9
+    slots = torch.stack([torch.randperm(capacity, generator=gen)[:tokens] for _ in range(2)])
+    slots[:, 0] = -1  # a padding row
+    if tokens > 2:
+        slots[:, 1] = capacity + 3  # past the caches: skipped on CUDA
+    slots = (slots[0] if slot_table == "shared" else slots).to(DEV)
+    caches = [torch.randn(2, kv_heads, capacity, dim, generator=gen).to(dtype).to(DEV) for _ in range(2)]
+    expected_keys, expected_values = (c.clone() for c in caches)
+    expected_q, expected_k = ops.qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6)
+    ops.store_kv(expected_keys, expected_values, slots, expected_k, v.transpose(1, 2))
+    q_out = poison(torch.empty(2, heads, tokens, dim, dtype=dtype, device=DEV))
+    keys, values = caches
+    got = ops.qk_norm_rope_store_kv(q, k, v, qw, kw, cos, sin, 1e-6, keys, values, slots, q_out=q_out)
+    assert got is q_out
+    assert torch.equal(got, expected_q)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    if tokens > 2:  # the CPU op refuses a slot past the caches
+        return
+    cpu_keys, cpu_values = (c.cpu() for c in caches)
+    cpu_q = ops.qk_norm_rope_store_kv(*to([q, k, v, qw, kw, cos, sin], "cpu"), 1e-6, cpu_keys, cpu_values, slots.cpu())
+    assert_close(got, cpu_q, dtype, "q vs CPU")
+    assert_close(keys, cpu_keys, dtype, "keys vs CPU")
+    assert torch.equal(values.cpu(), cpu_values)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("tokens,heads,dim", [(1, 24, 256), (65, 24, 256), (17, 32, 128), (3, 5, 7)])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_sigmoid_mul_is_torchs_gate_bit_for_bit(tokens, heads, dim, dtype, in_place):

@@ -497,6 +497,47 @@ def test_propose_gives_its_layers_own_bits(target, case, dtype, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(cache_a.keys + cache_a.values, cache_b.keys + cache_b.values))
 
 
+@pytest.mark.parametrize("case", ["sliding+full", "scaled"])
+def test_stacked_draft_runs_one_gemm_and_one_norm_rope_per_layer(target, case, monkeypatch):
+    """With its q/k/v stacked (``stack_projections``), a draft layer's attention runs one GEMM over every [context ;
+    block] row and one ``qk_norm_rope_store_kv`` launch (the context rows' queries computed and dropped) where the
+    unstacked one runs three GEMMs, four norm and RoPE launches and a store_kv: the dense reference's logits and the
+    unstacked draft's logits and cache, over two calls (the second reads the first one's cache)."""
+    import copy
+
+    from ddtree_ext import fused, ops
+
+    kw = {"sliding_window": 6, **ATTENTION_CASES[case]}
+    apart = make_tiny_draft(target, seed=1, **kw)
+    stacked = copy.deepcopy(apart)
+    assert fused.stack_projections(stacked) == 2 * len(stacked.layers)
+    context, bonus = random_context(apart, 2, 13, seed=2), random_bonus(2, 256, seed=2)
+    calls, stores = [], []
+    stock, stock_store = ops.qk_norm_rope_store_kv, ops.store_kv
+    monkeypatch.setattr(ops, "qk_norm_rope_store_kv", lambda *a, **k: calls.append(a[0].shape) or stock(*a, **k))
+    monkeypatch.setattr(ops, "store_kv", lambda *a, **k: stores.append(1) or stock_store(*a, **k))
+    runs = []
+    for draft in (apart, stacked):
+        calls.clear()
+        stores.clear()
+        cache = draft.new_cache(2, capacity=CAPACITY)
+        with torch.no_grad():
+            draft.propose(context[:, :9], random_bonus(2, 256, seed=9), cache, **propose_args(target))
+            runs.append((draft.propose(context[:, 9:], bonus, cache, **propose_args(target)), cache))
+        # Stacked: one launch per layer and call, over the context rows (9, then 4) and the block's.
+        expected_calls = [] if draft is apart else [
+            (2, rows + draft.block_size, draft.config.num_attention_heads, draft.config.head_dim)
+            for rows in (9, 4) for _ in draft.layers
+        ]
+        assert calls == expected_calls
+        assert len(stores) == (2 * len(draft.layers) if draft is apart else 0)
+    (logits_apart, cache_apart), (logits_stacked, cache_stacked) = runs
+    assert_close(logits_stacked, dense_reference(apart, target, context, bonus).float(), torch.float32, case)
+    assert_close(logits_stacked, logits_apart, torch.float32, case)
+    for a, b in zip(cache_apart.keys + cache_apart.values, cache_stacked.keys + cache_stacked.values):
+        assert_close(b, a, torch.float32, f"{case} cache")
+
+
 def test_dense_reference_sees_the_window(target):
     """Guard for the test above: the window and causality do change the logits of this setup."""
     context, bonus = random_context(make_tiny_draft(target), 1, 13), random_bonus(1, 256)

@@ -265,6 +265,37 @@ def test_qk_norm_rope_is_the_norms_then_rope(family, heads, kv_heads, n, dim, ro
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slot_table", ["shared", "per-row"])
+@pytest.mark.parametrize("heads,kv_heads,n,dim,rot", [(4, 2, 1, 128, 128), (3, 1, 7, 10, 6), (4, 2, 9, 256, 64)])
+def test_qk_norm_rope_store_kv_is_the_norms_rope_then_store(heads, kv_heads, n, dim, rot, slot_table, dtype, gen):
+    """qk_norm_rope, then store_kv of its k and of v (read in place from wider rows), bit for bit: q's output and the
+    caches, a negative slot storing nothing and every other slot keeping its bits; the reference likewise."""
+    q = (torch.randn(2, n, heads, dim, generator=gen) * 3).to(dtype)
+    k = (torch.randn(2, n, kv_heads, dim, generator=gen) * 3).to(dtype)
+    v = (torch.randn(2, n, kv_heads, 3 * dim, generator=gen) * 3).to(dtype)[..., dim:2 * dim]
+    qw, kw = ((torch.randn(dim, generator=gen) * 0.3 + 1).to(dtype) for _ in range(2))
+    cos, sin = _rotary_tables(n, rot, dtype, gen)
+    capacity = n + 5
+    slots = torch.stack([torch.randperm(capacity, generator=gen)[:n] for _ in range(2)])
+    slots[:, n // 2] = -1
+    slots = slots[0] if slot_table == "shared" else slots
+    keys, values = (torch.randn(2, kv_heads, capacity, dim, generator=gen).to(dtype) for _ in range(2))
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_q, expected_k = ops.qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, zero_centered=True)
+    ops.store_kv(expected_keys, expected_values, slots, expected_k, v.transpose(1, 2))
+    ref_keys, ref_values = keys.clone(), values.clone()
+    ref_q = reference.qk_norm_rope_store_kv(q, k, v, qw, kw, cos, sin, 1e-6, ref_keys, ref_values, slots,
+                                            zero_centered=True)
+    got = ops.qk_norm_rope_store_kv(q, k, v, qw, kw, cos, sin, 1e-6, keys, values, slots, zero_centered=True)
+    assert got.shape == (2, heads, n, dim) and got.is_contiguous()
+    assert torch.equal(got, expected_q)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    assert_close(got, ref_q, dtype, "q vs reference")
+    assert_close(keys, ref_keys, dtype, "keys vs reference")
+    assert torch.equal(values, ref_values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,heads,dim", [(1, 4, 256), (7, 3, 10)])
 def test_sigmoid_mul_is_the_hf_output_gate(n, heads, dim, dtype, gen):
     """Qwen3.5 attention's ``attn_output * torch.sigmoid(gate)`` with the gate read in place from the q projection's
@@ -358,6 +389,45 @@ def test_qk_norm_rope_bad_inputs():
         with pytest.raises(ValueError, match=message):
             call()
         assert (q_out == 5.0).all() and (k_out == 5.0).all(), message  # nothing written
+
+
+def test_qk_norm_rope_store_kv_bad_inputs():
+    """Each bad argument is named before anything is written: q's output and the caches keep their values."""
+    q, k, v = torch.randn(1, 5, 4, 8), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8)
+    w, cos, sin = torch.ones(8), torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    slots = torch.arange(5)
+    q_out, keys, values = torch.full((1, 4, 5, 8), 5.0), torch.full((1, 2, 12, 8), 5.0), torch.full((1, 2, 12, 8), 5.0)
+    cache_rows = torch.randn(1, 2, 12, 8)  # a cache whose first rows are also v
+    op = load_ops().qk_norm_rope_store_kv
+    name = "qk_norm_rope_store_kv: "
+    cases = [
+        (lambda: op(q, k[:, :4], v, w, w, cos, sin, 1e-6, False, slots, q_out, keys, values),
+         r"k must have shape \[B, N, Hk, D\] = \[1, 5, Hk, 8\]"),
+        (lambda: op(q, k, v[:, :, :1], w, w, cos, sin, 1e-6, False, slots, q_out, keys, values),
+         r"v must have k's shape \[1, 5, 2, 8\], got \[1, 5, 1, 8\]"),
+        (lambda: op(q, k, v.half(), w, w, cos, sin, 1e-6, False, slots, q_out, keys, values), "v must have dtype Float like q"),
+        (lambda: op(q, k, v, w, w, cos, sin, -1.0, False, slots, q_out, keys, values), "eps must be finite and >= 0"),
+        (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, slots[:4], q_out, keys, values),
+         "slots must have one slot for each of q's 5 nodes"),
+        (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, slots.int(), q_out, keys, values), "slots must have dtype Long"),
+        (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, slots.expand(2, 5), q_out, keys, values),
+         r"slots must have shape \[N\] .* or \[B, N\] = \[1, N\]"),
+        (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, slots, q_out, keys[:, :1], values),
+         r"keys must have shape \[1, 2, 12, 8\]"),
+        (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, slots, q_out, keys, values[..., :4]),
+         r"values must have shape \[1, 2, 12, 8\]"),
+        (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, slots, q_out, keys, values.double()),
+         "values must have dtype Float like q"),
+        (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, slots, q_out, keys, keys), "q_out, keys and values must not overlap each other"),
+        (lambda: op(q, k, cache_rows.view(-1)[:80].view(1, 5, 2, 8), w, w, cos, sin, 1e-6, False, slots, q_out, keys,
+                    cache_rows), "values must not overlap the inputs"),
+        (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, torch.tensor([0, 1, 12, 3, 4]), q_out, keys, values),
+         r"slots\[2\] = 12 must be below 12"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=name + message):
+            call()
+        assert (q_out == 5.0).all() and (keys == 5.0).all() and (values == 5.0).all(), message  # nothing written
 
 
 def test_sigmoid_mul_bad_inputs():
@@ -641,6 +711,11 @@ def test_layer_ops_opcheck(gen):
     torch.library.opcheck(lib.qk_norm_rope.default, (q.transpose(1, 2), q[:, :1].transpose(1, 2), torch.randn(8),
                                                      torch.randn(8), torch.randn(1, 5, 8), torch.randn(1, 5, 8), 1e-6,
                                                      True, torch.empty(1, 2, 5, 8), torch.empty(1, 1, 5, 8)))
+    torch.library.opcheck(lib.qk_norm_rope_store_kv.default,
+                          (q.transpose(1, 2), q[:, :1].transpose(1, 2), q[:, 1:].transpose(1, 2).clone(),
+                           torch.randn(8), torch.randn(8), torch.randn(1, 5, 8), torch.randn(1, 5, 8), 1e-6, True,
+                           torch.tensor([3, -1, 0, 6, 2]), torch.empty(1, 2, 5, 8), torch.zeros(1, 1, 7, 8),
+                           torch.zeros(1, 1, 7, 8)))
     torch.library.opcheck(lib.sigmoid_mul.default, (x.clone(), x, torch.empty(3, 16)))
     torch.library.opcheck(lib.linear.default, (x, w, torch.empty(3, 6)))
     torch.library.opcheck(lib.linear_cublaslt.default, (x, w, 0, torch.empty(3, 6)))
@@ -740,13 +815,15 @@ def test_fused_residual_adds_give_the_bits_of_the_unfused_layers(family, dtype, 
         assert torch.equal(a, b), f"hidden state {i}"
 
 
+@pytest.mark.parametrize("kv_store", ["fused-kv-store", "store-kv-apart"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_attention_body_gives_the_bits_of_the_stock_body(family, dtype, device, monkeypatch):
-    """A verify (its cache lets the attention layers run fused.py's body): one ops.qk_norm_rope per attention layer
-    and, on Qwen3.5, one ops.sigmoid_mul; logits, taps and the K/V written the same bits as HF's body with the fused
-    forwards (fuse_attention_heads off). On CUDA too, with its side streams and stacked projections."""
+def test_fused_attention_body_gives_the_bits_of_the_stock_body(family, dtype, device, kv_store, monkeypatch):
+    """A verify (its cache lets the attention layers run fused.py's body): one ops.qk_norm_rope_store_kv per attention
+    layer (fuse_kv_store; off: ops.qk_norm_rope, then the cache's store_kv) and, on Qwen3.5, one ops.sigmoid_mul;
+    logits, taps and the K/V written the same bits as HF's body with the fused forwards (fuse_attention_heads off). On
+    CUDA too, with its side streams and stacked projections."""
     from ddtree_ext import fused, stack_projections
     from ddtree_ext.target import TargetAdapter
 
@@ -762,22 +839,31 @@ def test_fused_attention_body_gives_the_bits_of_the_stock_body(family, dtype, de
     parent = torch.tensor([[-1, 0, 0, 1, 1, 2, 4]])
     tree = reference.tree_from_parents(parent, torch.randint(0, 50, (1, 7), generator=gen), state.prefix_len.cpu())
     tree = type(tree)(*(t.to(device) for t in tree))
-    calls = {"qk_norm_rope": 0, "sigmoid_mul": 0}
-    for name in calls:
+    monkeypatch.setattr(fused, "fuse_kv_store", kv_store == "fused-kv-store")
+    names = ("qk_norm_rope", "qk_norm_rope_store_kv", "store_kv", "sigmoid_mul")
+    calls = dict.fromkeys(names, 0)
+    for name in names:
         op = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, _op=op, _name=name, **k: calls.__setitem__(_name, calls[_name] + 1)
                             or _op(*a, **k))
     runs = {}
+    attention_layers = len(state.keys)
     for fuse in (False, True):
         monkeypatch.setattr(fused, "fuse_attention_heads", fuse)
+        calls.update(dict.fromkeys(names, 0))
         logits, taps = adapter.verify(tree, state)
         runs[fuse] = (logits, taps, {i: (state.keys[i].clone(), state.values[i].clone()) for i in state.keys})
         state.pending = None  # the next verify of the same tree on the same committed state
         if not fuse:
-            assert calls == {"qk_norm_rope": 0, "sigmoid_mul": 0}
-    attention_layers = len(state.keys)
-    assert attention_layers and calls == {"qk_norm_rope": attention_layers,
-                                          "sigmoid_mul": attention_layers if family == "qwen3_5" else 0}
+            assert calls == {"qk_norm_rope": 0, "qk_norm_rope_store_kv": 0, "store_kv": attention_layers,
+                             "sigmoid_mul": 0}
+    one_launch = kv_store == "fused-kv-store"
+    assert attention_layers and calls == {
+        "qk_norm_rope": 0 if one_launch else attention_layers,
+        "qk_norm_rope_store_kv": attention_layers if one_launch else 0,
+        "store_kv": 0 if one_launch else attention_layers,
+        "sigmoid_mul": attention_layers if family == "qwen3_5" else 0,
+    }
     assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
     for i, (keys, values) in runs[True][2].items():
         assert torch.equal(keys, runs[False][2][i][0]) and torch.equal(values, runs[False][2][i][1]), f"layer {i}"
