@@ -313,7 +313,8 @@ def _stackable_classes() -> Dict[type, Tuple[str, ...]]:
     # Not a GDN layer's qkv and z: apart, z runs on a side stream beside the qkv GEMM and the latency-bound conv and
     # delta rule after it, and the H200 measured the stacked GEMM slower end to end (a 27B budget-64 round +0.12 ms,
     # the verify of 17 nodes +0.19 ms, though alone it beats the two side by side: 42.9 against 48.1 us at 16 rows;
-    # stacked for a decode step only, a 27B AR step +0.21 ms: benchmarks/results/2026-12-04-h200-draft-stacked-qkv.md).
+    # stacked for a decode step only, a 27B AR step +0.21 ms:
+    # benchmarks/results/2026-12-04-h200-draft-qkv-and-kv-store.md).
     table.update({
         qwen3_5.Qwen3_5Attention: ("q_proj", "k_proj", "v_proj"),
         qwen3_5.Qwen3_5MLP: ("gate_proj", "up_proj"),
@@ -701,9 +702,10 @@ def _qk_norm_rope_params(q_norm: torch.nn.Module, k_norm: torch.nn.Module, query
     return None
 
 
-def fused_qk_norm_rope_store_kv(q_norm: torch.nn.Module, k_norm: torch.nn.Module, query: torch.Tensor,
-                                key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> Optional[torch.Tensor]:
+def fused_qk_norm_rope_store_kv(
+    q_norm: torch.nn.Module, k_norm: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+) -> Optional[torch.Tensor]:
     """query [B, N, H, D] and key [B, N, Hk, D] normed by ``q_norm`` / ``k_norm`` and rotated as
     :func:`_heads_norm_rope` does, and the rotated key and ``value`` [B, N, Hk, D] stored into the caches keys, values
     [B, Hk, S, D] at slots ([B, N] or [N] int64, negative: not stored) as ``ops.store_kv`` would, in one launch
