@@ -334,10 +334,13 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
       node = p.slots[b * p.slots_sb + i];
       if (node < 0 || node >= p.cache_len) return;  // a padding row (or past the caches, as store_kv): not stored
     }
-    if (which == 2) {  // a value row: stored as it is (load and store round-trip its bits)
-      store_chunk<T, C, PACKED>(p.out[2] + b * p.out_stride[2][0] + h * p.out_stride[2][1] + node * p.out_stride[2][2] +
-                                    e0,
-                                p.dim - e0, v);
+    if (which == 2) {  // a value row: its bytes copied as they are, as store_kv copies them (NaN payloads too)
+      T* dst = p.out[2] + b * p.out_stride[2][0] + h * p.out_stride[2][1] + node * p.out_stride[2][2] + e0;
+      if constexpr (PACKED) {  // the head dim is a multiple of C: every chunk is whole
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(x + e0);
+      } else {
+        for (int e = 0; e < C && e0 + e < p.dim; ++e) dst[e] = x[e0 + e];
+      }
       return;
     }
   }

@@ -102,18 +102,21 @@ class DFlashAttention(nn.Module):
         ctx_len = context.shape[1]
         kv_input = torch.cat([context, block], dim=1)
         cos_all, sin_all = cos[:, 0], sin[:, 0]
-        outputs = stacked_outputs((self.q_proj, self.k_proj, self.v_proj), kv_input)
+        # With q/k/v stacked, one GEMM over every [context ; block] row where the context rows are no more than the
+        # block's (a round's; not a prompt's): their queries are computed and dropped, a few rows more of a GEMM that
+        # streams its weights. Then one launch norms, rotates and stores the K/V.
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        outputs = stacked_outputs(projections, kv_input) if ctx_len <= block.shape[1] else None
         if outputs is not None:
-            # One GEMM over every [context ; block] row (the context rows' queries computed and dropped: a few rows
-            # more of a GEMM that streams its weights), then one launch norms, rotates and stores the K/V.
             q, k, v = (t.view(*kv_input.shape[:-1], -1, self.head_dim) for t in outputs)
             query = fused_qk_norm_rope_store_kv(self.q_norm, self.k_norm, q, k, v, cos_all, sin_all, cache_keys,
                                                 cache_values, kv_slots)
-            if query is None:
-                query = rotary(self.q_norm(q.transpose(1, 2)), cos_all, sin_all)
+            if query is not None:
+                query = query[:, :, ctx_len:]
+            else:  # the norms' own forwards (hooks see the block's queries only, as apart)
+                query = rotary(self.q_norm(q[:, ctx_len:].transpose(1, 2)), cos_all[:, ctx_len:], sin_all[:, ctx_len:])
                 key = rotary(self.k_norm(k.transpose(1, 2)), cos_all, sin_all)
                 self._store_kv(cache_keys, cache_values, kv_slots, key, v.transpose(1, 2))
-            query = query[:, :, ctx_len:]
         else:
             query = self.q_norm(self._heads(self.q_proj, block, self.num_heads))
             key = self.k_norm(self._heads(self.k_proj, kv_input, self.num_kv_heads))

@@ -714,7 +714,8 @@ def fused_qk_norm_rope_store_kv(
     params = _qk_norm_rope_params(q_norm, k_norm, query, key, cos, sin) if fuse_kv_store else None
     if (
         params is None or not ops_apply(query, value, keys, values) or value.shape != key.shape
-        or slots.dtype != torch.int64 or slots.device != query.device
+        or slots.dtype != torch.int64 or slots.device != query.device or not slots.is_contiguous()
+        or slots.dim() not in (1, 2) or slots.shape[-1] != query.shape[1]
     ):
         return None
     return ops.qk_norm_rope_store_kv(query, key, value, q_norm.weight, k_norm.weight, cos, sin, params[0], keys,

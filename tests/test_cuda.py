@@ -1013,7 +1013,7 @@ def test_qk_norm_rope_is_the_two_ops_bit_for_bit(tokens, heads, kv_heads, dim, r
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("slot_table", ["shared", "per-row"])
+@pytest.mark.parametrize("slot_table,caches", [("shared", "dense"), ("per-row", "dense"), ("per-row", "padded-rows")])
 @pytest.mark.parametrize(
     "tokens,heads,kv_heads,dim,rot,gated",
     # 27B (partial rotary) at one node and a 65-node verify, Qwen3-8B / the draft, a half-warp row, the element path,
@@ -1022,11 +1022,12 @@ def test_qk_norm_rope_is_the_two_ops_bit_for_bit(tokens, heads, kv_heads, dim, r
      (5, 3, 1, 10, 6, True), (2, 2, 1, 512, 128, False)],
 )
 def test_qk_norm_rope_store_kv_is_the_two_ops_bit_for_bit(tokens, heads, kv_heads, dim, rot, gated, slot_table,
-                                                          dtype):
+                                                          caches, dtype):
     """One launch gives the bits of ops.qk_norm_rope then ops.store_kv of its k and of v: q's output, and the caches
     at the stored slots (a negative slot and one past the caches store nothing; every other slot keeps its bits), with
-    one slot table for the batch or one per batch row, v read in place from a wider projection output; and the CPU op's
-    caches within the norms' float32 sum order."""
+    one slot table for the batch or one per batch row, v read in place from a wider projection output, caches whose
+    rows lie one element apart more than D (no 16-byte rows: the element path) and the zero-centred norm with them; and
+    the CPU op's caches within the norms' float32 sum order."""
     gen = make_gen(tokens * dim + heads + 7)
     q, k, qw, kw, cos, sin = to(_qk_inputs(gen, tokens, heads, kv_heads, dim, rot, dtype, gated), DEV)
     v = (torch.randn(2, tokens, kv_heads, 2 * dim, generator=gen) * 3).to(dtype).to(DEV)[..., dim:]
@@ -1036,20 +1037,25 @@ def test_qk_norm_rope_store_kv_is_the_two_ops_bit_for_bit(tokens, heads, kv_head
     if tokens > 2:
         slots[:, 1] = capacity + 3  # past the caches: skipped on CUDA
     slots = (slots[0] if slot_table == "shared" else slots).to(DEV)
-    caches = [torch.randn(2, kv_heads, capacity, dim, generator=gen).to(dtype).to(DEV) for _ in range(2)]
+    pad = 1 if caches == "padded-rows" else 0
+    zero_centered = caches == "padded-rows"
+    caches = [torch.randn(2, kv_heads, capacity, dim + pad, generator=gen).to(dtype).to(DEV)[..., :dim]
+              for _ in range(2)]
     expected_keys, expected_values = (c.clone() for c in caches)
-    expected_q, expected_k = ops.qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6)
+    expected_q, expected_k = ops.qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, zero_centered=zero_centered)
     ops.store_kv(expected_keys, expected_values, slots, expected_k, v.transpose(1, 2))
     q_out = poison(torch.empty(2, heads, tokens, dim, dtype=dtype, device=DEV))
     keys, values = caches
-    got = ops.qk_norm_rope_store_kv(q, k, v, qw, kw, cos, sin, 1e-6, keys, values, slots, q_out=q_out)
+    got = ops.qk_norm_rope_store_kv(q, k, v, qw, kw, cos, sin, 1e-6, keys, values, slots, zero_centered=zero_centered,
+                                    q_out=q_out)
     assert got is q_out
     assert torch.equal(got, expected_q)
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
     if tokens > 2:  # the CPU op refuses a slot past the caches
         return
     cpu_keys, cpu_values = (c.cpu() for c in caches)
-    cpu_q = ops.qk_norm_rope_store_kv(*to([q, k, v, qw, kw, cos, sin], "cpu"), 1e-6, cpu_keys, cpu_values, slots.cpu())
+    cpu_q = ops.qk_norm_rope_store_kv(*to([q, k, v, qw, kw, cos, sin], "cpu"), 1e-6, cpu_keys, cpu_values, slots.cpu(),
+                                      zero_centered=zero_centered)
     assert_close(got, cpu_q, dtype, "q vs CPU")
     assert_close(keys, cpu_keys, dtype, "keys vs CPU")
     assert torch.equal(values.cpu(), cpu_values)

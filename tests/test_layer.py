@@ -423,6 +423,12 @@ def test_qk_norm_rope_store_kv_bad_inputs():
                     cache_rows), "values must not overlap the inputs"),
         (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, torch.tensor([0, 1, 12, 3, 4]), q_out, keys, values),
          r"slots\[2\] = 12 must be below 12"),
+        (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, slots, q_out, torch.zeros(1, 2, 8, 12).transpose(2, 3), values),
+         "keys must be contiguous in its last dim"),
+        (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, slots, q_out, torch.zeros(1, 1, 12, 8).expand(1, 2, 12, 8),
+                    values), "keys must not overlap itself"),
+        (lambda: op(q, k, v, w, w, cos, sin, 1e-6, False, slots, cache_rows.view(-1)[:160].view(1, 4, 5, 8), keys,
+                    cache_rows), "q_out, keys and values must not overlap each other"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=name + message):
