@@ -343,12 +343,21 @@ class _Acceptor:
             gen = torch.Generator().manual_seed(int(seed))
             self.uniform = torch.rand(1, length, generator=gen, dtype=torch.float32).to(device)
 
-    def walk(self, tree: ops.Tree, logits: torch.Tensor, position: torch.Tensor, out: ops.Walk) -> ops.Walk:
+    @property
+    def greedy(self) -> bool:
+        return self.uniform is None
+
+    def walk(
+        self, tree: ops.Tree, logits: torch.Tensor, position: torch.Tensor, out: ops.Walk,
+        argmax: Optional[torch.Tensor] = None,
+    ) -> ops.Walk:
         """Walk ``tree`` whose root sits at sequence position ``position`` ([1] int64 on the device;
-        logits [1, N, V]: the target's at every node); writes ``out`` (its width = the longest path)
-        and returns it. No host reads."""
-        if self.uniform is None:
-            return ops.walk_greedy(tree, logits.argmax(-1), out.accepted.shape[1], out=out)
+        logits [1, N, V]: the target's at every node, float32 when sampling, any float dtype when greedy);
+        writes ``out`` (its width = the longest path) and returns it. ``argmax`` (greedy): logits.argmax(-1)
+        when the caller has it. No host reads."""
+        if self.greedy:
+            target_argmax = logits.argmax(-1) if argmax is None else argmax
+            return ops.walk_greedy(tree, target_argmax, out.accepted.shape[1], out=out)
         depth = out.accepted.shape[1]
         # The node at depth d sits at position + d and draws the token at position + d + 1.
         steps = torch.arange(1, depth + 1, device=position.device)

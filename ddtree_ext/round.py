@@ -157,17 +157,21 @@ class DecodeRound:
             self.tree.position.copy_(prefix_len[:, None])
 
     def _verify(self, kv_len: int) -> None:
-        self.tmp["logits"], self.tmp["taps"] = self.adapter.verify_unchecked(self.tree, self.state, kv_len)
+        # Greedy rounds read only the logits' argmax: kept in the head's dtype (the same argmax as their float32 copy).
+        self.tmp["logits"], self.tmp["taps"] = self.adapter.verify_unchecked(
+            self.tree, self.state, kv_len, float32_logits=not self.acceptor.greedy
+        )
 
     def _walk(self) -> None:
         logits = self.tmp["logits"]
-        walk = self.acceptor.walk(self.tree, logits, self.state.prefix_len, self.walk)
+        argmax = logits.argmax(-1) if self.acceptor.greedy else None  # once, for the walk and the spine
+        walk = self.acceptor.walk(self.tree, logits, self.state.prefix_len, self.walk, argmax=argmax)
         path = self.tree.token.gather(1, walk.accepted.clamp(min=0).long())
         path = torch.where(walk.accepted >= 0, path, -1)
         parts = [walk.accept_len[:, None].long(), path, walk.next_token[:, None]]
         if self.spine_len:
             # Spine node d (index d, parent d - 1) is accepted iff its token is the target's at node d - 1.
-            hits = self.tree.token[:, 1 : self.spine_len + 1] == logits[:, : self.spine_len].argmax(-1)
+            hits = self.tree.token[:, 1 : self.spine_len + 1] == argmax[:, : self.spine_len]  # greedy only
             parts.append(hits.long().cumprod(1).sum(1, keepdim=True) + 1)
         self.result.copy_(torch.cat(parts, dim=1))
 

@@ -366,10 +366,15 @@ class TargetAdapter:
         return self.verify_unchecked(tree, state, kv_len)
 
     @torch.no_grad()
-    def verify_unchecked(self, tree: Tree, state: TargetState, kv_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def verify_unchecked(
+        self, tree: Tree, state: TargetState, kv_len: int, *, float32_logits: bool = True
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``verify`` without its checks: no host reads, no allocation sized by data; capturable in a
         CUDA graph. The caller guarantees prefix_len + N <= kv_len <= capacity and root position =
-        prefix_len (garbage otherwise, as for any unchecked kernel)."""
+        prefix_len (garbage otherwise, as for any unchecked kernel). With ``float32_logits=False`` the
+        logits stay in the LM head's dtype (their float32 values are exactly these, converted): for a
+        caller that only takes their argmax, which is then the same, without writing and reading a
+        float32 copy of [B, N, V] (tens of MB a round at a 250k vocabulary)."""
         num_nodes = tree.token.shape[1]
         mask = _ops.tree_attention_mask(tree.ancestor_mask, state.prefix_len, kv_len, dtype=self._mask_dtype)
         masks = {_FULL_ATTENTION: mask, _LINEAR_ATTENTION: None}
@@ -381,7 +386,7 @@ class TargetAdapter:
         stash = _VerifyStash(num_nodes)
         with self._tree_gdn_forwards(state, parent_by_device, stash), self._fusion.active():
             hidden, taps = self._run(tree.token, tree.position, masks, _StaticAttentionCache(state, slots_by_device, kv_len))
-        logits = self._logits(hidden)
+        logits = self._logits(hidden, float32=float32_logits)
         state.pending = stash  # only once nothing can fail any more: a failed verify leaves none
         return logits, taps
 
@@ -493,10 +498,11 @@ class TargetAdapter:
         tuned GEMMs included), for the verify's logits and the draft's, which reads the target's head."""
         return self._head_fusion.active()
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head logits as float32 on the adapter's device."""
+    def _logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """LM head logits on the adapter's device: float32, or the head's own dtype."""
         with self.fused_lm_head():
-            return self.lm_head(hidden.to(module_device(self.lm_head))).float().to(self.device)
+            logits = self.lm_head(hidden.to(module_device(self.lm_head)))
+            return (logits.float() if float32 else logits).to(self.device)
 
     def _run(self, tokens, position_ids, attention_mask, cache) -> Tuple[torch.Tensor, torch.Tensor]:
         """One text-model forward; returns (final hidden states [B, T, hidden], taps on the adapter's device)."""

@@ -451,3 +451,20 @@ def test_record_layer_outputs_reads_tensor_and_tuple_outputs():
     assert torch.equal(recorded[0], x) and torch.equal(recorded[1], x * 3)
     layers[1](x + 1)
     assert torch.equal(recorded[1], x * 3)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_verify_logits_in_the_heads_dtype_are_the_float32_logits(family):
+    """verify_unchecked(float32_logits=False) (what a greedy round reads) returns the LM head's bf16 logits, whose
+    float32 copy is the float32 verify's logits bit for bit, so their argmax (the walk's, ties to the lower id) is the
+    same; the default stays float32."""
+    adapter = TargetAdapter(make_tiny_target(family, seed=3, dtype=torch.bfloat16), TAPS)
+    gen = torch.Generator().manual_seed(12)
+    state = adapter.new_state(capacity=CAPACITY)
+    adapter.prefill(_tokens(gen, 1, 9), state)
+    tree = _random_tree(gen, state.prefix_len, 11, "random")
+    full, taps_full = adapter.verify_unchecked(tree, state, 9 + 11)
+    low, taps_low = adapter.verify_unchecked(tree, state, 9 + 11, float32_logits=False)
+    assert full.dtype == torch.float32 and low.dtype == torch.bfloat16
+    assert torch.equal(low.float(), full) and torch.equal(taps_low, taps_full)
+    assert torch.equal(low.argmax(-1), full.argmax(-1))
