@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -52,11 +52,15 @@ class DFlashDraftCache:
     RoPE already applied to keys. Rows ``0 .. length[b] - 1`` are row b's context (row = absolute
     position); rows past it are scratch where :meth:`DFlashDraftModel.propose` writes padding rows and
     the block's K/V for the duration of one call, so the block is never part of the cache.
-    ``length`` [B] int64 lives on the draft's device.
+    ``length`` [B] int64 lives on the draft's device. ``cos`` / ``sin`` ``[capacity, head_dim]``: the draft's RoPE
+    at every row's position (row = position), in its dtype, where its RoPE does not depend on the sequence length
+    (None otherwise): a call gathers its rows' from them instead of recomputing them.
     """
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor):
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor,
+                 cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None):
         self.keys, self.values, self.length = keys, values, length
+        self.cos, self.sin = cos, sin
 
     @property
     def capacity(self) -> int:
@@ -330,7 +334,17 @@ class DFlashDraftModel(nn.Module):
         shape = (batch_size, attn.num_kv_heads, capacity, attn.head_dim)
         keys = [like.new_zeros(shape) for _ in self.layers]
         values = [like.new_zeros(shape) for _ in self.layers]
-        return DFlashDraftCache(keys, values, torch.zeros(batch_size, dtype=torch.int64, device=like.device))
+        cos = sin = None
+        # RoPE by table: one gather a call where HF's rotary embedding launches about eight kernels (a product, a
+        # concat, cos, sin, the scaling, the casts). Its entries are a function of the position alone, so the table's
+        # rows are the bits it computes for any call; RoPE types that follow the sequence length are left to it.
+        rope_type = str(getattr(self.rotary_emb, "rope_type", "default"))
+        if not any(kind in rope_type for kind in ("dynamic", "longrope")):
+            with torch.no_grad():
+                positions = torch.arange(capacity, device=like.device)[None]
+                cos, sin = (t[0] for t in self.rotary_emb(like.new_empty(1, capacity, 1), positions))
+        length = torch.zeros(batch_size, dtype=torch.int64, device=like.device)
+        return DFlashDraftCache(keys, values, length, cos, sin)
 
     def propose(
         self,
@@ -419,7 +433,11 @@ class DFlashDraftModel(nn.Module):
         embed_device = _callable_device(embed_tokens, device)
         hidden = (embed_tokens(block_ids.to(embed_device)) * self.input_embedding_scale).to(device=device, dtype=dtype)
         positions = torch.cat([context_rows, block_rows], dim=1)
-        cos, sin = (t.unsqueeze(1) for t in self.rotary_emb(hidden, positions))
+        if cache.cos is not None and cache.cos.dtype == hidden.dtype:
+            rope = (table.index_select(0, positions.view(-1)).view(*positions.shape, -1) for table in (cache.cos, cache.sin))
+        else:
+            rope = self.rotary_emb(hidden, positions)
+        cos, sin = (t.unsqueeze(1) for t in rope)
         normed = self._run_layers(hidden, context, cos, sin, cache, kv_slots, block_rows, kv_len)
         logits = lm_head(normed.to(_callable_device(lm_head, device))).float().to(device)
         if self.output_multiplier != 1.0:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_close
+from conftest import assert_close, requires_cuda
 from ddtree_ext.draft import DFlashDraftModel
 from ddtree_ext.tiny import (
     draft_agreement,
@@ -607,3 +607,39 @@ def test_untrained_draft_does_not_agree(agreeing_pair):
     target, _ = agreeing_pair
     agreement = draft_agreement(make_tiny_draft(target, weight_std=0.05), target)
     assert agreement.top1[0] < 0.3 and agreement.chain_accept_length < 2.0, agreement
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_table_gives_the_rotary_embeddings_bits(target, dtype, device, monkeypatch):
+    """new_cache tabulates the draft's RoPE at every row's position, and propose gathers its rows from the table instead
+    of calling the rotary embedding: the same logits and cache bits as the rotary embedding's own values (a cache
+    without the table), over two calls with a padded context; a RoPE type that follows the sequence length gets no
+    table."""
+    draft = make_tiny_draft(target, seed=4, sliding_window=6).to(device=device, dtype=dtype)
+    head = torch.nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=False).to(device=device, dtype=dtype)
+    head.weight.data.copy_(target.get_output_embeddings().weight.to(dtype))
+    embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.to(device=device, dtype=dtype))
+    args = dict(embed_tokens=embed, lm_head=head)
+    context = random_context(draft, 2, 15, seed=5).to(device=device, dtype=dtype)
+    rotary_calls = []
+    stock = type(draft.rotary_emb).forward
+    monkeypatch.setattr(type(draft.rotary_emb), "forward", lambda self, *a: rotary_calls.append(1) or stock(self, *a))
+    runs = []
+    for table in (True, False):
+        cache = draft.new_cache(2, capacity=CAPACITY)
+        assert cache.cos is not None and cache.cos.shape == (CAPACITY, draft.layers[0].self_attn.head_dim)
+        if not table:
+            cache.cos = cache.sin = None
+        rotary_calls.clear()
+        with torch.no_grad():
+            first = draft.propose(context[:, :9], random_bonus(2, 256, seed=6).to(device), cache, **args)
+            second = draft.propose(context[:, 9:15], random_bonus(2, 256, seed=7).to(device), cache, **args,
+                                   num_context=torch.tensor([6, 4], device=device))
+        assert len(rotary_calls) == (0 if table else 2)
+        runs.append((first, second, cache))
+    (first_a, second_a, cache_a), (first_b, second_b, cache_b) = runs
+    assert torch.equal(first_a, first_b) and torch.equal(second_a, second_b)
+    assert all(torch.equal(a, b) for a, b in zip(cache_a.keys + cache_a.values, cache_b.keys + cache_b.values))
+    monkeypatch.setattr(draft.rotary_emb, "rope_type", "dynamic", raising=False)
+    assert draft.new_cache(1, capacity=CAPACITY).cos is None
