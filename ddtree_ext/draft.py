@@ -54,7 +54,9 @@ class DFlashDraftCache:
     the block's K/V for the duration of one call, so the block is never part of the cache.
     ``length`` [B] int64 lives on the draft's device. ``cos`` / ``sin`` ``[capacity, head_dim]``: the draft's RoPE
     at every row's position (row = position), in its dtype, where its RoPE does not depend on the sequence length
-    (None otherwise): a call gathers its rows' from them instead of recomputing them.
+    (None otherwise): a call gathers its rows' from them instead of recomputing them. (The table is the rotary
+    embedding's output for those positions; where it forms the frequencies by a GEMM and TF32 matmuls are allowed, a
+    call's own GEMM could round differently: the draft's proposals, never the emitted tokens, would then differ.)
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor,

@@ -75,6 +75,8 @@ class DecodeRound:
         spine_len: int,
         use_graphs: bool,
     ):
+        if spine_len and not acceptor.greedy:
+            raise ValueError(f"DecodeRound: spine_len ({spine_len}) counts a greedy spine; the acceptor samples")
         self.adapter, self.draft, self.state, self.draft_cache, self.acceptor = adapter, draft, state, draft_cache, acceptor
         self.speculative = method != "autoregressive"
         self.budget, self.max_accept, self.draft_top_k, self.spine, self.spine_len = (

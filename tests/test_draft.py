@@ -629,6 +629,9 @@ def test_rope_table_gives_the_rotary_embeddings_bits(target, dtype, device, monk
     for table in (True, False):
         cache = draft.new_cache(2, capacity=CAPACITY)
         assert cache.cos is not None and cache.cos.shape == (CAPACITY, draft.layers[0].self_attn.head_dim)
+        for row in (0, CAPACITY // 2, CAPACITY - 1):  # every row, not only those these calls read: a row alone
+            alone = stock(draft.rotary_emb, context[:, :1], torch.tensor([[row]], device=device))
+            assert torch.equal(cache.cos[row], alone[0][0, 0]) and torch.equal(cache.sin[row], alone[1][0, 0])
         if not table:
             cache.cos = cache.sin = None
         rotary_calls.clear()

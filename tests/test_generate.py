@@ -140,6 +140,31 @@ def test_greedy_equals_hf_generate(name, method, budget):
         assert mean_tau > floor, f"the agreeing draft should get draft tokens accepted, mean tau {mean_tau:.2f}"
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_greedy_rounds_read_logits_in_the_heads_dtype(temperature, monkeypatch):
+    """A greedy round asks the verify for the LM head's own dtype (it reads their argmax only), a sampled one for
+    float32; a round that would count a greedy spine under a sampling acceptor is refused."""
+    from ddtree_ext import round as round_module
+    from ddtree_ext.generate import _Acceptor
+
+    asked = []
+    stock = TargetAdapter.verify_unchecked
+
+    def recording(self, *args, float32_logits=True, **kwargs):
+        asked.append(float32_logits)
+        return stock(self, *args, float32_logits=float32_logits, **kwargs)
+
+    monkeypatch.setattr(TargetAdapter, "verify_unchecked", recording)
+    target, draft = pair(RANDOM, HYBRID)
+    generate(target, draft, pair_prompt(RANDOM, HYBRID, 5), 12, method="ddtree", tree_budget=8,
+             temperature=temperature, seed=1)
+    assert asked and set(asked) == {temperature > 0}
+    sampling = _Acceptor(1.0, None, None, 0, 8, torch.device("cpu"))
+    with pytest.raises(ValueError, match="spine_len"):
+        round_module.DecodeRound(None, None, None, None, sampling, method="ddtree", budget=4, max_accept=4,
+                                 draft_top_k=2, spine=True, spine_len=3, use_graphs=False)
+
+
 @pytest.mark.parametrize("spine", [True, False], ids=["spine", "best-first"])
 @pytest.mark.parametrize("draft_top_k", [1, 3, 16])
 def test_greedy_tree_shapes(draft_top_k, spine):
