@@ -337,8 +337,8 @@ class DFlashDraftModel(nn.Module):
         keys = [like.new_zeros(shape) for _ in self.layers]
         values = [like.new_zeros(shape) for _ in self.layers]
         cos = sin = None
-        # RoPE by table: one gather a call where HF's rotary embedding launches about eight kernels (a product, a
-        # concat, cos, sin, the scaling, the casts). Its entries are a function of the position alone, so the table's
+        # RoPE by table: two gathers a call where HF's rotary embedding launches eight kernels on the H200 (a product,
+        # a concat, cos, sin, two scalings, two casts). Its entries are a function of the position alone, so the table's
         # rows are the bits it computes for any call; RoPE types that follow the sequence length are left to it.
         rope_type = str(getattr(self.rotary_emb, "rope_type", "default"))
         if not any(kind in rope_type for kind in ("dynamic", "longrope")):
@@ -436,7 +436,8 @@ class DFlashDraftModel(nn.Module):
         hidden = (embed_tokens(block_ids.to(embed_device)) * self.input_embedding_scale).to(device=device, dtype=dtype)
         positions = torch.cat([context_rows, block_rows], dim=1)
         if cache.cos is not None and cache.cos.dtype == hidden.dtype:
-            rope = (table.index_select(0, positions.view(-1)).view(*positions.shape, -1) for table in (cache.cos, cache.sin))
+            rows = positions.view(-1)
+            rope = (table.index_select(0, rows).view(*positions.shape, -1) for table in (cache.cos, cache.sin))
         else:
             rope = self.rotary_emb(hidden, positions)
         cos, sin = (t.unsqueeze(1) for t in rope)
