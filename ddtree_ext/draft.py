@@ -31,7 +31,7 @@ from torch import nn
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    LayerFusion, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, ops_apply, rotary, stacked_outputs,
+    Fork, LayerFusion, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, ops_apply, rotary, stacked_outputs,
 )
 
 FULL_ATTENTION = "full_attention"
@@ -161,6 +161,22 @@ class DFlashAttention(nn.Module):
             if not self.is_causal:
                 visible = visible & (key_pos - query_pos < self.sliding_window)
         return visible[:, None]
+
+
+class _Prelude:
+    """What :meth:`DFlashDraftModel.propose` computes from the cache lengths alone, on a side stream: the rows
+    appended [B], the block's positions block_rows [B, S], the cache slots kv_slots [B, T + S], the positions of
+    the context and block rows [B, T + S], their RoPE (cos, sin) from the cache's table (None without one) and
+    one attention mask per rule (causal, window). :meth:`join` makes the current stream wait for them."""
+
+    def __init__(self, fork: Fork, appended, block_rows, kv_slots, positions, rope, masks):
+        self.fork, self.appended, self.block_rows, self.kv_slots, self.positions, self.rope, self.masks = (
+            fork, appended, block_rows, kv_slots, positions, rope, masks,
+        )
+
+    def join(self) -> None:
+        self.fork.join(self.appended, self.block_rows, self.kv_slots, self.positions, *(self.rope or ()),
+                       *self.masks.values())
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -397,7 +413,6 @@ class DFlashDraftModel(nn.Module):
             if ctx_len > self.block_size:
                 raise ValueError(f"{where}: a padded context (num_context given) holds at most block_size = "
                                  f"{self.block_size} rows, got {ctx_len}")
-        appended = num_context.to(torch.int64) if num_context is not None else torch.full_like(cache.length, ctx_len)
         if kv_len is None:
             # Host reads: the eager convenience. Rows up to length + T (padding) + block are written.
             if num_context is not None and not bool(((num_context >= 1) & (num_context <= ctx_len)).all()):
@@ -409,39 +424,53 @@ class DFlashDraftModel(nn.Module):
         elif not isinstance(kv_len, int) or isinstance(kv_len, bool) or not 1 <= kv_len <= cache.capacity:
             raise ValueError(f"{where}: kv_len must be an int in [1, {cache.capacity}], got {kv_len!r}")
 
-        steps = torch.arange(max(ctx_len, self.block_size), device=device)
-        context_rows = cache.length[:, None] + steps[:ctx_len]
-        start = cache.length + appended  # position of the bonus token, [B]
-        block_rows = start[:, None] + steps[: self.block_size]
-        # Where each context and block row's K/V goes. A padding context row (past num_context) is not stored: the
-        # block's rows, which start right after the real context rows, cover its cache row.
-        kv_slots = torch.cat([torch.where(steps[:ctx_len] < appended[:, None], context_rows, -1), block_rows], dim=1)
+        # The positions, cache slots, RoPE rows and attention masks need only the lengths: on a side stream
+        # (fused.Fork) they run beside the context projection, the call's first GEMM, instead of before it.
+        fork = Fork(device, "draft")
+        with fork.side():
+            appended = num_context.to(torch.int64) if num_context is not None else torch.full_like(cache.length, ctx_len)
+            steps = torch.arange(max(ctx_len, self.block_size), device=device)
+            context_rows = cache.length[:, None] + steps[:ctx_len]
+            start = cache.length + appended  # position of the bonus token, [B]
+            block_rows = start[:, None] + steps[: self.block_size]
+            # Where each context and block row's K/V goes. A padding context row (past num_context) is not stored:
+            # the block's rows, which start right after the real context rows, cover its cache row.
+            kv_slots = torch.cat([torch.where(steps[:ctx_len] < appended[:, None], context_rows, -1), block_rows], dim=1)
+            positions = torch.cat([context_rows, block_rows], dim=1)
+            rope = None
+            if cache.cos is not None and cache.cos.dtype == self.fc.weight.dtype:
+                rows = positions.view(-1)
+                rope = tuple(table.index_select(0, rows).view(*positions.shape, -1) for table in (cache.cos, cache.sin))
+            # One mask per attention rule (causal, window), not per layer.
+            masks = {}
+            for layer in self.layers:
+                attn = layer.self_attn
+                rule = (attn.is_causal, attn.sliding_window)
+                if rule not in masks:
+                    masks[rule] = attn.mask(block_rows, kv_len)
+        prelude = _Prelude(fork, appended, block_rows, kv_slots, positions, rope, masks)
 
         with self._fusion.active():
-            logits = self._forward_block(context_hidden, bonus_token, cache, embed_tokens, lm_head, context_rows,
-                                         block_rows, kv_slots, kv_len)
+            logits = self._forward_block(context_hidden, bonus_token, cache, embed_tokens, lm_head, prelude, kv_len)
         # Only now the context rows count as appended: a call that raised before this line leaves the
         # cache as it was (the rows it wrote are scratch), so a retry does not append them twice.
         cache.length += appended
         return logits
 
-    def _forward_block(self, context_hidden, bonus_token, cache, embed_tokens, lm_head, context_rows, block_rows,
-                       kv_slots, kv_len) -> torch.Tensor:
-        """The layers over the context rows and the block (propose's arguments); returns the logits."""
+    def _forward_block(self, context_hidden, bonus_token, cache, embed_tokens, lm_head, prelude, kv_len) -> torch.Tensor:
+        """The layers over the context rows and the block (propose's arguments; ``prelude``: what propose computed
+        on its side stream); returns the logits."""
         batch, device, dtype = bonus_token.shape[0], self.fc.weight.device, self.fc.weight.dtype
         context = self.hidden_norm(self.fc(context_hidden.to(device=device, dtype=dtype)))
         block_ids = bonus_token.new_full((batch, self.block_size), self.mask_token_id)
         block_ids[:, 0] = bonus_token
         embed_device = _callable_device(embed_tokens, device)
         hidden = (embed_tokens(block_ids.to(embed_device)) * self.input_embedding_scale).to(device=device, dtype=dtype)
-        positions = torch.cat([context_rows, block_rows], dim=1)
-        if cache.cos is not None and cache.cos.dtype == hidden.dtype:
-            rows = positions.view(-1)
-            rope = (table.index_select(0, rows).view(*positions.shape, -1) for table in (cache.cos, cache.sin))
-        else:
-            rope = self.rotary_emb(hidden, positions)
+        normed = self.layers[0].input_layernorm(hidden)
+        prelude.join()
+        rope = prelude.rope if prelude.rope is not None else self.rotary_emb(hidden, prelude.positions)
         cos, sin = (t.unsqueeze(1) for t in rope)
-        normed = self._run_layers(hidden, context, cos, sin, cache, kv_slots, block_rows, kv_len)
+        normed = self._run_layers(normed, hidden, context, cos, sin, cache, prelude, kv_len)
         logits = lm_head(normed.to(_callable_device(lm_head, device))).float().to(device)
         if self.output_multiplier != 1.0:
             logits = logits * self.output_multiplier
@@ -449,23 +478,20 @@ class DFlashDraftModel(nn.Module):
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
 
-    def _run_layers(self, hidden, context, cos, sin, cache, kv_slots, block_rows, kv_len) -> torch.Tensor:
-        """The decoder layers and the final norm over the block's hidden states [B, S, hidden] (the other arguments:
-        _forward_block's); returns the normed rows 1 .. S - 1 (row 0 is the bonus token's: no logits).
+    def _run_layers(self, normed, hidden, context, cos, sin, cache, prelude, kv_len) -> torch.Tensor:
+        """The decoder layers and the final norm over the block's hidden states [B, S, hidden] (normed: their first
+        input norm; the other arguments: _forward_block's); returns the normed rows 1 .. S - 1 (row 0 is the bonus
+        token's: no logits).
 
         The layers' own forwards in turn, then the final norm, with two launches fewer per layer: each residual add
         runs fused into the norm after it (the next layer's input norm, the last one into the final norm; the same
         bits as the add, then the norm), and the attention mask is built once per attention rule (causal, window),
         not per layer."""
-        masks = {}
-        normed = self.layers[0].input_layernorm(hidden)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            rule = (attn.is_causal, attn.sliding_window)
-            if rule not in masks:
-                masks[rule] = attn.mask(block_rows, kv_len)
-            out = attn(normed, context, cos, sin, cache.keys[i], cache.values[i], kv_slots, block_rows, kv_len,
-                       mask=masks[rule])
+            mask = prelude.masks[(attn.is_causal, attn.sliding_window)]
+            out = attn(normed, context, cos, sin, cache.keys[i], cache.values[i], prelude.kv_slots, prelude.block_rows,
+                       kv_len, mask=mask)
             normed, hidden = add_norm(layer.post_attention_layernorm, out, hidden)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             normed, hidden = add_norm(next_norm, layer.mlp(normed), hidden)

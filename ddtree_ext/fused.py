@@ -441,11 +441,13 @@ def stacked_gemm_pays(x: torch.Tensor, width: int) -> bool:
 # ---- overlap on a second stream ----------------------------------------------------------------------
 
 # Where Forks use a side stream ("gdn": a GDN layer's gates and z projection beside its qkv projection, conv and
-# delta rule; "attn": an attention layer's K and V projections beside its Q projection); the others run inline.
+# delta rule; "attn": an attention layer's K and V projections beside its Q projection; "draft": the draft's
+# positions, cache slots, RoPE rows and masks beside its context projection; "walk": a round's result row beside its
+# commit); the others run inline.
 # ``benchmarks/e2e.py --side-streams`` sets it for A/B runs. An MLP's up projection beside its gate projection was
 # measured slower on the H200 (two large GEMMs only contend):
 # benchmarks/results/2026-11-29-h200-e2e-27b-qwen3-8b-side-streams.md.
-side_streams = {"gdn", "attn"}
+side_streams = {"gdn", "attn", "draft", "walk"}
 _SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
 
 
@@ -486,6 +488,13 @@ class Fork:
         else:
             with torch.cuda.stream(self.stream):
                 yield
+
+    def used_on_side(self, *tensors: "torch.Tensor") -> None:
+        """Records tensors made on the current stream as used by the side work too, so that the allocator does not
+        hand their memory to later work on the current stream before the side work is done with them."""
+        if self.stream is not None:
+            for t in tensors:
+                t.record_stream(self.stream)
 
     def mark(self) -> "Optional[torch.cuda.Event]":
         if self.stream is None:

@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ddtree_ext import gemm_tuning, ops
+from ddtree_ext.fused import Fork
 
 EAGER_ROUNDS_BEFORE_CAPTURE = 2
 
@@ -168,14 +169,19 @@ class DecodeRound:
         logits = self.tmp["logits"]
         argmax = logits.argmax(-1) if self.acceptor.greedy else None  # once, for the walk and the spine
         walk = self.acceptor.walk(self.tree, logits, self.state.prefix_len, self.walk, argmax=argmax)
-        path = self.tree.token.gather(1, walk.accepted.clamp(min=0).long())
-        path = torch.where(walk.accepted >= 0, path, -1)
-        parts = [walk.accept_len[:, None].long(), path, walk.next_token[:, None]]
-        if self.spine_len:
-            # Spine node d (index d, parent d - 1) is accepted iff its token is the target's at node d - 1.
-            hits = self.tree.token[:, 1 : self.spine_len + 1] == argmax[:, : self.spine_len]  # greedy only
-            parts.append(hits.long().cumprod(1).sum(1, keepdim=True) + 1)
-        self.result.copy_(torch.cat(parts, dim=1))
+        # Only the host reads the result row: it is composed on a side stream, beside the commit, which joins it.
+        fork = self.tmp["result_fork"] = Fork(self.device, "walk")
+        with fork.side():
+            if argmax is not None:
+                fork.used_on_side(argmax)
+            path = self.tree.token.gather(1, walk.accepted.clamp(min=0).long())
+            path = torch.where(walk.accepted >= 0, path, -1)
+            parts = [walk.accept_len[:, None].long(), path, walk.next_token[:, None]]
+            if self.spine_len:
+                # Spine node d (index d, parent d - 1) is accepted iff its token is the target's at node d - 1.
+                hits = self.tree.token[:, 1 : self.spine_len + 1] == argmax[:, : self.spine_len]  # greedy only
+                parts.append(hits.long().cumprod(1).sum(1, keepdim=True) + 1)
+            torch.cat(parts, dim=1, out=self.result)
 
     def _commit(self) -> None:
         walk = self.walk
@@ -184,6 +190,7 @@ class DecodeRound:
             ops.gather_rows(self.tmp["taps"], walk.accepted, walk.accept_len, out=self.context_rows)
             self.num_context.copy_(walk.accept_len)
         self.root.copy_(walk.next_token)
+        self.tmp.pop("result_fork").join()
 
     def _stages(self, kv_len: int) -> List[Tuple[str, Callable[[], None]]]:
         stages = [("draft", lambda: self._draft(kv_len))] if self.speculative else []

@@ -43,6 +43,7 @@ What this relies on in transformers (checked on 5.17 and 5.24):
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -96,6 +97,9 @@ class TargetState:
     conv: per GDN layer index, [B, conv_dim, W] pre-conv inputs (model dtype), oldest first;
     recurrent: per GDN layer index, [B, HV, K, V] float32.
     Between ``verify`` and ``commit`` the verify's stash is ``pending``.
+    rope: (cos, sin) [capacity, rotary dim] in the model dtype on the rotary embedding's device, its output at every
+    slot's position (row = position), which a verify gathers instead of recomputing it; None where the RoPE depends
+    on more than the position (see ``_rope_table``).
     """
 
     capacity: int
@@ -106,6 +110,7 @@ class TargetState:
     conv: Dict[int, torch.Tensor]
     recurrent: Dict[int, torch.Tensor]
     pending: Optional[_VerifyStash] = None
+    rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         """Every committed-state tensor by name (keys3, conv0, ...): what tests compare and snapshot."""
@@ -301,6 +306,7 @@ class TargetAdapter:
             state.recurrent[i] = torch.zeros(
                 batch_size, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, dtype=torch.float32, device=device
             )
+        state.rope = _rope_table(self.text_model.rotary_emb, capacity, dtype)
         return state
 
     # ---- forwards ----------------------------------------------------------------------------------
@@ -384,7 +390,7 @@ class TargetAdapter:
         slots_by_device = {d: slots.to(d) for d in devices}
         parent_by_device = {d: tree.parent.to(d) for d in devices}
         stash = _VerifyStash(num_nodes)
-        with self._tree_gdn_forwards(state, parent_by_device, stash), self._fusion.active():
+        with self._tree_gdn_forwards(state, parent_by_device, stash), self._rope_from_table(state), self._fusion.active():
             hidden, taps = self._run(tree.token, tree.position, masks, _StaticAttentionCache(state, slots_by_device, kv_len))
         logits = self._logits(hidden, float32=float32_logits)
         state.pending = stash  # only once nothing can fail any more: a failed verify leaves none
@@ -519,6 +525,13 @@ class TargetAdapter:
             return hidden, hidden.new_empty(*hidden.shape[:2], 0, device=self.device)
         return hidden, torch.cat([recorded[i].to(self.device) for i in self.tap_layer_ids], dim=-1)
 
+    def _rope_from_table(self, state: TargetState) -> contextlib.AbstractContextManager:
+        """A context in which the rotary embedding gathers the state's RoPE table rows (where it has one)."""
+        if state.rope is None:
+            return contextlib.nullcontext()
+        rotary = self.text_model.rotary_emb
+        return swapped_forwards([(rotary, functools.partial(_rope_rows, rotary, *state.rope))])
+
     def _tree_gdn_forwards(
         self, state: TargetState, parent_by_device: Dict[torch.device, torch.Tensor], stash: _VerifyStash
     ) -> contextlib.AbstractContextManager:
@@ -536,6 +549,41 @@ class TargetAdapter:
 
             swaps.append((gdn, tree_forward))
         return swapped_forwards(swaps)
+
+
+def _rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(cos, sin) [capacity, rotary dim]: the rotary embedding's output for positions 0 .. capacity - 1, or None for
+    a RoPE that follows the sequence length (dynamic, longrope) or a module this table does not know.
+
+    HF's rotary embeddings form each position's angles from that position alone (a product with the inverse
+    frequencies: for Qwen3 a GEMM of depth one, one product per output), so a table row holds the bits a call computes
+    for that position; a verify then gathers its rows in two launches where the module launched eight on the H200
+    (the product, a concat, cos, sin, two scalings, two casts). Qwen3.5's multimodal RoPE reads one position per axis:
+    for text the axes share it (the model expands one row), and the table is built and read that way."""
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if not callable(getattr(rotary, "forward", None)) or any(kind in rope_type for kind in ("dynamic", "longrope")):
+        return None
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.device.type == "meta":
+        return None
+    with torch.no_grad():
+        positions = torch.arange(capacity, device=inv_freq.device)[None]
+        if hasattr(rotary, "mrope_section"):  # [3, B, T], as the text model passes one text row to it
+            positions = positions[None].expand(3, -1, -1)
+        cos, sin = rotary(inv_freq.new_empty(1, capacity, 1, dtype=dtype), positions)
+    if cos.dim() != 3 or cos.shape[:2] != (1, capacity) or sin.shape != cos.shape:
+        return None
+    return cos[0], sin[0]
+
+
+def _rope_rows(rotary: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, position_ids: torch.Tensor):
+    """The rotary embedding's forward from the table (cos, sin) of :func:`_rope_table`: its rows at position_ids [B, T]
+    (or Qwen3.5's [3, B, T] expanded from one row: one position for every axis), [B, T, rotary dim] each; the
+    module's own forward for anything else (positions that differ by axis, another dtype or device)."""
+    rows = position_ids[0] if position_ids.dim() == 3 and position_ids.stride(0) == 0 else position_ids
+    if rows.dim() != 2 or x.dtype != cos.dtype or rows.device != cos.device:
+        return type(rotary).forward(rotary, x, position_ids)
+    return tuple(t.index_select(0, rows.reshape(-1)).view(*rows.shape, -1) for t in (cos, sin))
 
 
 def _by_device(layer_ids: Sequence[int], devices: Sequence[torch.device]) -> Dict[torch.device, List[int]]:

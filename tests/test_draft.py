@@ -448,10 +448,12 @@ def test_propose_matches_dense_reference(target, case):
     assert_close(actual, expected.float(), torch.float32, case)
 
 
-def _layers_one_by_one(self, hidden, context, cos, sin, cache, kv_slots, block_rows, kv_len):
-    """DFlashDraftModel._run_layers as the layers' own forwards in turn, then the final norm."""
+def _layers_one_by_one(self, normed, hidden, context, cos, sin, cache, prelude, kv_len):
+    """DFlashDraftModel._run_layers as the layers' own forwards in turn (each its own input norm and mask), then the
+    final norm."""
     for i, layer in enumerate(self.layers):
-        hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], kv_slots, block_rows, kv_len)
+        hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], prelude.kv_slots, prelude.block_rows,
+                       kv_len)
     return self.norm(hidden[:, 1:])
 
 

@@ -187,14 +187,15 @@ def test_stacked_projections_graph_equals_eager_on_a_real_shaped_model(dtype):
 
 @pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
 def test_side_streams_do_not_change_the_output(cuda_graph, monkeypatch):
-    """Forks (a GDN layer's gates and z projection, an attention layer's K and V projections on a second stream)
-    only reorder independent launches: the tokens are those of the same generation with every fork inline."""
+    """Forks (a GDN layer's gates and z projection, an attention layer's K and V projections, the draft's positions,
+    slots, RoPE rows and masks, a round's result row, each on a second stream) only reorder independent launches: the
+    tokens are those of the same generation with every fork inline."""
     from ddtree_ext import fused
 
     target, draft = small_real_shaped_hybrid(torch.bfloat16)
     prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(2)).cuda()
     runs = {}
-    for uses in ({"gdn", "attn"}, set()):
+    for uses in ({"gdn", "attn", "draft", "walk"}, set()):
         monkeypatch.setattr(fused, "side_streams", uses)
         runs[bool(uses)] = generate(target, draft, prompt, 200, method="ddtree", tree_budget=64, cuda_graph=cuda_graph)
     diff = (runs[True] != runs[False])[0].nonzero()

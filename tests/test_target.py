@@ -468,3 +468,57 @@ def test_verify_logits_in_the_heads_dtype_are_the_float32_logits(family):
     assert full.dtype == torch.float32 and low.dtype == torch.bfloat16
     assert torch.equal(low.float(), full) and torch.equal(taps_low, taps_full)
     assert torch.equal(low.argmax(-1), full.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_verify_rope_from_the_states_table_is_the_modules_rope(family, dtype, monkeypatch):
+    """A verify gathers its RoPE rows from the state's table (new_state builds it with the rotary embedding itself):
+    the logits, taps and GDN stash are those of a verify that runs the module (state.rope = None), bit for bit, at
+    positions deep into the table; the module's own forward runs only without the table. Table rows far from the
+    start are the module's output for that position alone."""
+    adapter = TargetAdapter(make_tiny_target(family, seed=5, dtype=dtype), TAPS)
+    rotary = adapter.text_model.rotary_emb
+    calls = []
+    stock_forward = type(rotary).forward
+    monkeypatch.setattr(type(rotary), "forward", lambda *a, **k: calls.append(1) or stock_forward(*a, **k))
+    gen = torch.Generator().manual_seed(13)
+    prompt = _tokens(gen, 1, 9)
+    results, tree = [], None
+    for use_table in (True, False):
+        state = adapter.new_state(capacity=CAPACITY)
+        assert state.rope is not None and state.rope[0].shape[0] == CAPACITY and state.rope[0].dtype == dtype
+        adapter.prefill(prompt, state)
+        state.prefix_len += 120  # far rows: the slots past the prompt are zeros, masked or not, either way
+        if not use_table:
+            state.rope = None
+        tree = tree if tree is not None else _random_tree(gen, state.prefix_len, 11, "random")
+        calls.clear()
+        logits, taps = adapter.verify(tree, state)
+        assert bool(calls) == (not use_table)
+        stash = [t for i in adapter.gdn_layer_ids for t in state.pending.gdn[i]]
+        results.append((logits, taps, *stash))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    cos, sin = adapter.new_state(capacity=CAPACITY).rope
+    for position in (0, 1, 77, CAPACITY - 1):
+        like = torch.empty(1, 1, 1, dtype=dtype)
+        positions = torch.tensor([[position]])
+        own = stock_forward(rotary, like, positions[None].expand(3, -1, -1) if family == "qwen3_5" else positions)
+        assert torch.equal(own[0][0, 0], cos[position]) and torch.equal(own[1][0, 0], sin[position])
+
+
+def test_rope_rows_fall_back_to_the_module_for_positions_that_differ_by_axis():
+    """Qwen3.5's RoPE reads a position per axis: rows expanded from one text row gather the table; rows that differ by
+    axis (a multimodal prompt's) run the module itself."""
+    adapter = TargetAdapter(make_tiny_target("qwen3_5", seed=5), TAPS)
+    rotary = adapter.text_model.rotary_emb
+    cos, sin = adapter.new_state(capacity=CAPACITY).rope
+    x = torch.empty(1, 4, 1)
+    text = torch.tensor([[3, 50, 51, 140]])
+    by_axis = torch.stack([text, text + 1, text + 2])
+    expanded = text[None].expand(3, -1, -1)
+    for position_ids in (expanded, by_axis):
+        got = target._rope_rows(rotary, cos, sin, x, position_ids)
+        own = type(rotary).forward(rotary, x, position_ids)
+        assert all(torch.equal(a, b) for a, b in zip(got, own))
+    assert not torch.equal(target._rope_rows(rotary, cos, sin, x, by_axis)[0], cos[text[0]][None])
