@@ -135,6 +135,8 @@ void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& 
                 const at::Tensor& next_sibling, const at::Tensor& accepted, const at::Tensor& accept_len,
                 const at::Tensor& next_token);
 void check_walk_greedy(const at::Tensor& node_token, const at::Tensor& target_token);
+void check_row_argmax(const at::Tensor& x, const at::Tensor& out);
+void row_argmax_cpu(const at::Tensor& x, at::Tensor& out);
 void walk_greedy_cpu(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                      const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
                      at::Tensor& next_token);
@@ -211,6 +213,7 @@ void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         double scale, at::Tensor& out, int64_t num_splits);
 void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
                     const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta);
+void row_argmax_cuda(const at::Tensor& x, at::Tensor& out);
 void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                       const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
                       at::Tensor& next_token);

@@ -48,6 +48,25 @@ void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& 
   DDTREE_CHECK_CONTIGUOUS(op, next_token);
 }
 
+void check_row_argmax(const at::Tensor& x, const at::Tensor& out) {
+  constexpr const char* op = "row_argmax";
+  DDTREE_CHECK_DIM(op, x, 2);
+  DDTREE_CHECK_FLOAT(op, x);
+  DDTREE_CHECK(op, x.size(1) >= 1, "x must have at least one column, got shape ", shape_str(x.sizes()));
+  DDTREE_CHECK(op, x.size(1) <= std::numeric_limits<int32_t>::max(), "x rows must be shorter than 2^31, got ",
+               x.size(1));
+  DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, x);
+  DDTREE_CHECK_DTYPE(op, out, at::kLong);
+  DDTREE_CHECK_SHAPE(op, out, {x.size(0)});
+  DDTREE_CHECK_SAME_DEVICE(op, x, out);
+}
+
+// torch.argmax's own rule (the first maximum; a NaN above every number, the first NaN): the reference.
+void row_argmax_cpu(const at::Tensor& x, at::Tensor& out) {
+  check_row_argmax(x, out);
+  out.copy_(x.argmax(-1));
+}
+
 void check_walk_greedy(const at::Tensor& node_token, const at::Tensor& target_token) {
   constexpr const char* op = "walk_greedy";
   DDTREE_CHECK_DTYPE(op, target_token, at::kLong);

@@ -23,6 +23,7 @@ _OPS = (
     "linear_gemv",
     "gqa_attention",
     "gdn_gates",
+    "row_argmax",
     "walk_greedy",
     "walk_sample",
     "commit_gdn_state",

@@ -353,10 +353,10 @@ class _Acceptor:
     ) -> ops.Walk:
         """Walk ``tree`` whose root sits at sequence position ``position`` ([1] int64 on the device;
         logits [1, N, V]: the target's at every node, float32 when sampling, any float dtype when greedy);
-        writes ``out`` (its width = the longest path) and returns it. ``argmax`` (greedy): logits.argmax(-1)
+        writes ``out`` (its width = the longest path) and returns it. ``argmax`` (greedy): ops.row_argmax(logits)
         when the caller has it. No host reads."""
         if self.greedy:
-            target_argmax = logits.argmax(-1) if argmax is None else argmax
+            target_argmax = ops.row_argmax(logits) if argmax is None else argmax
             return ops.walk_greedy(tree, target_argmax, out.accepted.shape[1], out=out)
         depth = out.accepted.shape[1]
         # The node at depth d sits at position + d and draws the token at position + d + 1.

@@ -375,6 +375,10 @@ def _walk(tree: Tree, max_accept: int, token_at) -> Walk:
     return Walk(accepted.to(dev), accept_len.to(dev), next_token.to(dev))
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(-1)
+
+
 def walk_greedy(tree: Tree, target_token: torch.Tensor, max_accept: int) -> Walk:
     return _walk(tree, max_accept, lambda b, node, d: int(target_token[b, node]))
 

@@ -167,7 +167,7 @@ class DecodeRound:
 
     def _walk(self) -> None:
         logits = self.tmp["logits"]
-        argmax = logits.argmax(-1) if self.acceptor.greedy else None  # once, for the walk and the spine
+        argmax = ops.row_argmax(logits) if self.acceptor.greedy else None  # once, for the walk and the spine
         walk = self.acceptor.walk(self.tree, logits, self.state.prefix_len, self.walk, argmax=argmax)
         # Only the host reads the result row: it is composed on a side stream, beside the commit, which joins it.
         fork = self.tmp["result_fork"] = Fork(self.device, "walk")

@@ -54,6 +54,7 @@ TORCH_LIBRARY(ddtree, m) {
       "gdn_gates(Tensor x, Tensor weight_a, Tensor weight_b, Tensor A_log, Tensor dt_bias, Tensor(a!) g, "
       "Tensor(b!) beta) -> ()");
   // walk
+  m.def("row_argmax(Tensor x, Tensor(a!) out) -> ()");
   m.def(
       "walk_greedy(Tensor node_token, Tensor first_child, Tensor next_sibling, Tensor target_token, "
       "Tensor(a!) accepted, Tensor(b!) accept_len, Tensor(c!) next_token) -> ()");
@@ -92,6 +93,7 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("linear_cublaslt_describe", &ddtree::linear_cublaslt_describe_cpu);
   m.impl("gqa_attention", &ddtree::gqa_attention_cpu);
   m.impl("gdn_gates", &ddtree::gdn_gates_cpu);
+  m.impl("row_argmax", &ddtree::row_argmax_cpu);
   m.impl("walk_greedy", &ddtree::walk_greedy_cpu);
   m.impl("walk_sample", &ddtree::walk_sample_cpu);
   m.impl("commit_gdn_state", &ddtree::commit_gdn_state_cpu);

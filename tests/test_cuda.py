@@ -574,6 +574,48 @@ def test_walk_greedy(kind, max_accept):
         assert_fields_equal(got, reference.walk_greedy(tree, target, max_accept), "vs reference")
 
 
+def argmax_rows(rows, vocab, dtype, gen, ties=False, specials=False):
+    """Logits [rows, vocab] with ties (a few distinct values, so every row's maximum repeats) or NaN, +-inf and -0."""
+    if ties:
+        x = torch.randint(0, 4, (rows, vocab), generator=gen).float()
+    else:
+        x = torch.randn(rows, vocab, generator=gen) * 4
+    if specials:
+        x[0] = -torch.inf  # all -inf: the first index
+        if rows > 1:
+            x[1, vocab // 3] = torch.nan  # one NaN wins over +inf
+            x[1, vocab // 2] = torch.inf
+        if rows > 2:
+            x[2, 7:] = -0.0  # -0 and +0 tie: the first
+            x[2, :7] = -1.0
+            x[2, vocab - 1] = 0.0
+        if rows > 3:
+            x[3, [5, vocab - 2]] = torch.nan  # the first NaN
+            x[3, vocab - 2].neg_()  # a NaN with the sign bit set counts as NaN too
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (1, 7), (3, 2049), (1, 151936), (16, 151936), (65, 248320),
+                                        (130, 5003), (300, 70000)])
+@pytest.mark.parametrize("values", ["random", "ties", "specials"])
+def test_row_argmax(dtype, rows, vocab, values):
+    """ops.row_argmax on the GPU is torch.argmax (the first maximum, the first NaN), on rows split over one block or
+    over many (then merged), for every float dtype, and on rows that start off a 16-byte boundary."""
+    gen = make_gen(rows * 7 + vocab)
+    x = argmax_rows(rows, vocab, dtype, gen, ties=values == "ties", specials=values == "specials")
+    want = x.argmax(-1)
+    assert torch.equal(ops.row_argmax(x.to(DEV)).cpu(), want)
+    assert torch.equal(ops.row_argmax(x.cpu()), want)
+    if vocab > 1:  # rows one element in: every row starts unaligned
+        shifted = x[:, 1:]
+        assert torch.equal(ops.row_argmax(shifted.to(DEV)).cpu(), shifted.argmax(-1))
+    if rows > 1:  # leading dims [B, N] and a strided row view
+        nodes = x.to(DEV).view(1, rows, vocab)
+        assert torch.equal(ops.row_argmax(nodes).cpu(), want.view(1, rows))
+        assert torch.equal(ops.row_argmax(x.to(DEV)[::2]).cpu(), want[::2])
+
+
 def sample_case(bsz, n, vocab, gen):
     """A tree whose children carry the likely tokens of their parent, and peaked target logits, so that
     sampled walks go deep."""
@@ -1603,6 +1645,14 @@ def _case_walk_greedy():
     return OpCase(inputs, lambda x: list(ops.walk_greedy(Tree(*(x[f] for f in Tree._fields)), x["target"], 9)))
 
 
+def _case_row_argmax():
+    def inputs(gen):
+        return {"x": argmax_rows(65, 20000, torch.bfloat16, gen, ties=True).to(DEV),
+                "one": argmax_rows(1, 20000, torch.bfloat16, gen).to(DEV)}
+
+    return OpCase(inputs, lambda x: [ops.row_argmax(x["x"]), ops.row_argmax(x["one"])])
+
+
 def _case_walk_sample(top_k, top_p):
     def inputs(gen):
         tree, logits = sample_case(2, 33, 3000, gen)
@@ -1702,6 +1752,7 @@ OP_CASES = {
     "tree_conv1d": _case_conv,
     "tree_gated_delta_rule": _case_gdn,
     "walk_greedy": _case_walk_greedy,
+    "row_argmax": _case_row_argmax,
     "walk_sample_top_k": functools.partial(_case_walk_sample, 20, 0.9),
     "walk_sample_full": functools.partial(_case_walk_sample, 0, 1.0),
     "walk_sample_sorted": functools.partial(_case_walk_sample, 0, 0.9),
@@ -1840,6 +1891,8 @@ def test_all_ops_small():
     assert_gdn_close(got, run_gdn(g, "cpu"), torch.float32, "gdn")
     target = walk_targets(tree, gen)
     assert_fields_equal(run_walk_greedy(tree, target, 5, DEV), run_walk_greedy(tree, target, 5, "cpu"), "walk")
+    logits = argmax_rows(3, 1000, torch.float32, gen, specials=True)
+    assert torch.equal(ops.row_argmax(logits.to(DEV)).cpu(), ops.row_argmax(logits))
     stree, slogits = sample_case(2, 13, 500, gen)
     uniform = torch.rand(2, 5, generator=gen)
     for kw in (dict(temperature=0.8, top_k=8, top_p=0.9), dict(temperature=1.0)):

@@ -288,9 +288,46 @@ def test_sample_bad_input(name):
     assert all((t == -7777).all() for t in out), "a failed call wrote its outputs"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_row_argmax_is_torch_argmax(dtype):
+    """The CPU op and the reference are torch.argmax: the first maximum of every row, a NaN above every number (the
+    first NaN), over leading dims and strided rows."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 3, (2, 5, 300), generator=gen).to(dtype)
+    x[0, 0] = -torch.inf
+    x[0, 1, [40, 9]] = torch.nan
+    x[1, 2, 100] = torch.inf
+    want = x.float().argmax(-1)
+    assert want[0, 0] == 0 and want[0, 1] == 9
+    for got in (ops.row_argmax(x), ref.row_argmax(x)):
+        assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(ops.row_argmax(x[:, ::2, 1:]), x[:, ::2, 1:].float().argmax(-1))
+    out = torch.full((2, 5), -1, dtype=torch.int64)
+    assert ops.row_argmax(x, out=out) is out and torch.equal(out, want)
+
+
+ARGMAX_BAD = {  # name: (x, out, the argument the error names)
+    "x_dtype": (torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), "x"),
+    "x_empty_rows": (torch.zeros(3, 0), torch.zeros(3, dtype=torch.int64), "x"),
+    "x_last_dim_strided": (torch.zeros(4, 3).t(), torch.zeros(3, dtype=torch.int64), "x"),
+    "out_dtype": (torch.zeros(3, 4), torch.zeros(3, dtype=torch.int32), "out"),
+    "out_shape": (torch.zeros(3, 4), torch.zeros(4, dtype=torch.int64), "out"),
+}
+
+
+@pytest.mark.parametrize("name", list(ARGMAX_BAD))
+def test_row_argmax_bad_input(name):
+    x, out, arg = ARGMAX_BAD[name]
+    out.fill_(-7)
+    with pytest.raises(ValueError, match=f"row_argmax: {arg}"):
+        ops.row_argmax(x, out=out)
+    assert (out == -7).all(), "a failed call wrote its output"
+
+
 def test_opcheck_walks():
     tree, target, logits, uniform = _small_case()
     o = load_ops()
+    torch.library.opcheck(o.row_argmax, (logits.view(-1, logits.shape[-1]), torch.empty(logits.shape[:-1].numel(), dtype=torch.int64)))
     torch.library.opcheck(
         o.walk_greedy, (tree.token, tree.first_child, tree.next_sibling, target, *ops.empty_walk(2, 4))
     )
