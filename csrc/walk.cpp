@@ -55,9 +55,12 @@ void check_row_argmax(const at::Tensor& x, const at::Tensor& out) {
   DDTREE_CHECK(op, x.size(1) >= 1, "x must have at least one column, got shape ", shape_str(x.sizes()));
   DDTREE_CHECK(op, x.size(1) <= std::numeric_limits<int32_t>::max(), "x rows must be shorter than 2^31, got ",
                x.size(1));
+  DDTREE_CHECK(op, x.size(0) <= std::numeric_limits<int32_t>::max(), "x must have fewer than 2^31 rows, got ",
+               x.size(0));
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, x);
   DDTREE_CHECK_DTYPE(op, out, at::kLong);
   DDTREE_CHECK_SHAPE(op, out, {x.size(0)});
+  DDTREE_CHECK_CONTIGUOUS(op, out);
   DDTREE_CHECK_SAME_DEVICE(op, x, out);
 }
 

@@ -880,9 +880,9 @@ _PROCESS_PATCHES = _ProcessPatches()
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x [B, H, N, D] with cos, sin [B, N, D]: ``ops.rope`` without grad mode, the
-    same formula in torch ops with it (the op has no backward; the draft trains through this)."""
-    if not torch.is_grad_enabled() and x.dtype == cos.dtype:
+    """Rotate-half RoPE of x [B, H, N, D] with cos, sin [B, N, D]: ``ops.rope`` where it applies (no grad mode, a dtype
+    it takes), the same formula in torch ops otherwise (the op has no backward; the draft trains through this)."""
+    if ops_apply(x, cos, sin):
         return ops.rope(x, cos, sin)
     c, s = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2

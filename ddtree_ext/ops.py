@@ -680,9 +680,10 @@ def row_argmax(x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.
     """The index of the largest element of every row: ``torch.argmax(x, -1)``, ties and NaNs included (the first
     maximum; a NaN counts above every number, and the first NaN wins).
 
-    x [..., V] float32/float16/bfloat16 (last dim contiguous, 1 <= V < 2^31) -> out [...] int64. The target's greedy
-    tokens at every tree node: on CUDA each row is split over several blocks that stream it in 16-byte packs and a warp
-    per row merges their results, where torch's reduction ran a 65-row verify's logits at a fraction of the bandwidth.
+    x [..., V] (1 <= V < 2^31) -> out [...] int64. The target's greedy tokens at every tree node. float32, float16 and
+    bfloat16 rows (last dim contiguous) run the compiled op: on CUDA each row is split over several blocks that stream
+    it in 16-byte packs and a warp per row merges their results, where torch's reduction ran a 65-row verify's logits
+    at a fraction of the bandwidth. Other dtypes (a float64 model's logits) run torch.argmax.
     """
     if x.dim() == 0:
         raise ValueError("row_argmax: x must have at least one dim, got a scalar")
@@ -690,6 +691,8 @@ def row_argmax(x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.
         out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
     if out.shape != x.shape[:-1]:
         raise ValueError(f"row_argmax: out must have shape {tuple(x.shape[:-1])}, got {tuple(out.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.argmax(x, -1, out=out)
     rows = out.view(-1) if out.is_contiguous() else out.reshape(-1)
     load_ops().row_argmax(_rows(x), rows)
     if rows.data_ptr() != out.data_ptr():

@@ -357,6 +357,11 @@ class TargetAdapter:
         prefix = int(state.prefix_len.max())
         if prefix < 1:
             raise ValueError("TargetAdapter.verify: the state holds no committed tokens; call prefill first")
+        if int(tree.position.min()) < 0 or int(tree.position.max()) >= state.capacity:
+            raise ValueError(
+                f"TargetAdapter.verify: tree.position must lie in [0, capacity = {state.capacity}), got "
+                f"[{int(tree.position.min())}, {int(tree.position.max())}]"
+            )
         if not torch.equal(tree.position[:, 0], state.prefix_len):
             raise ValueError(
                 f"TargetAdapter.verify: tree root position {tree.position[:, 0].tolist()} != the state's prefix_len "
@@ -526,10 +531,12 @@ class TargetAdapter:
         return hidden, torch.cat([recorded[i].to(self.device) for i in self.tap_layer_ids], dim=-1)
 
     def _rope_from_table(self, state: TargetState) -> contextlib.AbstractContextManager:
-        """A context in which the rotary embedding gathers the state's RoPE table rows (where it has one)."""
-        if state.rope is None:
-            return contextlib.nullcontext()
+        """A context in which the rotary embedding gathers the state's RoPE table rows: where it has one, the module
+        carries no accelerate hook (its forward moves tensors between devices) and float32 matmuls are exact (see
+        ``_rope_table``)."""
         rotary = self.text_model.rotary_emb
+        if state.rope is None or "_hf_hook" in rotary.__dict__ or not _exact_float32_matmuls():
+            return contextlib.nullcontext()
         return swapped_forwards([(rotary, functools.partial(_rope_rows, rotary, *state.rope))])
 
     def _tree_gdn_forwards(
@@ -563,6 +570,11 @@ def _rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype) -> O
     rope_type = str(getattr(rotary, "rope_type", "default"))
     if not callable(getattr(rotary, "forward", None)) or any(kind in rope_type for kind in ("dynamic", "longrope")):
         return None
+    # Some transformers versions form the angles by a matmul (of depth one): under TF32 its inputs are rounded or not
+    # depending on the kernel cuBLAS picks for the shape, so a row could differ from a call's. Verifies read the table
+    # only where float32 matmuls are exact too (_rope_from_table).
+    if not _exact_float32_matmuls():
+        return None
     inv_freq = getattr(rotary, "inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.device.type == "meta":
         return None
@@ -574,6 +586,11 @@ def _rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype) -> O
     if cos.dim() != 3 or cos.shape[:2] != (1, capacity) or sin.shape != cos.shape:
         return None
     return cos[0], sin[0]
+
+
+def _exact_float32_matmuls() -> bool:
+    """Whether float32 matmuls run in full float32 (torch's default), not TF32 or bf16 passes."""
+    return torch.get_float32_matmul_precision() == "highest"
 
 
 def _rope_rows(rotary: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, position_ids: torch.Tensor):

@@ -320,6 +320,16 @@ def test_bfloat16_pair_runs():
             assert temperature > 0 or out[0, PROMPT_LEN] == first
 
 
+@pytest.mark.parametrize("method", ["ddtree", "autoregressive"])
+def test_float64_pair_equals_hf_generate(method):
+    """A float64 pair (no compiled layer op takes it: HF's own code runs, and the greedy argmax is torch's) gives the
+    target's own greedy output."""
+    target = make_tiny_target("qwen3", seed=3, dtype=torch.float64)
+    draft = make_tiny_draft(target, seed=1)
+    ids = prompt(44, target.config.vocab_size)
+    assert_same_tokens(generate(target, draft, ids, 24, method=method), tiny.hf_greedy(target, ids, 24))
+
+
 # ---- stopping: max_new_tokens and EOS ----------------------------------------------------------
 
 

@@ -470,6 +470,15 @@ def test_verify_logits_in_the_heads_dtype_are_the_float32_logits(family):
     assert torch.equal(low.argmax(-1), full.argmax(-1))
 
 
+def _count_rotary_calls(adapter, monkeypatch):
+    """(the rotary embedding, a list that gets an entry per call of its class's forward, the stock forward)."""
+    rotary = adapter.text_model.rotary_emb
+    calls = []
+    stock_forward = type(rotary).forward
+    monkeypatch.setattr(type(rotary), "forward", lambda *a, **k: calls.append(1) or stock_forward(*a, **k))
+    return rotary, calls, stock_forward
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_verify_rope_from_the_states_table_is_the_modules_rope(family, dtype, monkeypatch):
@@ -478,10 +487,7 @@ def test_verify_rope_from_the_states_table_is_the_modules_rope(family, dtype, mo
     positions deep into the table; the module's own forward runs only without the table. Table rows far from the
     start are the module's output for that position alone."""
     adapter = TargetAdapter(make_tiny_target(family, seed=5, dtype=dtype), TAPS)
-    rotary = adapter.text_model.rotary_emb
-    calls = []
-    stock_forward = type(rotary).forward
-    monkeypatch.setattr(type(rotary), "forward", lambda *a, **k: calls.append(1) or stock_forward(*a, **k))
+    rotary, calls, stock_forward = _count_rotary_calls(adapter, monkeypatch)
     gen = torch.Generator().manual_seed(13)
     prompt = _tokens(gen, 1, 9)
     results, tree = [], None
@@ -522,3 +528,48 @@ def test_rope_rows_fall_back_to_the_module_for_positions_that_differ_by_axis():
         own = type(rotary).forward(rotary, x, position_ids)
         assert all(torch.equal(a, b) for a, b in zip(got, own))
     assert not torch.equal(target._rope_rows(rotary, cos, sin, x, by_axis)[0], cos[text[0]][None])
+
+
+def test_rope_table_steps_aside_for_hooks_and_inexact_float32_matmuls(monkeypatch):
+    """The rotary embedding runs its own forward where the table may not give its bits: a module with an accelerate hook
+    (the hook moves tensors between devices), and float32 matmuls allowed to run in TF32 (a state made then has no
+    table; one made before does not read it)."""
+    adapter = TargetAdapter(make_tiny_target("qwen3", seed=5), TAPS)
+    rotary, calls, stock_forward = _count_rotary_calls(adapter, monkeypatch)
+    gen = torch.Generator().manual_seed(14)
+    prompt = _tokens(gen, 1, 6)
+
+    def verify_calls(state):
+        adapter.prefill(prompt, state)
+        calls.clear()
+        adapter.verify(_random_tree(gen, state.prefix_len, 5, "random"), state)
+        return len(calls)
+
+    assert verify_calls(adapter.new_state(capacity=CAPACITY)) == 0
+    monkeypatch.setitem(rotary.__dict__, "_hf_hook", object())
+    assert verify_calls(adapter.new_state(capacity=CAPACITY)) == 1
+    monkeypatch.delitem(rotary.__dict__, "_hf_hook")
+    made_before = adapter.new_state(capacity=CAPACITY)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert adapter.new_state(capacity=CAPACITY).rope is None
+        assert verify_calls(made_before) == 1
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_verify_refuses_positions_outside_the_state():
+    """A tree whose nodes sit at positions outside [0, capacity) is refused before any work (the RoPE table and the
+    caches hold capacity rows), naming tree.position."""
+    adapter = TargetAdapter(make_tiny_target("qwen3", seed=5), TAPS)
+    gen = torch.Generator().manual_seed(15)
+    state = adapter.new_state(capacity=32)
+    adapter.prefill(_tokens(gen, 1, 5), state)
+    tree = _random_tree(gen, state.prefix_len, 3, "chain")
+    for bad in (40, -1):
+        broken = tree._replace(position=tree.position.clone())
+        broken.position[0, 2] = bad
+        with pytest.raises(ValueError, match="tree.position"):
+            adapter.verify(broken, state)
+        assert state.pending is None

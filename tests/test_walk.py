@@ -306,12 +306,20 @@ def test_row_argmax_is_torch_argmax(dtype):
     assert ops.row_argmax(x, out=out) is out and torch.equal(out, want)
 
 
-ARGMAX_BAD = {  # name: (x, out, the argument the error names)
-    "x_dtype": (torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), "x"),
+def test_row_argmax_other_dtypes_run_torch_argmax():
+    """A float64 model's logits (or integers) are not the compiled op's: ops.row_argmax runs torch.argmax for them."""
+    x = torch.tensor([[1.0, 3.0, 3.0, float("nan")], [2.0, -1.0, 2.0, 0.5]], dtype=torch.float64)
+    assert torch.equal(ops.row_argmax(x), torch.tensor([3, 0]))
+    assert torch.equal(ops.row_argmax(x[:, :3].long()), torch.tensor([1, 0]))
+
+
+ARGMAX_BAD = {  # name: (x, out, the argument the error names); the raw op's checks, and the wrapper's shape check
+    "x_dtype": (torch.zeros(3, 4, dtype=torch.float64), torch.zeros(3, dtype=torch.int64), "x"),
     "x_empty_rows": (torch.zeros(3, 0), torch.zeros(3, dtype=torch.int64), "x"),
     "x_last_dim_strided": (torch.zeros(4, 3).t(), torch.zeros(3, dtype=torch.int64), "x"),
     "out_dtype": (torch.zeros(3, 4), torch.zeros(3, dtype=torch.int32), "out"),
     "out_shape": (torch.zeros(3, 4), torch.zeros(4, dtype=torch.int64), "out"),
+    "out_strided": (torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int64)[:, 0], "out"),
 }
 
 
@@ -320,7 +328,10 @@ def test_row_argmax_bad_input(name):
     x, out, arg = ARGMAX_BAD[name]
     out.fill_(-7)
     with pytest.raises(ValueError, match=f"row_argmax: {arg}"):
-        ops.row_argmax(x, out=out)
+        load_ops().row_argmax(x, out)
+    if name == "out_shape":
+        with pytest.raises(ValueError, match="row_argmax: out"):
+            ops.row_argmax(x, out=out)
     assert (out == -7).all(), "a failed call wrote its output"
 
 
