@@ -274,7 +274,8 @@ class TargetAdapter:
     def new_state(self, batch_size: int = 1, *, capacity: int) -> TargetState:
         """Static buffers for one generation of up to ``capacity`` cache slots (prompt + new tokens +
         one verify block), prefix_len [B] = 0. Memory: capacity x the K/V bytes per token, plus the
-        fixed GDN states."""
+        fixed GDN states, plus the RoPE table (capacity x 2 x the rotary dim in the model dtype: 8 MB for the 27B
+        shape at 32k)."""
         if batch_size != 1:
             raise ValueError(f"TargetAdapter.new_state: batch_size must be 1, got {batch_size}")
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
