@@ -561,7 +561,8 @@ class TargetAdapter:
 
 def _rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """(cos, sin) [capacity, rotary dim]: the rotary embedding's output for positions 0 .. capacity - 1, or None for
-    a RoPE that follows the sequence length (dynamic, longrope) or a module this table does not know.
+    a RoPE that follows the sequence length (dynamic, longrope), a module with an accelerate hook or one this table
+    does not know.
 
     HF's rotary embeddings form each position's angles from that position alone (a product with the inverse
     frequencies: for Qwen3 a GEMM of depth one, one product per output), so a table row holds the bits a call computes
@@ -570,6 +571,8 @@ def _rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype) -> O
     for text the axes share it (the model expands one row), and the table is built and read that way."""
     rope_type = str(getattr(rotary, "rope_type", "default"))
     if not callable(getattr(rotary, "forward", None)) or any(kind in rope_type for kind in ("dynamic", "longrope")):
+        return None
+    if "_hf_hook" in rotary.__dict__:  # accelerate's hook moves tensors between devices: the module runs as it is
         return None
     # Some transformers versions form the angles by a matmul (of depth one): under TF32 its inputs are rounded or not
     # depending on the kernel cuBLAS picks for the shape, so a row could differ from a call's. Verifies read the table

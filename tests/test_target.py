@@ -532,8 +532,8 @@ def test_rope_rows_fall_back_to_the_module_for_positions_that_differ_by_axis():
 
 def test_rope_table_steps_aside_for_hooks_and_inexact_float32_matmuls(monkeypatch):
     """The rotary embedding runs its own forward where the table may not give its bits: a module with an accelerate hook
-    (the hook moves tensors between devices), and float32 matmuls allowed to run in TF32 (a state made then has no
-    table; one made before does not read it)."""
+    (the hook moves tensors between devices), and float32 matmuls allowed to run in TF32. A state made then has no
+    table; one made before does not read it."""
     adapter = TargetAdapter(make_tiny_target("qwen3", seed=5), TAPS)
     rotary, calls, stock_forward = _count_rotary_calls(adapter, monkeypatch)
     gen = torch.Generator().manual_seed(14)
@@ -546,8 +546,10 @@ def test_rope_table_steps_aside_for_hooks_and_inexact_float32_matmuls(monkeypatc
         return len(calls)
 
     assert verify_calls(adapter.new_state(capacity=CAPACITY)) == 0
+    made_before = adapter.new_state(capacity=CAPACITY)
     monkeypatch.setitem(rotary.__dict__, "_hf_hook", object())
-    assert verify_calls(adapter.new_state(capacity=CAPACITY)) == 1
+    assert adapter.new_state(capacity=CAPACITY).rope is None
+    assert verify_calls(made_before) == 1
     monkeypatch.delitem(rotary.__dict__, "_hf_hook")
     made_before = adapter.new_state(capacity=CAPACITY)
     previous = torch.get_float32_matmul_precision()
