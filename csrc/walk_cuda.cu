@@ -126,14 +126,13 @@ void launch_walk(const TreeLinks& tree, const at::Tensor& target, const WalkOut&
 //
 // torch.argmax over a verify's logits ([65, 248320] bf16 on the 27B shape) ran as one ATen reduction at about
 // 0.6 TB/s (24.7 us for Qwen3-8B's [65, 151936] on the H200). Here a row is split into segments over enough blocks to
-// fill the GPU twice; a block streams its segment in 16-byte packs, four in flight per thread, and reduces it to one
-// 64-bit key per segment; one warp per row takes the largest key. The key orders as torch.argmax does: the value's
+// fill the GPU twice (cuda::split_rows); a block streams its segment in 16-byte packs, four in flight per thread, and
+// reduces it to one 64-bit key per segment; one warp per row takes the largest key. The key orders as torch.argmax does: the value's
 // order-preserving bits above (every NaN above +inf), then the index reversed below, so the first maximum wins. Which
 // thread saw which element does not matter: the result is a pure function of the row.
 
 constexpr int kArgmaxThreads = 512;
-constexpr int kArgmaxUnroll = 4;              // 16-byte packs in flight per thread
-constexpr int64_t kArgmaxMinSegment = 2048;   // elements
+constexpr int kArgmaxUnroll = 4;  // 16-byte packs in flight per thread
 
 __device__ __forceinline__ uint64_t argmax_key(float v, int64_t i) {
   const uint32_t hi = isnan(v) ? 0xffffffffu : cuda::ordered_bits(v);
@@ -142,12 +141,6 @@ __device__ __forceinline__ uint64_t argmax_key(float v, int64_t i) {
 
 __device__ __forceinline__ int64_t argmax_index(uint64_t key) {
   return static_cast<int64_t>(0xffffffffu - static_cast<uint32_t>(key));
-}
-
-__device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) key = max(key, __shfl_xor_sync(kFullMask, key, off));
-  return key;
 }
 
 // One block per (row, segment): the segment's key into part[block], or, with one segment a row, the index into out.
@@ -194,13 +187,13 @@ __global__ void __launch_bounds__(kArgmaxThreads) row_argmax_segment_kernel(
     visit(cuda::to_float(p[i]), start + i);
   }
   uint64_t key = best_i < 0 ? 0 : argmax_key(best, best_i);  // 0: no element, below every key
-  key = warp_max_key(key);
+  key = cuda::warp_max_u64(key);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   if (lane == 0) warp_key[warp] = key;
   __syncthreads();
   if (warp == 0) {
     key = lane < kArgmaxThreads / kWarp ? warp_key[lane] : 0;
-    key = warp_max_key(key);
+    key = cuda::warp_max_u64(key);
     if (lane == 0) {
       if (segments == 1) {
         out[row] = argmax_index(key);
@@ -217,7 +210,7 @@ __global__ void __launch_bounds__(kWarp * 8) row_argmax_merge_kernel(const uint6
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= rows) return;
-  const uint64_t key = warp_max_key(lane < segments ? part[row * segments + lane] : 0);
+  const uint64_t key = cuda::warp_max_u64(lane < segments ? part[row * segments + lane] : 0);
   if (lane == 0) out[row] = argmax_index(key);
 }
 
@@ -535,13 +528,7 @@ void row_argmax_cuda(const at::Tensor& x, at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), n = x.size(1);
   if (rows == 0) return;
-  // Segments: enough blocks to fill the GPU twice, each of at least kArgmaxMinSegment elements, at most a warp's worth
-  // a row (one warp merges them).
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int64_t segments = std::min<int64_t>(cuda::ceil_div(2 * sms, rows), kWarp);
-  segments = std::max<int64_t>(1, std::min(segments, n / kArgmaxMinSegment));
-  const int64_t seg_len = cuda::ceil_div(cuda::ceil_div(n, segments), int64_t{8}) * 8;
-  segments = cuda::ceil_div(n, seg_len);
+  const auto [segments, seg_len] = cuda::split_rows(rows, n);
   const cudaStream_t stream = cuda::current_stream();
   // A shape-dependent workspace (never data-dependent): fine under CUDA graph capture.
   const at::Tensor part = at::empty({segments > 1 ? rows * segments : 0}, x.options().dtype(at::kLong));

@@ -31,7 +31,8 @@ from torch import nn
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    Fork, LayerFusion, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, ops_apply, rotary, stacked_outputs,
+    Fork, LayerFusion, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, ops_apply, rope_rows, rope_table, rotary,
+    stacked_outputs,
 )
 
 FULL_ATTENTION = "full_attention"
@@ -53,10 +54,8 @@ class DFlashDraftCache:
     position); rows past it are scratch where :meth:`DFlashDraftModel.propose` writes padding rows and
     the block's K/V for the duration of one call, so the block is never part of the cache.
     ``length`` [B] int64 lives on the draft's device. ``cos`` / ``sin`` ``[capacity, head_dim]``: the draft's RoPE
-    at every row's position (row = position), in its dtype, where its RoPE does not depend on the sequence length
-    (None otherwise): a call gathers its rows' from them instead of recomputing them. (The table is the rotary
-    embedding's output for those positions; where it forms the frequencies by a GEMM and TF32 matmuls are allowed, a
-    call's own GEMM could round differently: the draft's proposals, never the emitted tokens, would then differ.)
+    at every row's position (row = position), in its dtype (``fused.rope_table``; None where that gives none): a call
+    gathers its rows from them instead of recomputing them.
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor,
@@ -352,15 +351,7 @@ class DFlashDraftModel(nn.Module):
         shape = (batch_size, attn.num_kv_heads, capacity, attn.head_dim)
         keys = [like.new_zeros(shape) for _ in self.layers]
         values = [like.new_zeros(shape) for _ in self.layers]
-        cos = sin = None
-        # RoPE by table: two gathers a call where HF's rotary embedding launches eight kernels on the H200 (a product,
-        # a concat, cos, sin, two scalings, two casts). Its entries are a function of the position alone, so the table's
-        # rows are the bits it computes for any call; RoPE types that follow the sequence length are left to it.
-        rope_type = str(getattr(self.rotary_emb, "rope_type", "default"))
-        if not any(kind in rope_type for kind in ("dynamic", "longrope")):
-            with torch.no_grad():
-                positions = torch.arange(capacity, device=like.device)[None]
-                cos, sin = (t[0] for t in self.rotary_emb(like.new_empty(1, capacity, 1), positions))
+        cos, sin = rope_table(self.rotary_emb, capacity, like.dtype) or (None, None)
         length = torch.zeros(batch_size, dtype=torch.int64, device=like.device)
         return DFlashDraftCache(keys, values, length, cos, sin)
 
@@ -439,8 +430,7 @@ class DFlashDraftModel(nn.Module):
             positions = torch.cat([context_rows, block_rows], dim=1)
             rope = None
             if cache.cos is not None and cache.cos.dtype == self.fc.weight.dtype:
-                rows = positions.view(-1)
-                rope = tuple(table.index_select(0, rows).view(*positions.shape, -1) for table in (cache.cos, cache.sin))
+                rope = rope_rows(cache.cos, cache.sin, positions)
             # One mask per attention rule (causal, window), not per layer.
             masks = {}
             for layer in self.layers:

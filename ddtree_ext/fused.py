@@ -889,6 +889,46 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
 
 
+def rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(cos, sin) [capacity, rotary dim] in ``dtype``: a rotary embedding's output for positions 0 .. capacity - 1,
+    which :func:`rope_rows` gathers instead of running the module (two launches where it launched eight on the H200:
+    the product, a concat, cos, sin, two scalings, two casts). None for a RoPE that follows the sequence length
+    (dynamic, longrope), a module with an accelerate hook (it moves tensors between devices), one this table does not
+    know, and while float32 matmuls may run in TF32 (see below).
+
+    HF's rotary embeddings form each position's angles from that position alone (a product with the inverse
+    frequencies; some transformers versions take it as a matmul of depth one, one product per output), so a table row
+    holds the bits a call computes for that position. Under TF32 such a matmul's inputs are rounded or not depending on
+    the kernel cuBLAS picks for the shape, so readers check :func:`exact_float32_matmuls` too. Qwen3.5's multimodal
+    RoPE reads one position per axis: for text the axes share it (the model expands one row), and the table is built
+    that way."""
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if any(kind in rope_type for kind in ("dynamic", "longrope")) or "_hf_hook" in rotary.__dict__:
+        return None
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not exact_float32_matmuls() or not isinstance(inv_freq, torch.Tensor) or inv_freq.device.type == "meta":
+        return None
+    with torch.no_grad():
+        positions = torch.arange(capacity, device=inv_freq.device)[None]
+        if hasattr(rotary, "mrope_section"):  # [3, B, T], as the text model passes one text row to it
+            positions = positions[None].expand(3, -1, -1)
+        cos, sin = rotary(inv_freq.new_empty(1, capacity, 1, dtype=dtype), positions)
+    if cos.dim() != 3 or cos.shape[:2] != (1, capacity) or sin.shape != cos.shape:
+        return None
+    return cos[0], sin[0]
+
+
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rows of a :func:`rope_table` at positions [B, T] (int64, in range): (cos, sin) [B, T, rotary dim]."""
+    rows = positions.reshape(-1)
+    return tuple(t.index_select(0, rows).view(*positions.shape, -1) for t in (cos, sin))
+
+
+def exact_float32_matmuls() -> bool:
+    """Whether float32 matmuls run in full float32 (torch's default), not TF32 or bf16 passes."""
+    return torch.get_float32_matmul_precision() == "highest"
+
+
 def _recognised_classes() -> dict:
     """Class -> factory of a module's fused forward (None where the op does not apply; a list of (child, forward)
     swaps for an attention layer's projections), for the HF classes this transformers install has."""

@@ -693,10 +693,10 @@ def row_argmax(x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.
         raise ValueError(f"row_argmax: out must have shape {tuple(x.shape[:-1])}, got {tuple(out.shape)}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return torch.argmax(x, -1, out=out)
-    rows = out.view(-1) if out.is_contiguous() else out.reshape(-1)
-    load_ops().row_argmax(_rows(x), rows)
-    if rows.data_ptr() != out.data_ptr():
-        out.copy_(rows.view(out.shape))
+    flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=torch.int64, device=out.device)
+    load_ops().row_argmax(_rows(x), flat)
+    if not out.is_contiguous():
+        out.copy_(flat.view(out.shape))
     return out
 
 

@@ -53,7 +53,10 @@ from transformers import DynamicCache
 from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
-from ddtree_ext.fused import OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, ops_apply, swapped_forwards
+from ddtree_ext.fused import (
+    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, exact_float32_matmuls, ops_apply, rope_rows, rope_table,
+    swapped_forwards,
+)
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
 
@@ -99,7 +102,7 @@ class TargetState:
     Between ``verify`` and ``commit`` the verify's stash is ``pending``.
     rope: (cos, sin) [capacity, rotary dim] in the model dtype on the rotary embedding's device, its output at every
     slot's position (row = position), which a verify gathers instead of recomputing it; None where the RoPE depends
-    on more than the position (see ``_rope_table``).
+    on more than the position (see ``fused.rope_table``).
     """
 
     capacity: int
@@ -307,7 +310,7 @@ class TargetAdapter:
             state.recurrent[i] = torch.zeros(
                 batch_size, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, dtype=torch.float32, device=device
             )
-        state.rope = _rope_table(self.text_model.rotary_emb, capacity, dtype)
+        state.rope = rope_table(self.text_model.rotary_emb, capacity, dtype)
         return state
 
     # ---- forwards ----------------------------------------------------------------------------------
@@ -358,10 +361,11 @@ class TargetAdapter:
         prefix = int(state.prefix_len.max())
         if prefix < 1:
             raise ValueError("TargetAdapter.verify: the state holds no committed tokens; call prefill first")
-        if int(tree.position.min()) < 0 or int(tree.position.max()) >= state.capacity:
+        lowest, highest = (int(v) for v in tree.position.aminmax())
+        if lowest < 0 or highest >= state.capacity:
             raise ValueError(
                 f"TargetAdapter.verify: tree.position must lie in [0, capacity = {state.capacity}), got "
-                f"[{int(tree.position.min())}, {int(tree.position.max())}]"
+                f"[{lowest}, {highest}]"
             )
         if not torch.equal(tree.position[:, 0], state.prefix_len):
             raise ValueError(
@@ -534,9 +538,9 @@ class TargetAdapter:
     def _rope_from_table(self, state: TargetState) -> contextlib.AbstractContextManager:
         """A context in which the rotary embedding gathers the state's RoPE table rows: where it has one, the module
         carries no accelerate hook (its forward moves tensors between devices) and float32 matmuls are exact (see
-        ``_rope_table``)."""
+        ``fused.rope_table``)."""
         rotary = self.text_model.rotary_emb
-        if state.rope is None or "_hf_hook" in rotary.__dict__ or not _exact_float32_matmuls():
+        if state.rope is None or "_hf_hook" in rotary.__dict__ or not exact_float32_matmuls():
             return contextlib.nullcontext()
         return swapped_forwards([(rotary, functools.partial(_rope_rows, rotary, *state.rope))])
 
@@ -559,52 +563,14 @@ class TargetAdapter:
         return swapped_forwards(swaps)
 
 
-def _rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """(cos, sin) [capacity, rotary dim]: the rotary embedding's output for positions 0 .. capacity - 1, or None for
-    a RoPE that follows the sequence length (dynamic, longrope), a module with an accelerate hook or one this table
-    does not know.
-
-    HF's rotary embeddings form each position's angles from that position alone (a product with the inverse
-    frequencies: for Qwen3 a GEMM of depth one, one product per output), so a table row holds the bits a call computes
-    for that position; a verify then gathers its rows in two launches where the module launched eight on the H200
-    (the product, a concat, cos, sin, two scalings, two casts). Qwen3.5's multimodal RoPE reads one position per axis:
-    for text the axes share it (the model expands one row), and the table is built and read that way."""
-    rope_type = str(getattr(rotary, "rope_type", "default"))
-    if not callable(getattr(rotary, "forward", None)) or any(kind in rope_type for kind in ("dynamic", "longrope")):
-        return None
-    if "_hf_hook" in rotary.__dict__:  # accelerate's hook moves tensors between devices: the module runs as it is
-        return None
-    # Some transformers versions form the angles by a matmul (of depth one): under TF32 its inputs are rounded or not
-    # depending on the kernel cuBLAS picks for the shape, so a row could differ from a call's. Verifies read the table
-    # only where float32 matmuls are exact too (_rope_from_table).
-    if not _exact_float32_matmuls():
-        return None
-    inv_freq = getattr(rotary, "inv_freq", None)
-    if not isinstance(inv_freq, torch.Tensor) or inv_freq.device.type == "meta":
-        return None
-    with torch.no_grad():
-        positions = torch.arange(capacity, device=inv_freq.device)[None]
-        if hasattr(rotary, "mrope_section"):  # [3, B, T], as the text model passes one text row to it
-            positions = positions[None].expand(3, -1, -1)
-        cos, sin = rotary(inv_freq.new_empty(1, capacity, 1, dtype=dtype), positions)
-    if cos.dim() != 3 or cos.shape[:2] != (1, capacity) or sin.shape != cos.shape:
-        return None
-    return cos[0], sin[0]
-
-
-def _exact_float32_matmuls() -> bool:
-    """Whether float32 matmuls run in full float32 (torch's default), not TF32 or bf16 passes."""
-    return torch.get_float32_matmul_precision() == "highest"
-
-
 def _rope_rows(rotary: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, position_ids: torch.Tensor):
-    """The rotary embedding's forward from the table (cos, sin) of :func:`_rope_table`: its rows at position_ids [B, T]
+    """The rotary embedding's forward from the table (cos, sin) of ``fused.rope_table``: its rows at position_ids [B, T]
     (or Qwen3.5's [3, B, T] expanded from one row: one position for every axis), [B, T, rotary dim] each; the
     module's own forward for anything else (positions that differ by axis, another dtype or device)."""
     rows = position_ids[0] if position_ids.dim() == 3 and position_ids.stride(0) == 0 else position_ids
     if rows.dim() != 2 or x.dtype != cos.dtype or rows.device != cos.device:
         return type(rotary).forward(rotary, x, position_ids)
-    return tuple(t.index_select(0, rows.reshape(-1)).view(*rows.shape, -1) for t in (cos, sin))
+    return rope_rows(cos, sin, rows)
 
 
 def _by_device(layer_ids: Sequence[int], devices: Sequence[torch.device]) -> Dict[torch.device, List[int]]:

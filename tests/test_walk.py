@@ -304,6 +304,8 @@ def test_row_argmax_is_torch_argmax(dtype):
     assert torch.equal(ops.row_argmax(x[:, ::2, 1:]), x[:, ::2, 1:].float().argmax(-1))
     out = torch.full((2, 5), -1, dtype=torch.int64)
     assert ops.row_argmax(x, out=out) is out and torch.equal(out, want)
+    strided = torch.full((2, 10), -1, dtype=torch.int64)[:, ::2]  # an out the op cannot write in place
+    assert ops.row_argmax(x, out=strided) is strided and torch.equal(strided, want)
 
 
 def test_row_argmax_other_dtypes_run_torch_argmax():
