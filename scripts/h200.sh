@@ -3,6 +3,9 @@
 # torch with CUDA 13, nvcc, compute-sanitizer; no package registry needed).
 #
 #   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] [TORCH_CUDA_ARCH_LIST=9.0a] scripts/h200.sh [build] [test] [gputest] [gdn] [linear] [sanitize] [bench] [e2e]
+#   FLA_PATH: a folder with flash-linear-attention installed, for the `test` stage's chain comparisons; the machine has
+#   no registry, so download its pure-Python wheels here (pip download --no-deps -d .whl flash-linear-attention
+#   fla-core einops), carry .whl, and there: pip install --no-index --no-deps --target DIR .whl/*.whl.
 #   (default: build test sanitize bench e2e, in order; gputest = only the GPU test files, for quick runs;
 #   gdn = the GDN and commit CUDA tests, then the tree GDN op's per-layer timing at 27B shapes, for A/B runs;
 #   linear = the projection kernel's CUDA tests, memcheck over them, and its benchmarks against F.linear)

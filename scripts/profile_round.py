@@ -1,14 +1,26 @@
 """One decode round replayed from CUDA graphs at a benchmark preset's shapes, for Nsight Compute, and a summary of
-what it measured: each kernel's time beside the DRAM bytes it moved (in the round's cache state), by kernel.
+what it measured: each kernel's time beside the DRAM bytes it moved (in the round's cache state), by kernel. Or the
+same round's timeline as it ran (torch.profiler's CUDA activity: kernels overlapping as in any round), and where its
+time went.
 
     ncu --profile-from-start off --graph-profiling node --cache-control none --clock-control none \\
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv --log-file round.csv \\
         python scripts/profile_round.py --preset 27b --method ddtree --budget 64
     python scripts/profile_round.py --summarize round.csv
+    python scripts/profile_round.py --preset qwen3-8b --method ddtree --budget 64 --timeline round.json
+    python scripts/profile_round.py --summarize-timeline round.json
+
 
 The profiled region (cudaProfilerStart / Stop) is one round after ``--skip`` rounds replayed from graphs. Nsight
 Compute runs the kernels one at a time, so kernels that overlap in a round (programmatic dependent launches, side
 streams) are timed apart: the sum is more than the round, and each kernel's own time and bytes are what it shows.
+With ``--timeline`` the round runs as it would (the profiler's activity records cost little per kernel), and the
+summary splits the round's span between the kernels running at each instant (equal shares where several overlap),
+beside the idle gaps: what each kernel costs the round, not what it costs alone. Two cautions. A kernel launched
+early as a programmatic dependent starts its clock while it waits for the one before, so its own time includes part
+of that one's. And under the profiler the kernels around a graph's memset node (cuBLASLt clears 4 bytes before each
+call of a candidate with a workspace) started 2-5 us late, a cost a same-call A/B without the profiler did not show
+(benchmarks/results/2026-12-04-h200-round-timeline.md): read those gaps as the profiler's.
 """
 import argparse
 import collections
@@ -28,8 +40,8 @@ class _ProfileOneRound:
     it reads the round ahead of it, so when delivery ``first`` comes (round ``first - 3`` read), round ``first - 2`` is
     already out: it is waited for before the start, and round ``first - 1`` is the one profiled."""
 
-    def __init__(self, first: int):
-        self.first, self.calls = first, 0
+    def __init__(self, first: int, start, stop):
+        self.first, self.calls, self.start, self.stop = first, 0, start, stop
 
     def put(self, value):
         import torch
@@ -37,8 +49,7 @@ class _ProfileOneRound:
         self.calls += 1
         if self.calls in (self.first, self.first + 1):
             torch.cuda.synchronize()
-            cudart = torch.cuda.cudart()
-            (cudart.cudaProfilerStart if self.calls == self.first else cudart.cudaProfilerStop)()
+            (self.start if self.calls == self.first else self.stop)()
 
     def end(self):
         pass
@@ -65,8 +76,19 @@ def run(args) -> None:
     # even where every round accepts a whole block.
     first = 2 + round_module.EAGER_ROUNDS_BEFORE_CAPTURE + args.skip
     kw = dict(method=args.method, tree_budget=max(args.budget, 1), cuda_graph=True, return_stats=True)
-    _, stats = generate(adapter, draft, prompt, (first + 3) * draft.block_size, streamer=_ProfileOneRound(first), **kw)
+    if args.timeline:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        start, stop = prof.start, prof.stop
+    else:
+        cudart = torch.cuda.cudart()
+        start, stop = cudart.cudaProfilerStart, cudart.cudaProfilerStop
+    streamer = _ProfileOneRound(first, start, stop)
+    _, stats = generate(adapter, draft, prompt, (first + 3) * draft.block_size, streamer=streamer, **kw)
     torch.cuda.synchronize()
+    if args.timeline:
+        prof.export_chrome_trace(args.timeline)
     profiled = first - 1
     if stats.rounds <= profiled or not stats.round_replayed[profiled]:
         raise SystemExit(f"round {profiled} was not replayed from graphs (a new attention width?): profile not valid")
@@ -112,6 +134,65 @@ def summarize(path: str, top: int) -> None:
               f"{b / max(us, 1e-9) / 1e3:.0f} | {us / total_us:.1%} |")
 
 
+def summarize_timeline(path: str, top: int) -> None:
+    """The round's span split between the kernels running at each instant (equal shares where several overlap), the
+    idle gaps, and each stream's busy time, from a Chrome trace of torch.profiler's CUDA activity."""
+    import json
+
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    ks = sorted(((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), _short(e["name"]), e.get("tid"))
+                 for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda k: k[0])
+    if not ks:
+        raise SystemExit(f"{path}: no kernels in the trace")
+    span = ks[-1][1] - ks[0][0]
+    # Sweep the interval ends: each elementary piece of time goes to the kernels running then, in equal shares.
+    cuts = sorted({t for k in ks for t in k[:2]})
+    share = collections.defaultdict(float)
+    idle, gaps, active = 0.0, [], []
+    starts = collections.defaultdict(list)
+    for i, k in enumerate(ks):
+        starts[k[0]].append(i)
+    ends_at = collections.defaultdict(list)
+    for i, k in enumerate(ks):
+        ends_at[k[1]].append(i)
+    running = set()
+    last_ended = None
+    for a, b in zip(cuts, cuts[1:]):
+        running.difference_update(ends_at.get(a, ()))
+        running.update(starts.get(a, ()))
+        if running:
+            for i in running:
+                share[ks[i][2]] += (b - a) / len(running)
+            last_ended = max(running, key=lambda i: ks[i][1])
+        else:
+            idle += b - a
+            nxt = min(starts.get(b, ()), default=None)
+            gaps.append((b - a, ks[last_ended][2] if last_ended is not None else "-",
+                         ks[nxt][2] if nxt is not None else "-"))
+    own = collections.defaultdict(lambda: [0, 0.0])
+    streams = collections.defaultdict(lambda: [0, 0.0])
+    for t0, t1, name, tid in ks:
+        own[name][0] += 1
+        own[name][1] += t1 - t0
+        streams[tid][0] += 1
+        streams[tid][1] += t1 - t0
+    print(f"{len(ks)} kernels and copies over {span:.1f} us; idle {idle:.1f} us in {len(gaps)} gaps "
+          f"({sum(1 for g in gaps if g[0] >= 1.0)} of 1 us or more)")
+    # A replayed graph runs its branches on streams of its own, many of them: the busiest few are enough.
+    busiest = sorted(streams.items(), key=lambda kv: -kv[1][1])[:6]
+    print(f"{len(streams)} streams; the busiest: " + ", ".join(f"{tid}: {n} kernels, {us:.0f} us"
+                                                            for tid, (n, us) in busiest))
+    print("\n| kernel | calls | share of the span, us | per call | own time, us | per call |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, us in sorted(share.items(), key=lambda kv: -kv[1])[:top]:
+        n, own_us = own[name]
+        print(f"| `{name}` | {n} | {us:.1f} | {us / n:.2f} | {own_us:.1f} | {own_us / n:.2f} |")
+    print("\nlongest idle gaps (us, after -> before):")
+    for g, before, after in sorted(gaps, key=lambda g: -g[0])[:10]:
+        print(f"  {g:.2f}  {before} -> {after}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="27b")
@@ -121,9 +202,14 @@ def main():
     p.add_argument("--skip", type=int, default=2, help="replayed rounds before the profiled one")
     p.add_argument("--summarize", metavar="CSV", help="summarise an Nsight Compute CSV log instead of running")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--timeline", metavar="JSON", help="record the round with torch.profiler (not under ncu) into this "
+                   "Chrome trace")
+    p.add_argument("--summarize-timeline", metavar="JSON", help="summarise such a trace instead of running")
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize, args.top)
+    elif args.summarize_timeline:
+        summarize_timeline(args.summarize_timeline, args.top)
     else:
         run(args)
 

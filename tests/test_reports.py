@@ -1,5 +1,5 @@
 """The benchmark reports' target tables, computed from a run's results (no GPU needed): benchmarks/e2e.py's
-issue #5 rows and scripts/summarize_bench.py's issue #4 rows."""
+issue #5 rows and scripts/summarize_bench.py's issue #4 rows; scripts/profile_round.py's timeline summary."""
 
 import importlib.util
 import os
@@ -100,3 +100,28 @@ def test_kernel_targets(summarize):
     ]
     text = summarize.table(data)
     assert "Against the issue #4 targets" in text and text.count("| met |") == 2
+
+
+def test_round_timeline_splits_the_span(tmp_path, capsys):
+    """scripts/profile_round.py --summarize-timeline: overlapping kernels share their common time equally, host events
+    are not kernels, and the idle time between kernels is a gap named by the kernels around it."""
+    import json
+
+    profile_round = load("ddtree_profile_round", "scripts", "profile_round.py")
+    events = [
+        dict(cat="kernel", name="void ddtree::(anonymous namespace)::first_kernel<float>(int)", ts=100.0, dur=10.0,
+             tid=7),
+        dict(cat="kernel", name="second", ts=105.0, dur=10.0, tid=8),
+        dict(cat="kernel", name="third", ts=120.0, dur=2.0, tid=7),
+        dict(cat="gpu_memset", name="Memset", ts=122.0, dur=1.0, tid=7),
+        dict(cat="cpu_op", name="aten::mm", ts=0.0, dur=500.0, tid=1),
+    ]
+    path = tmp_path / "round.json"
+    path.write_text(json.dumps(dict(traceEvents=events)))
+    profile_round.summarize_timeline(str(path), top=10)
+    out = capsys.readouterr().out
+    assert out.startswith("4 kernels and copies over 23.0 us; idle 5.0 us in 1 gaps (1 of 1 us or more)\n"), out
+    assert "| `first_kernel<float>` | 1 | 7.5 | 7.50 | 10.0 | 10.00 |" in out
+    assert "| `second` | 1 | 7.5 | 7.50 | 10.0 | 10.00 |" in out
+    assert "| `third` | 1 | 2.0 | 2.00 | 2.0 | 2.00 |" in out
+    assert "  5.00  second -> third" in out
