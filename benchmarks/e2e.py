@@ -578,7 +578,8 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-length", type=int, default=32768, help="the length the static caches are sized for")
-    parser.add_argument("--side-streams", type=lambda s: [] if s == "none" else s.split(","), default=["gdn", "attn", "draft", "walk"],
+    parser.add_argument("--side-streams", type=lambda s: [] if s == "none" else s.split(","),
+                        default=sorted(fused.side_streams),
                         help="where layers overlap work on a second stream (ddtree_ext.fused.Fork): a comma list of "
                              "gdn, attn, draft, walk, or none")
     parser.add_argument("--linear", choices=["ops", "torch", "tuned"], default="tuned",

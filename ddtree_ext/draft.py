@@ -31,8 +31,8 @@ from torch import nn
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    Fork, LayerFusion, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, ops_apply, rope_rows, rope_table, rotary,
-    stacked_outputs,
+    Fork, LayerFusion, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, ops_apply, rope_rows, rope_table,
+    rope_table_serves, rotary, stacked_outputs,
 )
 
 FULL_ATTENTION = "full_attention"
@@ -55,7 +55,8 @@ class DFlashDraftCache:
     the block's K/V for the duration of one call, so the block is never part of the cache.
     ``length`` [B] int64 lives on the draft's device. ``cos`` / ``sin`` ``[capacity, head_dim]``: the draft's RoPE
     at every row's position (row = position), in its dtype (``fused.rope_table``; None where that gives none): a call
-    gathers its rows from them instead of recomputing them.
+    gathers its rows from them instead of recomputing them, where ``fused.rope_table_serves`` says they are still the
+    rotary embedding's bits.
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor,
@@ -429,7 +430,7 @@ class DFlashDraftModel(nn.Module):
             kv_slots = torch.cat([torch.where(steps[:ctx_len] < appended[:, None], context_rows, -1), block_rows], dim=1)
             positions = torch.cat([context_rows, block_rows], dim=1)
             rope = None
-            if cache.cos is not None and cache.cos.dtype == self.fc.weight.dtype:
+            if cache.cos is not None and cache.cos.dtype == self.fc.weight.dtype and rope_table_serves(self.rotary_emb):
                 rope = rope_rows(cache.cos, cache.sin, positions)
             # One mask per attention rule (causal, window), not per layer.
             masks = {}

@@ -899,14 +899,14 @@ def rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype) -> Op
     HF's rotary embeddings form each position's angles from that position alone (a product with the inverse
     frequencies; some transformers versions take it as a matmul of depth one, one product per output), so a table row
     holds the bits a call computes for that position. Under TF32 such a matmul's inputs are rounded or not depending on
-    the kernel cuBLAS picks for the shape, so readers check :func:`exact_float32_matmuls` too. Qwen3.5's multimodal
-    RoPE reads one position per axis: for text the axes share it (the model expands one row), and the table is built
-    that way."""
+    the kernel cuBLAS picks for the shape, so readers ask :func:`rope_table_serves` at each use too (the precision or
+    a hook may change after the table is built). Qwen3.5's multimodal RoPE reads one position per axis: for text the
+    axes share it (the model expands one row), and the table is built that way."""
     rope_type = str(getattr(rotary, "rope_type", "default"))
-    if any(kind in rope_type for kind in ("dynamic", "longrope")) or "_hf_hook" in rotary.__dict__:
+    if any(kind in rope_type for kind in ("dynamic", "longrope")) or not rope_table_serves(rotary):
         return None
     inv_freq = getattr(rotary, "inv_freq", None)
-    if not exact_float32_matmuls() or not isinstance(inv_freq, torch.Tensor) or inv_freq.device.type == "meta":
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.device.type == "meta":
         return None
     with torch.no_grad():
         positions = torch.arange(capacity, device=inv_freq.device)[None]
@@ -924,9 +924,11 @@ def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> 
     return tuple(t.index_select(0, rows).view(*positions.shape, -1) for t in (cos, sin))
 
 
-def exact_float32_matmuls() -> bool:
-    """Whether float32 matmuls run in full float32 (torch's default), not TF32 or bf16 passes."""
-    return torch.get_float32_matmul_precision() == "highest"
+def rope_table_serves(rotary: torch.nn.Module) -> bool:
+    """Whether a :func:`rope_table` of ``rotary`` gives its bits now: the module carries no accelerate hook (its forward
+    moves tensors between devices) and float32 matmuls run in full float32 (torch's default), not TF32 or bf16
+    passes."""
+    return "_hf_hook" not in rotary.__dict__ and torch.get_float32_matmul_precision() == "highest"
 
 
 def _recognised_classes() -> dict:

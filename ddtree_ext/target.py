@@ -54,7 +54,7 @@ from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, exact_float32_matmuls, ops_apply, rope_rows, rope_table,
+    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, ops_apply, rope_rows, rope_table, rope_table_serves,
     swapped_forwards,
 )
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
@@ -536,11 +536,10 @@ class TargetAdapter:
         return hidden, torch.cat([recorded[i].to(self.device) for i in self.tap_layer_ids], dim=-1)
 
     def _rope_from_table(self, state: TargetState) -> contextlib.AbstractContextManager:
-        """A context in which the rotary embedding gathers the state's RoPE table rows: where it has one, the module
-        carries no accelerate hook (its forward moves tensors between devices) and float32 matmuls are exact (see
-        ``fused.rope_table``)."""
+        """A context in which the rotary embedding gathers the state's RoPE table rows, where it has one and
+        ``fused.rope_table_serves`` says it gives the module's bits now."""
         rotary = self.text_model.rotary_emb
-        if state.rope is None or "_hf_hook" in rotary.__dict__ or not exact_float32_matmuls():
+        if state.rope is None or not rope_table_serves(rotary):
             return contextlib.nullcontext()
         return swapped_forwards([(rotary, functools.partial(_rope_rows, rotary, *state.rope))])
 

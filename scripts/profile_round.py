@@ -150,11 +150,9 @@ def summarize_timeline(path: str, top: int) -> None:
     cuts = sorted({t for k in ks for t in k[:2]})
     share = collections.defaultdict(float)
     idle, gaps, active = 0.0, [], []
-    starts = collections.defaultdict(list)
+    starts, ends_at = collections.defaultdict(list), collections.defaultdict(list)
     for i, k in enumerate(ks):
         starts[k[0]].append(i)
-    ends_at = collections.defaultdict(list)
-    for i, k in enumerate(ks):
         ends_at[k[1]].append(i)
     running = set()
     last_ended = None

@@ -616,8 +616,9 @@ def test_untrained_draft_does_not_agree(agreeing_pair):
 def test_rope_table_gives_the_rotary_embeddings_bits(target, dtype, device, monkeypatch):
     """new_cache tabulates the draft's RoPE at every row's position, and propose gathers its rows from the table instead
     of calling the rotary embedding: the same logits and cache bits as the rotary embedding's own values (a cache
-    without the table), over two calls with a padded context; a RoPE type that follows the sequence length gets no
-    table."""
+    without the table, or with one that fused.rope_table_serves refuses at the call: float32 matmuls that may run in
+    TF32 since it was built), over two calls with a padded context; a RoPE type that follows the sequence length gets
+    no table."""
     draft = make_tiny_draft(target, seed=4, sliding_window=6).to(device=device, dtype=dtype)
     head = torch.nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=False).to(device=device, dtype=dtype)
     head.weight.data.copy_(target.get_output_embeddings().weight.to(dtype))
@@ -628,23 +629,26 @@ def test_rope_table_gives_the_rotary_embeddings_bits(target, dtype, device, monk
     stock = type(draft.rotary_emb).forward
     monkeypatch.setattr(type(draft.rotary_emb), "forward", lambda self, *a: rotary_calls.append(1) or stock(self, *a))
     runs = []
-    for table in (True, False):
+    for table in ("read", "dropped", "refused"):
         cache = draft.new_cache(2, capacity=CAPACITY)
         assert cache.cos is not None and cache.cos.shape == (CAPACITY, draft.layers[0].self_attn.head_dim)
         for row in (0, CAPACITY // 2, CAPACITY - 1):  # every row, not only those these calls read: a row alone
             alone = stock(draft.rotary_emb, context[:, :1], torch.tensor([[row]], device=device))
             assert torch.equal(cache.cos[row], alone[0][0, 0]) and torch.equal(cache.sin[row], alone[1][0, 0])
-        if not table:
+        if table == "dropped":
             cache.cos = cache.sin = None
         rotary_calls.clear()
-        with torch.no_grad():
+        with torch.no_grad(), monkeypatch.context() as m:
+            if table == "refused":  # only what the rule reads: the matmuls themselves stay exact
+                m.setattr(torch, "get_float32_matmul_precision", lambda: "high")
             first = draft.propose(context[:, :9], random_bonus(2, 256, seed=6).to(device), cache, **args)
             second = draft.propose(context[:, 9:15], random_bonus(2, 256, seed=7).to(device), cache, **args,
                                    num_context=torch.tensor([6, 4], device=device))
-        assert len(rotary_calls) == (0 if table else 2)
+        assert len(rotary_calls) == (0 if table == "read" else 2), table
         runs.append((first, second, cache))
-    (first_a, second_a, cache_a), (first_b, second_b, cache_b) = runs
-    assert torch.equal(first_a, first_b) and torch.equal(second_a, second_b)
-    assert all(torch.equal(a, b) for a, b in zip(cache_a.keys + cache_a.values, cache_b.keys + cache_b.values))
+    first_a, second_a, cache_a = runs[0]
+    for first_b, second_b, cache_b in runs[1:]:
+        assert torch.equal(first_a, first_b) and torch.equal(second_a, second_b)
+        assert all(torch.equal(a, b) for a, b in zip(cache_a.keys + cache_a.values, cache_b.keys + cache_b.values))
     monkeypatch.setattr(draft.rotary_emb, "rope_type", "dynamic", raising=False)
     assert draft.new_cache(1, capacity=CAPACITY).cos is None
