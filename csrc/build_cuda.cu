@@ -348,12 +348,12 @@ void topk_by_sort(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens
 //
 // Two ways to keep the candidates, both popping the largest key:
 // - register lists (budget <= kListMaxBudget, the draft's case): every lane keeps a short sorted list
-//   of candidates in registers. A pop is one warp-wide max of the list heads; the winner's head is
-//   broadcast, every lane derives the node and its (at most two) new candidates from it, the winner
-//   takes the first in place of the popped one and the second is dealt round-robin. A lane's list only
-//   grows by dealt candidates, and at most `budget` are dealt before the last pop, so ceil(budget / 32)
-//   entries per lane never overflow. No shared-memory traffic on the critical path besides two logp
-//   reads per pop.
+//   of candidates in registers. A pop is two warp-wide max reductions over the list heads, which give
+//   every lane the popped key; every lane derives the node and its (at most two) new candidates from
+//   it, the winner takes the first in place of the popped one and the second is dealt round-robin. A
+//   lane's list only grows by dealt candidates, and at most `budget` are dealt before the last pop, so
+//   ceil(budget / 32) entries per lane never overflow. Three shared-memory reads per pop (two logp
+//   values and the parent's score), issued together.
 // - shared-memory slots (larger budgets): candidates live in slots, each lane tracks the best of its
 //   slots and rescans them when its best is taken.
 
@@ -395,55 +395,35 @@ __device__ __forceinline__ uint64_t list_key(float score, int parent, int rank, 
   return (static_cast<uint64_t>(cuda::ordered_bits(score)) << 32) | lo;
 }
 
-// One lane's candidates, largest key first, in registers (every index is a compile-time constant).
-// Besides its key a candidate carries its parent's score (for its next sibling's score) and the node
-// index of its previous sibling (-1 for a first child), whose next_sibling link it sets when taken.
+// One lane's candidates, largest key first, in registers (every index is a compile-time constant). A key holds all
+// a pop needs (score, parent, rank, depth); the parent's score and previous child are in shared memory.
 template <int CAP>
 struct CandidateList {
   uint64_t key[CAP];  // 0 = empty
-  float parent_score[CAP];
-  int prev_sibling[CAP];
 
   __device__ __forceinline__ void clear() {
 #pragma unroll
-    for (int j = 0; j < CAP; ++j) {
-      key[j] = 0;
-      parent_score[j] = 0.f;
-      prev_sibling[j] = -1;
-    }
+    for (int j = 0; j < CAP; ++j) key[j] = 0;
   }
 
-  // Keys are unique, so strict comparisons; inserting key 0 changes nothing.
-  __device__ __forceinline__ void insert(uint64_t k, float ps, int prev) {
+  // Keys are unique, so strict comparisons; inserting key 0 changes nothing (the predicated inserts rely on it).
+  __device__ __forceinline__ void insert(uint64_t k) {
 #pragma unroll
-    for (int j = CAP - 1; j > 0; --j) {
-      const bool shift = k > key[j - 1];
-      const bool here = !shift && k > key[j];
-      key[j] = shift ? key[j - 1] : (here ? k : key[j]);
-      parent_score[j] = shift ? parent_score[j - 1] : (here ? ps : parent_score[j]);
-      prev_sibling[j] = shift ? prev_sibling[j - 1] : (here ? prev : prev_sibling[j]);
-    }
-    const bool front = k > key[0];
-    key[0] = front ? k : key[0];
-    parent_score[0] = front ? ps : parent_score[0];
-    prev_sibling[0] = front ? prev : prev_sibling[0];
+    for (int j = CAP - 1; j > 0; --j) key[j] = k > key[j - 1] ? key[j - 1] : (k > key[j] ? k : key[j]);
+    key[0] = k > key[0] ? k : key[0];
   }
 
-  __device__ __forceinline__ void pop_front() {
+  __device__ __forceinline__ void pop_front_if(bool pop) {
 #pragma unroll
-    for (int j = 0; j < CAP - 1; ++j) {
-      key[j] = key[j + 1];
-      parent_score[j] = parent_score[j + 1];
-      prev_sibling[j] = prev_sibling[j + 1];
-    }
-    key[CAP - 1] = 0;
+    for (int j = 0; j < CAP - 1; ++j) key[j] = pop ? key[j + 1] : key[j];
+    key[CAP - 1] = pop ? 0 : key[CAP - 1];
   }
 };
 
 struct BuildSmem {
   uint64_t* slot_key;  // [slot capacity] (slots only); 0 = empty (no real score maps to 0)
-  float* score;        // [N] (slots only)
-  int* last_child;     // [N] (slots only)
+  float* score;        // [N]
+  int* last_child;     // [N]
   int* parent;         // [N]
   int* depth;          // [N]
   int* rank;           // [N]
@@ -453,11 +433,9 @@ struct BuildSmem {
   float* logp;         // [L * K] when staged
 };
 
-// Shared memory of one block; the slot selection also needs the slots, node scores and last children.
-__host__ __device__ inline size_t build_smem_bytes(int64_t n, int64_t words, int64_t slots, int64_t staged_logp,
-                                                   bool with_slots) {
-  const int64_t slot_part = with_slots ? sizeof(uint64_t) * slots + (sizeof(float) + sizeof(int)) * n : 0;
-  return sizeof(uint64_t) * n * words + sizeof(float) * staged_logp + sizeof(int) * 5 * n + slot_part;
+// Shared memory of one block; the slot selection also needs the slots.
+__host__ __device__ inline size_t build_smem_bytes(int64_t n, int64_t words, int64_t slots, int64_t staged_logp) {
+  return sizeof(uint64_t) * (n * words + slots) + sizeof(float) * (staged_logp + n) + sizeof(int) * 6 * n;
 }
 
 // Best-first selection with shared-memory slots (any budget the key fields hold). Run by warp 0;
@@ -547,6 +525,11 @@ __device__ int select_with_slots(BuildSmem& sm, Lp lp, int num_depths, int k, in
 
 // Best-first selection with per-lane register lists of CAP >= ceil(budget / 32) candidates (see the
 // section comment). Run by warp 0; returns the number of nodes taken besides the root.
+//
+// A pop is two warp reductions: the highest score over the list heads, then the highest low word among the heads
+// holding it. The (score, low word) pair is unique, so every lane then knows the popped key and whether it held it,
+// with no ballot or shuffle; the rest is straight-line code with predicated inserts. That chain is the kernel's
+// critical path, run once per node.
 template <int CAP, typename Lp>
 __device__ int select_with_lists(BuildSmem& sm, Lp lp, int num_depths, int k, int budget, bool spine) {
   const int lane = threadIdx.x % kWarp;
@@ -554,16 +537,20 @@ __device__ int select_with_lists(BuildSmem& sm, Lp lp, int num_depths, int k, in
   list.clear();
   int taken = 0;  // nodes taken besides the root
   int dealt = 0;  // candidates dealt round-robin so far: the next one goes to lane dealt % 32
-  // Node i's tables; its place among its parent's children: children are taken in rank order.
-  auto record = [&](int i, int p, int d, int r, int prev) {
+  if (lane == 0) sm.score[0] = 0.f;
+  // Node i's tables (lane 0). Children are taken in rank order: a rank r + 1 sibling becomes a candidate when rank r
+  // is taken, so the previous child is the last one taken.
+  auto record = [&](int i, int p, int d, int r, float s) {
+    sm.score[i] = s;
     sm.parent[i] = p;
     sm.depth[i] = d;
     sm.rank[i] = r;
     if (r == 0) {
       sm.first_child[p] = i;
     } else {
-      sm.next_sibling[prev] = i;
+      sm.next_sibling[sm.last_child[p]] = i;
     }
+    sm.last_child[p] = i;
   };
 
   if (spine) {
@@ -572,59 +559,47 @@ __device__ int select_with_lists(BuildSmem& sm, Lp lp, int num_depths, int k, in
     float s = 0.f;  // score of node d - 1
     for (int d = 1; d <= spine_len; ++d) {
       if (k > 1) {
-        if (lane == dealt % kWarp) list.insert(list_key(s + lp(d - 1, 1), d - 1, 1, d), s, d);
+        if (lane == dealt % kWarp) list.insert(list_key(s + lp(d - 1, 1), d - 1, 1, d));
         ++dealt;
       }
       s = s + lp(d - 1, 0);
-      if (lane == 0) record(d, d - 1, d, 0, -1);
+      if (lane == 0) record(d, d - 1, d, 0, s);
     }
     taken = spine_len;
   } else {
-    if (lane == 0) list.insert(list_key(0.f + lp(0, 0), 0, 0, 1), 0.f, -1);
+    if (lane == 0) list.insert(list_key(0.f + lp(0, 0), 0, 0, 1));
     dealt = 1;
   }
+  __syncwarp();
 
   while (taken < budget) {
     const uint32_t hi = static_cast<uint32_t>(list.key[0] >> 32);
     const uint32_t lo = static_cast<uint32_t>(list.key[0]);
     const uint32_t max_hi = cuda::warp_max_u32(hi);
-    uint32_t winners = __ballot_sync(kFullMask, hi == max_hi);
-    if (__popc(winners) > 1) {  // equal scores, or every list empty: the low words decide
-      const uint32_t max_lo = cuda::warp_max_u32(hi == max_hi ? lo : 0u);
-      if (max_hi == 0 && max_lo == 0) break;  // K ** depth ran out: the rest is padding
-      winners = __ballot_sync(kFullMask, hi == max_hi && lo == max_lo);
-    }
-    const int winner = __ffs(winners) - 1;
-    const uint32_t key_lo = __shfl_sync(kFullMask, lo, winner);
-    const float parent_score = __shfl_sync(kFullMask, list.parent_score[0], winner);
-    const int prev = __shfl_sync(kFullMask, list.prev_sibling[0], winner);
+    const uint32_t max_lo = cuda::warp_max_u32(hi == max_hi ? lo : 0u);
+    if (max_hi == 0 && max_lo == 0) break;  // every list empty: K ** depth ran out, the rest is padding
+    const bool is_winner = hi == max_hi && lo == max_lo;
     const float s = cuda::from_ordered_bits(max_hi);
-    const int p = kListMaxParent - static_cast<int>(key_lo >> (kListRankBits + kListDepthBits));
-    const int r = kListMaxRank - static_cast<int>((key_lo >> kListDepthBits) & kListMaxRank);
-    const int d = static_cast<int>(key_lo & kListMaxDepth);
+    const int p = kListMaxParent - static_cast<int>(max_lo >> (kListRankBits + kListDepthBits));
+    const int r = kListMaxRank - static_cast<int>((max_lo >> kListDepthBits) & kListMaxRank);
+    const int d = static_cast<int>(max_lo & kListMaxDepth);
     const int i = ++taken;
-    if (lane == 0) record(i, p, d, r, prev);
-    // The new candidates, the same float32 sums the reference pushes.
-    uint64_t child = 0, sibling = 0;
-    if (d < num_depths) child = list_key(s + lp(d, 0), i, 0, d + 1);
-    if (r + 1 < k) sibling = list_key(parent_score + lp(d - 1, r + 1), p, r + 1, d);
-    const bool is_winner = lane == winner;
-    const bool deal = child != 0 && sibling != 0;  // two new candidates: the sibling is dealt
+    // The new candidates, the same float32 sums the reference pushes (reads clamped in range, keys dropped after).
+    const float parent_score = sm.score[p];
+    const float child_lp = lp(min(d, num_depths - 1), 0);
+    const float sibling_lp = lp(d - 1, min(r + 1, k - 1));
+    if (lane == 0) record(i, p, d, r, s);
+    const uint64_t child = d < num_depths ? list_key(s + child_lp, i, 0, d + 1) : 0;
+    const uint64_t sibling = r + 1 < k ? list_key(parent_score + sibling_lp, p, r + 1, d) : 0;
+    // The winner replaces its head by the first new candidate; with two, the sibling is dealt round-robin (to the
+    // winner too, which then inserts both).
+    const bool deal = child != 0 && sibling != 0;
     const int dealt_to = dealt % kWarp;
-    if (is_winner) list.pop_front();
-    if (is_winner) {
-      if (child) {
-        list.insert(child, s, -1);
-      } else {
-        list.insert(sibling, parent_score, i);
-      }
-    } else if (deal && lane == dealt_to) {
-      list.insert(sibling, parent_score, i);
-    }
-    if (deal) {
-      if (dealt_to == winner && is_winner) list.insert(sibling, parent_score, i);
-      ++dealt;
-    }
+    list.pop_front_if(is_winner);
+    list.insert(is_winner ? (child ? child : sibling) : 0);
+    list.insert(deal && lane == dealt_to ? sibling : 0);
+    dealt += deal ? 1 : 0;
+    __syncwarp();  // lane 0's score[i] is read by the pops after this one
   }
   return taken;
 }
@@ -678,8 +653,8 @@ __global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(const BuildAr
     sm.mask = reinterpret_cast<uint64_t*>(take(sizeof(uint64_t) * n * words));
     sm.slot_key = reinterpret_cast<uint64_t*>(take(kSlots ? sizeof(uint64_t) * a.slot_capacity : 0));
     sm.logp = reinterpret_cast<float*>(take(sizeof(float) * (a.stage_logp ? num_depths * k : 0)));
-    sm.score = reinterpret_cast<float*>(take(kSlots ? sizeof(float) * n : 0));
-    sm.last_child = reinterpret_cast<int*>(take(kSlots ? sizeof(int) * n : 0));
+    sm.score = reinterpret_cast<float*>(take(sizeof(float) * n));
+    sm.last_child = reinterpret_cast<int*>(take(sizeof(int) * n));
     sm.parent = reinterpret_cast<int*>(take(sizeof(int) * n));
     sm.depth = reinterpret_cast<int*>(take(sizeof(int) * n));
     sm.rank = reinterpret_cast<int*>(take(sizeof(int) * n));
@@ -864,7 +839,7 @@ void build_tree_cuda(const at::Tensor& logp, const at::Tensor& tokens, const at:
   // Slots: the initial candidates (spine siblings or the first root child), then at most one more per pop.
   const int64_t slots = lists ? 0 : depths + budget + 1;
   const bool stage = depths * k <= kStagedLogpMax;
-  const size_t smem = build_smem_bytes(n, words, slots, stage ? depths * k : 0, !lists);
+  const size_t smem = build_smem_bytes(n, words, slots, stage ? depths * k : 0);
   TORCH_CHECK_VALUE(smem <= cuda::max_dynamic_smem(), op, ": budget ", budget,
                     " needs more shared memory than this GPU offers (", smem, " bytes)");
   if (bsz == 0) return;
