@@ -320,8 +320,8 @@ class DecodeRound:
 def _record_aside(event: "torch.cuda.Event", timing: Optional["torch.cuda.Stream"], main: "torch.cuda.Stream") -> None:
     """Records a stage timing event in a graph being captured as a leaf on ``timing``: the record waits for the work
     issued so far on ``main``, and nothing waits for it but the capture's final join. Recorded on ``main`` itself, the
-    event sat between the kernels on either side of each stage boundary: 20-50 us a round on the H200, where aside the
-    rounds run within 0.02 ms of rounds captured with no events (benchmarks/results/2026-12-04-h200-stage-events.md).
+    event sat between the kernels on either side of each stage boundary: 15-55 us a round on the H200, where aside the
+    rounds run within 0.03 ms of rounds captured with no events (benchmarks/results/2026-12-04-h200-stage-events.md).
     ``timing`` None (the stream pool gave ``main`` itself): on ``main``."""
     if timing is None:
         event.record(main)
