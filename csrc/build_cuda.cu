@@ -352,8 +352,8 @@ void topk_by_sort(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens
 //   every lane the popped key; every lane derives the node and its (at most two) new candidates from
 //   it, the winner takes the first in place of the popped one and the second is dealt round-robin. A
 //   lane's list only grows by dealt candidates, and at most `budget` are dealt before the last pop, so
-//   ceil(budget / 32) entries per lane never overflow. Three shared-memory reads per pop (two logp
-//   values and the parent's score), issued together.
+//   ceil(budget / 32) entries per lane never overflow. Three reads per pop after the reductions (two
+//   logp values and the parent's score), issued together; all from shared memory where logp is staged.
 // - shared-memory slots (larger budgets): candidates live in slots, each lane tracks the best of its
 //   slots and rescans them when its best is taken.
 

@@ -451,6 +451,15 @@ side_streams = {"gdn", "attn", "draft", "walk"}
 _SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
 
 
+def _cuda_device(device: torch.device) -> torch.device:
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+
+def side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
+    """The stream :class:`Fork` issues side work on for a CUDA device, or None where it has made none yet."""
+    return _SIDE_STREAMS.get(_cuda_device(device))
+
+
 class Fork:
     """Work that can overlap the current stream's, issued on a second stream of the same GPU.
 
@@ -473,7 +482,7 @@ class Fork:
     def __init__(self, device: torch.device, use: str):
         self.stream = self.main = None
         if use in side_streams and device.type == "cuda":
-            device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+            device = _cuda_device(device)
             if device not in _SIDE_STREAMS:
                 _SIDE_STREAMS[device] = torch.cuda.Stream(device)
             side, main = _SIDE_STREAMS[device], torch.cuda.current_stream(device)

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ddtree_ext import gemm_tuning, ops
-from ddtree_ext.fused import Fork
+from ddtree_ext.fused import Fork, side_stream
 
 EAGER_ROUNDS_BEFORE_CAPTURE = 2
 
@@ -288,18 +288,23 @@ class DecodeRound:
             graph, stage_events = torch.cuda.CUDAGraph(), []
             with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream):
                 main = torch.cuda.current_stream(self.device)
-                timing = self._timing_stream if timed and self._timing_stream != main else None
-                for name, stage in self._stages(kv_len):
-                    if timed:  # event record nodes in the graph (external), not a capture-time dependency
-                        begin, end = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
-                        _record_aside(begin, timing, main)
-                        stage()
-                        _record_aside(end, timing, main)
-                        stage_events.append((name, begin, end))
-                    else:
-                        stage()
-                if timing is not None:
-                    main.wait_stream(timing)  # a capture ends with every stream it forked joined
+                # Streams come from a small pool: the timing stream may be the capture's or Fork's side stream (side
+                # work would then wait for the records, and the records would be on the round's chain again).
+                taken = (main, side_stream(self.device))
+                timing = self._timing_stream if timed and self._timing_stream not in taken else None
+                try:
+                    for name, stage in self._stages(kv_len):
+                        if timed:  # event record nodes in the graph (external), not a capture-time dependency
+                            begin, end = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
+                            _record_aside(begin, timing, main)
+                            stage()
+                            _record_aside(end, timing, main)
+                            stage_events.append((name, begin, end))
+                        else:
+                            stage()
+                finally:
+                    if timing is not None:
+                        main.wait_stream(timing)  # a capture ends with every stream it forked joined
             copies.append(_CapturedRound(graph, stage_events, self.tmp))
             self.tmp = {}
         self._graphs[kv_len] = copies
@@ -319,10 +324,11 @@ class DecodeRound:
 
 def _record_aside(event: "torch.cuda.Event", timing: Optional["torch.cuda.Stream"], main: "torch.cuda.Stream") -> None:
     """Records a stage timing event in a graph being captured as a leaf on ``timing``: the record waits for the work
-    issued so far on ``main``, and nothing waits for it but the capture's final join. Recorded on ``main`` itself, the
-    event sat between the kernels on either side of each stage boundary: 15-55 us a round on the H200, where aside the
-    rounds run within 0.03 ms of rounds captured with no events (benchmarks/results/2026-12-04-h200-stage-events.md).
-    ``timing`` None (the stream pool gave ``main`` itself): on ``main``."""
+    issued so far on ``main``, and nothing waits for it but the capture's final join (a stage's begin is thus the end
+    of the work before it on ``main``). Recorded on ``main`` itself, the event sat between the kernels on either side
+    of each stage boundary: 15-55 us a round on the H200, where aside the rounds run within 0.03 ms of rounds captured
+    with no events (benchmarks/results/2026-12-04-h200-stage-events.md). ``timing`` None (no stream of its own was
+    free): on ``main``, as before."""
     if timing is None:
         event.record(main)
         return

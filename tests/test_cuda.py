@@ -151,6 +151,7 @@ BUILD_CASES = [  # (batch, budget, depths, k)
     (2, 40, 3, 3),  # 3 + 9 + 27 = 39 prefixes < 40
     (1, 256, 16, 256),  # pure best-first with K = budget
     (2, 32, 3, 5000),  # logp too large to stage in shared memory
+    (1, 512, 16, 64),  # the register lists' largest budget: 16 candidates a lane
     (1, 600, 5, 8),  # above the register lists' budget: candidates in shared-memory slots
 ]
 
@@ -169,6 +170,25 @@ def test_build_tree(bsz, budget, depths, k, spine, ties):
     got = ops.build_tree(*to([logp, tokens, root, prefix], DEV), budget, spine=spine, out=out)
     assert_fields_equal(got, expected_cpu, "vs CPU op")
     assert_fields_equal(got, expected_ref, "vs reference")
+
+
+@pytest.mark.parametrize("spine", [True, False])
+@pytest.mark.parametrize("budget", [7, 64, 513])
+def test_build_tree_infinite_logp(budget, spine):
+    """-inf log-probs (a draft distribution with fewer than K tokens of nonzero mass) and -0: -inf scores are real
+    candidates, equal to each other, so the tie order decides among them (register lists and shared-memory slots)."""
+    gen = make_gen(budget + 11)
+    bsz, depths, k = 2, 12, 6
+    logp, tokens = random_topk(bsz, depths, k, gen, ties=True)
+    logp[:, ::2, 3:] = -float("inf")
+    logp[1, :, 0] = -0.0
+    root = torch.randint(0, 1000, (bsz,), generator=gen)
+    prefix = torch.randint(0, 500, (bsz,), generator=gen)
+    expected_ref = reference.build_tree(logp, tokens, root, prefix, budget, spine=spine)
+    expected_cpu = ops.build_tree(logp, tokens, root, prefix, budget, spine=spine)
+    got = ops.build_tree(*to([logp, tokens, root, prefix], DEV), budget, spine=spine)
+    assert_fields_equal(expected_cpu, expected_ref, "CPU op vs reference")
+    assert_fields_equal(got, expected_cpu, "vs CPU op")
 
 
 @pytest.mark.parametrize("spine", [True, False])

@@ -59,6 +59,35 @@ def test_greedy_on_cuda_equals_hf_generate(family, method, budget, cuda_graph):
         assert stats.graph_captures == 0
 
 
+@pytest.mark.parametrize("same_as", ["capture", "side"])
+def test_stage_timing_when_the_stream_pool_repeats_a_stream(same_as, monkeypatch):
+    """A captured round records its stage timing events on a stream of its own, unless the stream pool handed that
+    stream out as the capture stream or as Fork's side stream too: then on the round's own stream, as before. The same
+    tokens, and every stage of every replayed round timed, either way."""
+    from ddtree_ext import fused
+    from ddtree_ext.round import DecodeRound
+
+    target, draft = cuda_pair("qwen3_5")
+    device = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream(device)
+    monkeypatch.setitem(fused._SIDE_STREAMS, device, side)
+    made = []
+    init = DecodeRound.__init__
+
+    def init_with_a_repeated_stream(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._timing_stream = self._capture_stream if same_as == "capture" else side
+        made.append(self)
+
+    monkeypatch.setattr(DecodeRound, "__init__", init_with_a_repeated_stream)
+    out, stats = generate(target, draft, PROMPT.cuda(), 200, tree_budget=16, return_stats=True, cuda_graph=True)
+    assert made and torch.equal(out, hf_greedy("qwen3_5")[:, : out.shape[1]])
+    replayed = [r for r, rep in enumerate(stats.round_replayed) if rep]
+    assert replayed
+    for r in replayed:
+        assert len(stats.round_stage_s[r]) == 5 and min(stats.round_stage_s[r].values()) > 0, stats.round_stage_s[r]
+
+
 def test_graphs_are_the_default_on_one_gpu():
     target, draft = cuda_pair("qwen3_5")
     _, stats = generate(target, draft, PROMPT.cuda(), 200, return_stats=True)
