@@ -149,7 +149,7 @@ def summarize_timeline(path: str, top: int) -> None:
     # Sweep the interval ends: each elementary piece of time goes to the kernels running then, in equal shares.
     cuts = sorted({t for k in ks for t in k[:2]})
     share = collections.defaultdict(float)
-    idle, gaps, active = 0.0, [], []
+    idle, gaps = 0.0, []
     starts, ends_at = collections.defaultdict(list), collections.defaultdict(list)
     for i, k in enumerate(ks):
         starts[k[0]].append(i)
