@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ddtree_ext  # noqa: E402
 from ddtree_ext import fused, gemm_tuning, generate  # noqa: E402
 from ddtree_ext import target as target_module  # noqa: E402
+from ddtree_ext import round as round_module  # noqa: E402
 from ddtree_ext.draft import DFlashDraftModel  # noqa: E402
 from ddtree_ext.target import TargetAdapter, record_layer_outputs  # noqa: E402
 from ddtree_ext.tiny import tiny_draft_config  # noqa: E402
@@ -484,6 +485,8 @@ def markdown(report: dict) -> str:
         f"{report.get('gdn_conv', 'apart from the delta rule')}; attention K/V store: "
         f"{report.get('kv_store', 'a store_kv launch of its own')}; projections reading one input: "
         f"{'one GEMM over their stacked weights' if report.get('stacked_projections') else 'apart'}; "
+        f"graph edges into our kernels: "
+        f"{'from the launch-order port' if report.get('launch_order_edges') else 'from the programmatic port'}; "
         f"the core built for CUDA architectures "
         f"{report.get('cuda_archs', 'unknown')}.",
         f"- Device copy rate {report['copy_gb_s']:.0f} GB/s (read + write), the highest of "
@@ -600,6 +603,10 @@ def main(argv=None) -> None:
     parser.add_argument("--no-fused-gdn-conv", action="store_true",
                         help="run a GDN layer's conv and delta rule as two ops (tree_conv1d, tree_gated_delta_rule) "
                              "instead of ops.gdn_conv_delta_rule (ddtree_ext.target.fuse_gdn_conv), for A/B runs")
+    parser.add_argument("--launch-order-edges", action="store_true",
+                        help="move a captured round's programmatic edges to their upstream kernel's launch-order port "
+                             "(ddtree_ext.round.launch_order_edges, off by default: our kernels would then launch while "
+                             "the GEMM ahead of them runs), for A/B runs")
     parser.add_argument("--no-stacked-projections", action="store_true",
                         help="keep each projection's weight apart (else ddtree_ext.stack_projections stacks those that "
                              "read the same input, one GEMM for each group), for A/B runs")
@@ -618,6 +625,7 @@ def main(argv=None) -> None:
     fused.fuse_attention_heads = not args.no_fused_attention
     fused.fuse_kv_store = not args.no_fused_kv_store
     target_module.fuse_gdn_conv = not args.no_fused_gdn_conv
+    round_module.launch_order_edges = args.launch_order_edges
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
     if bool(args.target) != bool(args.draft):
@@ -647,6 +655,7 @@ def main(argv=None) -> None:
         gdn_conv=("with the delta rule, one op (gdn_conv_delta_rule)" if target_module.fuse_gdn_conv
                   else "apart from the delta rule (tree_conv1d, then tree_gated_delta_rule)"),
         stacked_projections=not args.no_stacked_projections,
+        launch_order_edges=round_module.launch_order_edges,
         kv_store=("with the q/k norms and RoPE, one op (qk_norm_rope_store_kv)" if fused.fuse_kv_store
                   else "a store_kv launch of its own"),
         cuda_archs=ddtree_ext.build_info().get("cuda_archs", "unknown"),

@@ -35,6 +35,13 @@ from ddtree_ext.fused import Fork, side_stream
 
 EAGER_ROUNDS_BEFORE_CAPTURE = 2
 
+# Whether a captured round's programmatic edges move to their upstream kernel's launch-order port before the graph is
+# instantiated (:func:`_instantiate`): a kernel of ours after a projection would then launch while the GEMM still
+# runs, and wait for it on the device. Off: not yet run on a GPU (no device was lent when it was written), neither its
+# test (tests/test_cuda.py -k launch_order) nor its timing; ``benchmarks/e2e.py --launch-order-edges`` turns it on for
+# that A/B run.
+launch_order_edges = False
+
 # Attention reads the first kv_len cache slots, kv_len a bucket of the needed length (kv_bucket), so
 # that captured rounds are few (one set of graphs per width) and read little more than needed.
 _MIN_KV_BUCKET = 256
@@ -285,7 +292,7 @@ class DecodeRound:
         copies = []
         pool = torch.cuda.graph_pool_handle()
         for _ in range(2 if timed else 1):
-            graph, stage_events = torch.cuda.CUDAGraph(), []
+            graph, stage_events = torch.cuda.CUDAGraph(keep_graph=launch_order_edges), []
             with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream):
                 main = torch.cuda.current_stream(self.device)
                 # Streams come from a small pool: the timing stream may be the capture's or Fork's side stream (side
@@ -305,6 +312,8 @@ class DecodeRound:
                 finally:
                     if timing is not None:
                         main.wait_stream(timing)  # a capture ends with every stream it forked joined
+            if launch_order_edges:
+                _instantiate(graph)
             copies.append(_CapturedRound(graph, stage_events, self.tmp))
             self.tmp = {}
         self._graphs[kv_len] = copies
@@ -320,6 +329,24 @@ class DecodeRound:
         if self._graphs:
             torch.cuda.synchronize(self.device)
             self._graphs.clear()
+
+
+def _instantiate(graph: "torch.cuda.CUDAGraph") -> None:
+    """Instantiates a graph captured with ``keep_graph=True``, its programmatic edges first moved to their upstream
+    kernel's launch-order port (``csrc/graph_cuda.cpp``).
+
+    Every kernel of ours is launched as a programmatic dependent and reads and writes nothing before its
+    ``griddepcontrol.wait``, which (as CUDA documents programmatic edges, from either port) waits for the whole
+    kernel ahead to complete. From the programmatic port, the edge fires once every block of the kernel ahead has let
+    dependents launch: at once after one of ours, only at its end after a GEMM (cuBLAS's kernels never do). From the
+    launch-order port it fires once they have all begun, so our kernel's launch and the L2 prefetches before its wait
+    would overlap the GEMM."""
+    from ddtree_ext._loader import load_extension
+
+    move = getattr(load_extension(), "graph_launch_order_edges", None)  # CUDA builds only
+    if move is not None:
+        move(graph.raw_cuda_graph())
+    graph.instantiate()
 
 
 def _record_aside(event: "torch.cuda.Event", timing: Optional["torch.cuda.Stream"], main: "torch.cuda.Stream") -> None:

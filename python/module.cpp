@@ -1,5 +1,6 @@
 // The pybind11 module ddtree_ext._C. Importing it loads the shared library, which registers the
-// torch.ops.ddtree.* ops (python/torch_library.cpp); the module itself only reports how it was built.
+// torch.ops.ddtree.* ops (python/torch_library.cpp); the module itself reports how it was built and, in CUDA builds,
+// holds one host-side helper for captured CUDA graphs (csrc/graph_cuda.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -7,6 +8,10 @@
 
 #ifdef DDTREE_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+namespace ddtree {
+int64_t graph_launch_order_edges(int64_t graph_handle);  // csrc/graph_cuda.cpp
+}
 #endif
 
 #ifndef DDTREE_VERSION
@@ -37,4 +42,18 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "ddtree_ext compiled core: registers the torch.ops.ddtree ops";
   m.def("build_info", &build_info,
         "Dict with the version, whether CUDA kernels were compiled in, the CUDA version and the arch list.");
+#ifdef DDTREE_WITH_CUDA
+  m.def(
+      "graph_launch_order_edges",
+      [](int64_t graph_handle) {
+        if (graph_handle == 0) {
+          throw py::value_error("graph_launch_order_edges: graph_handle must be a cudaGraph_t, got 0");
+        }
+        return ddtree::graph_launch_order_edges(graph_handle);
+      },
+      py::arg("graph_handle"),
+      "Moves every programmatic edge of a captured cudaGraph_t (torch.cuda.CUDAGraph(keep_graph=True)"
+      ".raw_cuda_graph()) to its upstream kernel's launch-order port; returns how many (0 before CUDA 12.3). "
+      "See csrc/graph_cuda.cpp.");
+#endif
 }

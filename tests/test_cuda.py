@@ -1393,6 +1393,60 @@ def test_linear_after_a_side_stream_kernel():
     assert torch.equal(got, expected)
 
 
+def _gemm_chain(x: torch.Tensor, gen: torch.Generator, layers: int = 4):
+    """An MLP-like chain on x [rows, 2048]: per layer our rms_norm, a cuBLAS GEMM, our silu_mul, a cuBLAS GEMM, so that
+    each of our kernels is a programmatic dependent of a GEMM whose output it reads; returns the chain as a function."""
+    hidden, inner = x.shape[1], 4 * x.shape[1]
+    weights = [((torch.randn(2 * inner, hidden, generator=gen) * 0.02).to(torch.bfloat16).to(DEV),
+                (torch.randn(hidden, inner, generator=gen) * 0.02).to(torch.bfloat16).to(DEV)) for _ in range(layers)]
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16).to(DEV)
+
+    def run() -> torch.Tensor:
+        h = x
+        for up, down in weights:
+            gate_up = torch.mm(ops.rms_norm(h, norm_weight, 1e-6), up.t())
+            h = torch.mm(ops.silu_mul(gate_up[:, :inner], gate_up[:, inner:]), down.t())
+        return ops.rms_norm(h, norm_weight, 1e-6)
+
+    return run
+
+
+@pytest.mark.parametrize("rows", [1, 65])
+def test_graph_launch_order_edges_keep_kernels_after_gemms_exact(rows):
+    """ddtree_ext.round's captured rounds move their programmatic edges to the upstream kernel's launch-order port, so
+    that a kernel of ours after a cuBLAS GEMM launches while the GEMM runs (csrc/graph_cuda.cpp). Each of our kernels
+    must still wait for the GEMM's output: replayed 30 times, each time with new inputs, the chain gives eager's bits
+    (a kernel that read before the GEMM was done would see the previous replay's rows)."""
+    from ddtree_ext._loader import load_extension
+
+    gen = make_gen(43)
+    x = torch.empty(rows, 2048, dtype=torch.bfloat16, device=DEV)
+    run = _gemm_chain(x, gen)
+    inputs = [torch.randn(rows, 2048, generator=gen).to(torch.bfloat16).to(DEV) for _ in range(30)]
+    x.copy_(inputs[-1])
+    run()  # warm-up: cuBLAS's handles and workspaces before capture
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        got = run()
+    moved = load_extension().graph_launch_order_edges(graph.raw_cuda_graph())
+    if torch.version.cuda is not None and tuple(int(v) for v in torch.version.cuda.split(".")[:2]) >= (12, 3):
+        assert moved >= 8  # the edge into each kernel of ours after a GEMM (the first norm is the graph's root)
+    graph.instantiate()
+    for new in inputs:
+        x.copy_(new)
+        expected = run().clone()
+        poison(got)
+        graph.replay()
+        assert torch.equal(got, expected)
+
+
+def test_graph_launch_order_edges_argument_check():
+    from ddtree_ext._loader import load_extension
+
+    with pytest.raises(ValueError, match="graph_handle"):
+        load_extension().graph_launch_order_edges(0)
+
+
 def test_linear_rows_with_infinities_stay_in_their_rows():
     """A row of infinities gives inf/NaN in its own output row only (the columns of the tensor-core products are
     independent, and rows past M read zeros)."""

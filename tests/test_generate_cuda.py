@@ -231,6 +231,43 @@ def test_side_streams_do_not_change_the_output(cuda_graph, monkeypatch):
     assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"
 
 
+def _count_launch_order_edges(monkeypatch) -> list:
+    """Turns ddtree_ext.round.launch_order_edges on and returns the list that each captured graph's count of moved
+    edges is appended to (csrc/graph_cuda.cpp)."""
+    from ddtree_ext import round as round_module
+    from ddtree_ext._loader import load_extension
+
+    ext, moved = load_extension(), []
+    move = ext.graph_launch_order_edges
+    monkeypatch.setattr(ext, "graph_launch_order_edges", lambda handle: moved.append(move(handle)) or moved[-1])
+    monkeypatch.setattr(round_module, "launch_order_edges", True)
+    return moved
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_launch_order_edges_in_rounds_equal_hf_generate(family, monkeypatch):
+    """With a captured round's programmatic edges moved to the launch-order port (each kernel of ours after a GEMM
+    launches while the GEMM runs, and waits for it on the device), replayed rounds give the target's own greedy
+    output over 600 tokens, tree and decode step alike."""
+    moved = _count_launch_order_edges(monkeypatch)
+    target, draft = cuda_pair(family)
+    for method, budget in (("ddtree", 64), ("autoregressive", 1)):
+        out = generate(target, draft, PROMPT.cuda(), NEW_TOKENS, method=method, tree_budget=budget, cuda_graph=True)
+        diff = (out != hf_greedy(family))[0].nonzero()
+        assert diff.numel() == 0, f"{method}: first mismatch at position {int(diff[0])}"
+    assert moved and min(moved) > 0, moved
+
+
+def test_launch_order_edges_graph_equals_eager_on_a_real_shaped_model(monkeypatch):
+    """The real-shaped hybrid in bfloat16 (cuBLAS's bf16 GEMMs ahead of our kernels): graphs with launch-order edges
+    give the eager tokens."""
+    moved = _count_launch_order_edges(monkeypatch)
+    target, draft = small_real_shaped_hybrid(torch.bfloat16)
+    prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    assert_graphs_equal_eager(target, draft, prompt, 300)
+    assert moved and min(moved) > 0, moved
+
+
 def test_tuned_gemms_in_rounds_replay_exactly(monkeypatch):
     """With gemm_tuning on (and every problem taking its fastest cuBLASLt candidate, so that the cuBLASLt path runs
     whatever the timings), graph rounds give the eager rounds' tokens; in float32 also HF's own greedy output."""

@@ -1,0 +1,71 @@
+// Launch-order edges in a captured CUDA graph: our kernels start while the foreign kernel ahead of them (a cuBLAS
+// GEMM, a torch kernel) is still running, and wait for it on the device.
+//
+// Every kernel of this library is launched as a programmatic dependent (cuda::launch_programmatic): stream capture
+// records the edge into it as programmatic, from the upstream kernel's programmatic port, which activates once every
+// block of the upstream has called griddepcontrol.launch_dependents or exited. Our kernels call it first thing, so
+// after one of ours the next launches at once; cuBLAS's and torch's kernels never call it, so after a GEMM the next
+// kernel launches only once the GEMM's last block has exited, and its launch and the first loads of its prologue
+// (the L2 prefetches of its weights) are on the round's critical path: a q/k norm after its projection, in a graph,
+// cost 1.3-3.6 us more than the same norm after another norm on the H200
+// (benchmarks/results/2026-12-04-h200-latency-chains.md), and a round has such an edge after most of its projections.
+//
+// Moving such an edge to the upstream's launch-order port (it activates once every block of the upstream has
+// begun) keeps its type programmatic, so the dependent's griddepcontrol.wait still waits for the whole upstream grid
+// to complete and its writes to be visible: CUDA documents cudaGraphDependencyTypeProgrammatic, from either port, as
+// the edge across which "the downstream node [may] use cudaGridDependencySynchronize()". What changes is only when
+// the dependent's blocks may be placed: once the GEMM's blocks are all running. Sound for any dependent that reads
+// and writes nothing before its griddepcontrol.wait, which every kernel here guarantees (prefetches load no
+// register). tests/test_cuda.py -k launch_order checks the waiting on a GPU; it has not run yet (no device was lent
+// when this was written), which is why ddtree_ext.round.launch_order_edges is off.
+#include <cuda_runtime_api.h>
+
+#include <c10/cuda/CUDAException.h>
+
+#include <vector>
+
+#include "ops.h"
+
+namespace ddtree {
+
+// graph_handle: a cudaGraph_t, nonzero (checked by the binding, python/module.cpp).
+int64_t graph_launch_order_edges(int64_t graph_handle) {
+#if CUDART_VERSION >= 12030
+  auto graph = reinterpret_cast<cudaGraph_t>(graph_handle);
+#if CUDART_VERSION >= 13000
+  auto get_edges = cudaGraphGetEdges;
+  auto add = cudaGraphAddDependencies;
+  auto remove = cudaGraphRemoveDependencies;
+#else
+  auto get_edges = cudaGraphGetEdges_v2;
+  auto add = cudaGraphAddDependencies_v2;
+  auto remove = cudaGraphRemoveDependencies_v2;
+#endif
+  size_t count = 0;
+  C10_CUDA_CHECK(get_edges(graph, nullptr, nullptr, nullptr, &count));
+  std::vector<cudaGraphNode_t> from(count), to(count);
+  std::vector<cudaGraphEdgeData> data(count);
+  if (count > 0) C10_CUDA_CHECK(get_edges(graph, from.data(), to.data(), data.data(), &count));
+  std::vector<cudaGraphNode_t> moved_from, moved_to;
+  std::vector<cudaGraphEdgeData> old_data, new_data;
+  for (size_t i = 0; i < count; ++i) {
+    if (data[i].type != cudaGraphDependencyTypeProgrammatic || data[i].from_port != cudaGraphKernelNodePortProgrammatic) {
+      continue;
+    }
+    moved_from.push_back(from[i]);
+    moved_to.push_back(to[i]);
+    old_data.push_back(data[i]);
+    cudaGraphEdgeData launch_order = data[i];
+    launch_order.from_port = cudaGraphKernelNodePortLaunchCompletion;
+    new_data.push_back(launch_order);
+  }
+  if (moved_from.empty()) return 0;
+  C10_CUDA_CHECK(remove(graph, moved_from.data(), moved_to.data(), old_data.data(), moved_from.size()));
+  C10_CUDA_CHECK(add(graph, moved_from.data(), moved_to.data(), new_data.data(), moved_from.size()));
+  return static_cast<int64_t>(moved_from.size());
+#else
+  return 0;  // no edge data before CUDA 12.3: the graph keeps its programmatic-port edges
+#endif
+}
+
+}  // namespace ddtree
