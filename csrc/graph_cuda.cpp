@@ -14,17 +14,17 @@
 // begun) keeps its type programmatic, so the dependent's griddepcontrol.wait still waits for the whole upstream grid
 // to complete and its writes to be visible: CUDA documents cudaGraphDependencyTypeProgrammatic, from either port, as
 // the edge across which "the downstream node [may] use cudaGridDependencySynchronize()". What changes is only when
-// the dependent's blocks may be placed: once the GEMM's blocks are all running. Sound for any dependent that reads
-// and writes nothing before its griddepcontrol.wait, which every kernel here guarantees (prefetches load no
-// register). tests/test_cuda.py -k launch_order checks the waiting on a GPU; it has not run yet (no device was lent
+// the dependent's blocks may be placed: once the GEMM's blocks are all running, and the work before the GEMM is
+// done (its own edges are plain). Sound for any dependent that, before its griddepcontrol.wait, writes nothing and
+// reads nothing the kernel ahead of it writes, which every kernel here guarantees (most only prefetch into L2, which
+// loads no register; gdn_tree_main reads its inputs early, behind gdn_tree_prep, which writes none of them), the same
+// condition as with the programmatic port. tests/test_cuda.py -k launch_order checks the waiting on a GPU; it has not run yet (no device was lent
 // when this was written), which is why ddtree_ext.round.launch_order_edges is off.
 #include <cuda_runtime_api.h>
 
 #include <c10/cuda/CUDAException.h>
 
 #include <vector>
-
-#include "ops.h"
 
 namespace ddtree {
 

@@ -292,7 +292,8 @@ class DecodeRound:
         copies = []
         pool = torch.cuda.graph_pool_handle()
         for _ in range(2 if timed else 1):
-            graph, stage_events = torch.cuda.CUDAGraph(keep_graph=launch_order_edges), []
+            graph, kept = _new_graph()
+            stage_events = []
             with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream):
                 main = torch.cuda.current_stream(self.device)
                 # Streams come from a small pool: the timing stream may be the capture's or Fork's side stream (side
@@ -312,7 +313,7 @@ class DecodeRound:
                 finally:
                     if timing is not None:
                         main.wait_stream(timing)  # a capture ends with every stream it forked joined
-            if launch_order_edges:
+            if kept:
                 _instantiate(graph)
             copies.append(_CapturedRound(graph, stage_events, self.tmp))
             self.tmp = {}
@@ -331,13 +332,25 @@ class DecodeRound:
             self._graphs.clear()
 
 
+def _new_graph() -> Tuple["torch.cuda.CUDAGraph", bool]:
+    """A graph to capture a round into, and whether it keeps its cudaGraph_t after capture for :func:`_instantiate`:
+    where ``launch_order_edges`` is on and torch has ``keep_graph`` (2.8 on)."""
+    if launch_order_edges:
+        try:
+            return torch.cuda.CUDAGraph(keep_graph=True), True
+        except TypeError:  # torch before 2.8: the edges stay where capture put them
+            pass
+    return torch.cuda.CUDAGraph(), False
+
+
 def _instantiate(graph: "torch.cuda.CUDAGraph") -> None:
     """Instantiates a graph captured with ``keep_graph=True``, its programmatic edges first moved to their upstream
     kernel's launch-order port (``csrc/graph_cuda.cpp``).
 
-    Every kernel of ours is launched as a programmatic dependent and reads and writes nothing before its
-    ``griddepcontrol.wait``, which (as CUDA documents programmatic edges, from either port) waits for the whole
-    kernel ahead to complete. From the programmatic port, the edge fires once every block of the kernel ahead has let
+    Every kernel of ours is launched as a programmatic dependent and, before its ``griddepcontrol.wait``, reads
+    nothing the kernel ahead of it writes and writes nothing; the wait (as CUDA documents programmatic edges, from
+    either port) is for the whole kernel ahead to complete and its writes to be visible. Everything before that kernel
+    is done when it starts (a foreign kernel's own edges are plain), as before. From the programmatic port, the edge fires once every block of the kernel ahead has let
     dependents launch: at once after one of ours, only at its end after a GEMM (cuBLAS's kernels never do). From the
     launch-order port it fires once they have all begun, so our kernel's launch and the L2 prefetches before its wait
     would overlap the GEMM."""

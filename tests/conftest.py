@@ -19,6 +19,25 @@ CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 
+def built_for_hopper() -> bool:
+    """Whether the core was built with code for compute capability 9.0 or more (its CUDA arch list)."""
+    from ddtree_ext import build_info
+
+    return any(float(a.split("+")[0].rstrip("a")) >= 9.0 for a in build_info()["cuda_archs"].split(";") if a)
+
+
+def programmatic_launches() -> bool:
+    """Whether the core's kernels launch as programmatic dependents on this GPU (csrc/cuda_common.cuh,
+    launch_programmatic): CUDA 12.3 or later, compute capability 9.0 or more in the device and the build, and no
+    DDTREE_NO_PDL=1. Only then does a captured graph have programmatic edges."""
+    import os
+
+    if not CUDA or torch.version.cuda is None or os.environ.get("DDTREE_NO_PDL", "") == "1":
+        return False
+    cuda_version = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
+    return built_for_hopper() and cuda_version >= (12, 3) and torch.cuda.get_device_capability()[0] >= 9
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|; inf when actual has a NaN/inf the reference lacks."""
     a, e = actual.double().cpu(), expected.double().cpu()

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from conftest import requires_cuda
+from conftest import programmatic_launches, requires_cuda
 from ddtree_ext import generate, tiny
 from ddtree_ext.round import EAGER_ROUNDS_BEFORE_CAPTURE
 from ddtree_ext.tiny import make_agreeing_draft, make_predictable_target, make_tiny_draft
@@ -255,7 +255,7 @@ def test_launch_order_edges_in_rounds_equal_hf_generate(family, monkeypatch):
         out = generate(target, draft, PROMPT.cuda(), NEW_TOKENS, method=method, tree_budget=budget, cuda_graph=True)
         diff = (out != hf_greedy(family))[0].nonzero()
         assert diff.numel() == 0, f"{method}: first mismatch at position {int(diff[0])}"
-    assert moved and min(moved) > 0, moved
+    assert moved and (min(moved) > 0 or not programmatic_launches()), moved
 
 
 def test_launch_order_edges_graph_equals_eager_on_a_real_shaped_model(monkeypatch):
@@ -265,7 +265,7 @@ def test_launch_order_edges_graph_equals_eager_on_a_real_shaped_model(monkeypatc
     target, draft = small_real_shaped_hybrid(torch.bfloat16)
     prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
     assert_graphs_equal_eager(target, draft, prompt, 300)
-    assert moved and min(moved) > 0, moved
+    assert moved and (min(moved) > 0 or not programmatic_launches()), moved
 
 
 def test_tuned_gemms_in_rounds_replay_exactly(monkeypatch):
