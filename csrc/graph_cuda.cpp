@@ -4,10 +4,10 @@
 // Every kernel of this library is launched as a programmatic dependent (cuda::launch_programmatic): stream capture
 // records the edge into it as programmatic, from the upstream kernel's programmatic port, which activates once every
 // block of the upstream has called griddepcontrol.launch_dependents or exited. Our kernels call it first thing, so
-// after one of ours the next launches at once; cuBLAS's and torch's kernels never call it, so after a GEMM the next
-// kernel launches only once the GEMM's last block has exited, and its launch and the first loads of its prologue
-// (the L2 prefetches of its weights) are on the round's critical path: a q/k norm after its projection, in a graph,
-// cost 1.3-3.6 us more than the same norm after another norm on the H200
+// after one of ours the next launches at once. torch's kernels do not call it, nor (by what follows) cuBLAS's GEMMs:
+// after a GEMM the next kernel launches once the GEMM's last block has exited, and its launch and the first loads of
+// its prologue (the L2 prefetches of its weights) are on the round's critical path. A q/k norm after its projection,
+// in a graph, cost 1.3-3.6 us more than the same norm after another norm on the H200
 // (benchmarks/results/2026-12-04-h200-latency-chains.md), and a round has such an edge after most of its projections.
 //
 // Moving such an edge to the upstream's launch-order port (it activates once every block of the upstream has
@@ -18,8 +18,8 @@
 // done (its own edges are plain). Sound for any dependent that, before its griddepcontrol.wait, writes nothing and
 // reads nothing the kernel ahead of it writes, which every kernel here guarantees (most only prefetch into L2, which
 // loads no register; gdn_tree_main reads its inputs early, behind gdn_tree_prep, which writes none of them), the same
-// condition as with the programmatic port. tests/test_cuda.py -k launch_order checks the waiting on a GPU; it has not run yet (no device was lent
-// when this was written), which is why ddtree_ext.round.launch_order_edges is off.
+// condition as with the programmatic port. tests/test_cuda.py -k launch_order checks the waiting on a GPU; it has
+// not run yet (no device was lent when this was written), which is why ddtree_ext.round.launch_order_edges is off.
 #include <cuda_runtime_api.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -47,21 +47,19 @@ int64_t graph_launch_order_edges(int64_t graph_handle) {
   std::vector<cudaGraphEdgeData> data(count);
   if (count > 0) C10_CUDA_CHECK(get_edges(graph, from.data(), to.data(), data.data(), &count));
   std::vector<cudaGraphNode_t> moved_from, moved_to;
-  std::vector<cudaGraphEdgeData> old_data, new_data;
+  std::vector<cudaGraphEdgeData> moved_data;
   for (size_t i = 0; i < count; ++i) {
-    if (data[i].type != cudaGraphDependencyTypeProgrammatic || data[i].from_port != cudaGraphKernelNodePortProgrammatic) {
-      continue;
+    const bool programmatic = data[i].type == cudaGraphDependencyTypeProgrammatic;
+    if (programmatic && data[i].from_port == cudaGraphKernelNodePortProgrammatic) {
+      moved_from.push_back(from[i]);
+      moved_to.push_back(to[i]);
+      moved_data.push_back(data[i]);
     }
-    moved_from.push_back(from[i]);
-    moved_to.push_back(to[i]);
-    old_data.push_back(data[i]);
-    cudaGraphEdgeData launch_order = data[i];
-    launch_order.from_port = cudaGraphKernelNodePortLaunchCompletion;
-    new_data.push_back(launch_order);
   }
   if (moved_from.empty()) return 0;
-  C10_CUDA_CHECK(remove(graph, moved_from.data(), moved_to.data(), old_data.data(), moved_from.size()));
-  C10_CUDA_CHECK(add(graph, moved_from.data(), moved_to.data(), new_data.data(), moved_from.size()));
+  C10_CUDA_CHECK(remove(graph, moved_from.data(), moved_to.data(), moved_data.data(), moved_from.size()));
+  for (cudaGraphEdgeData& d : moved_data) d.from_port = cudaGraphKernelNodePortLaunchCompletion;  // still programmatic
+  C10_CUDA_CHECK(add(graph, moved_from.data(), moved_to.data(), moved_data.data(), moved_from.size()));
   return static_cast<int64_t>(moved_from.size());
 #else
   return 0;  // no edge data before CUDA 12.3: the graph keeps its programmatic-port edges

@@ -345,20 +345,11 @@ def _new_graph() -> Tuple["torch.cuda.CUDAGraph", bool]:
 
 def _instantiate(graph: "torch.cuda.CUDAGraph") -> None:
     """Instantiates a graph captured with ``keep_graph=True``, its programmatic edges first moved to their upstream
-    kernel's launch-order port (``csrc/graph_cuda.cpp``).
-
-    Every kernel of ours is launched as a programmatic dependent and, before its ``griddepcontrol.wait``, reads
-    nothing the kernel ahead of it writes and writes nothing; the wait (as CUDA documents programmatic edges, from
-    either port) is for the whole kernel ahead to complete and its writes to be visible. Everything before that kernel
-    is done when it starts (a foreign kernel's own edges are plain), as before. From the programmatic port, the edge fires once every block of the kernel ahead has let
-    dependents launch: at once after one of ours, only at its end after a GEMM (cuBLAS's kernels never do). From the
-    launch-order port it fires once they have all begun, so our kernel's launch and the L2 prefetches before its wait
-    would overlap the GEMM."""
+    kernel's launch-order port: a kernel of ours after a GEMM may then launch while the GEMM runs, and its
+    ``griddepcontrol.wait`` still waits for it (why that is sound: ``csrc/graph_cuda.cpp``)."""
     from ddtree_ext._loader import load_extension
 
-    move = getattr(load_extension(), "graph_launch_order_edges", None)  # CUDA builds only
-    if move is not None:
-        move(graph.raw_cuda_graph())
+    load_extension().graph_launch_order_edges(graph.raw_cuda_graph())
     graph.instantiate()
 
 
