@@ -2,11 +2,13 @@
 # Build, test, sanitize and benchmark ddtree_ext's CUDA kernels on a GPU machine (made for the H200:
 # torch with CUDA 13, nvcc, compute-sanitizer; no package registry needed).
 #
-#   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] [TORCH_CUDA_ARCH_LIST=9.0a] scripts/h200.sh [build] [test] [gputest] [gdn] [linear] [sanitize] [bench] [e2e]
+#   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] [TORCH_CUDA_ARCH_LIST=9.0a] scripts/h200.sh [build] [test] [gputest] [gdn] [linear] [sanitize] [bench] [e2e] [ab]
 #   FLA_PATH: a folder with flash-linear-attention installed, for the `test` stage's chain comparisons; the machine has
 #   no registry, so download its pure-Python wheels here (pip download --no-deps -d .whl flash-linear-attention
 #   fla-core einops), carry .whl, and there: pip install --no-index --no-deps --target DIR .whl/*.whl.
-#   (default: build test sanitize bench e2e, in order; gputest = only the GPU test files, for quick runs;
+#   (default: build test sanitize bench e2e, in order; gputest = only the GPU test files, for quick runs (PYTEST_K: a
+#   -k expression to run fewer); ab = e2e.py with E2E_ARGS and with E2E_ARGS plus AB_ARGS, side by side in ab.md
+#   (AB_ORDER="a b b a" repeats the sides);
 #   gdn = the GDN and commit CUDA tests, then the tree GDN op's per-layer timing at 27B shapes, for A/B runs;
 #   linear = the projection kernel's CUDA tests, memcheck over them, and its benchmarks against F.linear)
 #
@@ -66,7 +68,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cu
     gputest)
       : > "$OUT/gputests.log"
       run gputests.log "$PY" -m pytest tests/test_cuda.py tests/test_generate_cuda.py tests/test_multi_gpu.py -q -rs \
-        -n "${PYTEST_WORKERS:-8}" --durations=10
+        -n "${PYTEST_WORKERS:-8}" --durations=10 ${PYTEST_K:+-k "$PYTEST_K"}
       ;;
     sanitize)
       : > "$OUT/memcheck.log"
@@ -101,8 +103,31 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cu
       # shellcheck disable=SC2086
       run e2e.log "$PY" benchmarks/e2e.py --out "$OUT/results" ${E2E_ARGS:-}
       ;;
+    ab)
+      # An A/B of whole rounds in one call: e2e.py with E2E_ARGS (A) and with E2E_ARGS plus AB_ARGS (B), the sides in
+      # AB_ORDER (default "a b"; "a b b a" spreads the machine's drift over both), then scripts/compare_e2e.py.
+      : > "$OUT/ab.log"
+      if [ -z "${AB_ARGS:-}" ]; then
+        echo "!! ab: set AB_ARGS to the B side's extra e2e.py arguments" | tee -a "$OUT/ab.log"
+        status=1
+        continue
+      fi
+      reports=()
+      labels=()
+      n=0
+      for side in ${AB_ORDER:-a b}; do
+        n=$((n + 1))
+        extra=""
+        [ "$side" = b ] && extra=$AB_ARGS
+        # shellcheck disable=SC2086
+        run ab.log "$PY" benchmarks/e2e.py --out "$OUT/results_$side$n" ${E2E_ARGS:-} $extra
+        for f in "$OUT/results_$side$n"/*.json; do [ -f "$f" ] && reports+=("$f") && labels+=("$side$n"); done
+      done
+      labels_csv=$(IFS=,; echo "${labels[*]}")
+      run ab.log "$PY" scripts/compare_e2e.py "${reports[@]}" --labels "$labels_csv" --out "$OUT/ab.md"
+      ;;
     *)
-      echo "unknown stage: $stage (build, test, gputest, gdn, linear, sanitize, bench, e2e)"
+      echo "unknown stage: $stage (build, test, gputest, gdn, linear, sanitize, bench, e2e, ab)"
       status=1
       ;;
   esac

@@ -1,5 +1,6 @@
 """The benchmark reports' target tables, computed from a run's results (no GPU needed): benchmarks/e2e.py's
-issue #5 rows and scripts/summarize_bench.py's issue #4 rows; scripts/profile_round.py's timeline summary."""
+issue #5 rows and scripts/summarize_bench.py's issue #4 rows; scripts/profile_round.py's timeline summary;
+scripts/compare_e2e.py's side-by-side table of e2e.py reports."""
 
 import importlib.util
 import os
@@ -125,3 +126,37 @@ def test_round_timeline_splits_the_span(tmp_path, capsys):
     assert "| `second` | 1 | 7.5 | 7.50 | 10.0 | 10.00 |" in out
     assert "| `third` | 1 | 2.0 | 2.00 | 2.0 | 2.00 |" in out
     assert "  5.00  second -> third" in out
+
+
+def test_compare_e2e_side_by_side(tmp_path, capsys):
+    import json
+
+    compare_e2e = load("ddtree_compare_e2e", "scripts", "compare_e2e.py")
+    a = report([preset("27b", 12.0, [run("autoregressive", 0, 14.0, verify=13.8), run("ddtree", 64, 18.0, verify=16.0),
+                                     run("ddtree", 16, 17.0)])])
+    b = report([preset("27b", 12.0, [run("autoregressive", 0, 13.3, verify=13.1), run("ddtree", 64, 18.9, verify=16.9)])])
+    a["launch_order_edges"], b["launch_order_edges"] = False, True
+    a["projections"] = b["projections"] = "tuned"
+    paths = []
+    for name, rep in (("a", a), ("b", b)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(rep, f)
+    md = tmp_path / "ab.md"
+    assert compare_e2e.main([*paths, "--labels", "base,new", "--out", str(md)]) == 0
+    out = capsys.readouterr().out
+    assert md.read_text() == out
+    assert "- `launch_order_edges`: base false; new true" in out
+    assert "projections" not in out  # the same on both sides
+    assert "| 27b | autoregressive | 0 | graphs | 14.00 | 13.30 | 0.950 | 13.800 | 13.100 |" in out
+    assert "| 27b | ddtree | 64 | graphs | 18.00 | 18.90 | 1.050 | 16.000 | 16.900 |" in out
+    assert "Not in every report (left out): 27b ddtree 16 graphs" in out
+
+
+@pytest.mark.parametrize("argv, message", [(["one.json"], "reports: expected at least two"),
+                                           (["a.json", "b.json", "--labels", "x"], "--labels: expected 2 labels")])
+def test_compare_e2e_usage_errors(argv, message, capsys):
+    compare_e2e = load("ddtree_compare_e2e", "scripts", "compare_e2e.py")
+    with pytest.raises(SystemExit):
+        compare_e2e.main(argv)
+    assert message in capsys.readouterr().err
