@@ -43,6 +43,7 @@ import ddtree_ext  # noqa: E402
 from ddtree_ext import fused, gemm_tuning, generate  # noqa: E402
 from ddtree_ext import target as target_module  # noqa: E402
 from ddtree_ext import round as round_module  # noqa: E402
+from ddtree_ext._loader import load_extension  # noqa: E402
 from ddtree_ext.draft import DFlashDraftModel  # noqa: E402
 from ddtree_ext.target import TargetAdapter, record_layer_outputs  # noqa: E402
 from ddtree_ext.tiny import tiny_draft_config  # noqa: E402
@@ -474,6 +475,8 @@ def target_rows(res: dict, gpu_memory_gb: float | None) -> List[str]:
 
 
 def markdown(report: dict) -> str:
+    pdl = {True: "yes", False: "no (DDTREE_NO_PDL=1, or not a Hopper GPU and build)"}.get(
+        report.get("programmatic_launches"), "not recorded")
     lines = [
         f"# End-to-end rounds on {report['gpu']} ({report['date']})",
         "",
@@ -485,6 +488,8 @@ def markdown(report: dict) -> str:
         f"{report.get('gdn_conv', 'apart from the delta rule')}; attention K/V store: "
         f"{report.get('kv_store', 'a store_kv launch of its own')}; projections reading one input: "
         f"{'one GEMM over their stacked weights' if report.get('stacked_projections') else 'apart'}; "
+        f"our kernels launched as programmatic dependents: "
+        f"{pdl}; "
         f"graph edges into our kernels: "
         f"{'from the launch-order port' if report.get('launch_order_edges') else 'from the programmatic port'}; "
         f"the core built for CUDA architectures "
@@ -659,6 +664,7 @@ def main(argv=None) -> None:
         kv_store=("with the q/k norms and RoPE, one op (qk_norm_rope_store_kv)" if fused.fuse_kv_store
                   else "a store_kv launch of its own"),
         cuda_archs=ddtree_ext.build_info().get("cuda_archs", "unknown"),
+        programmatic_launches=load_extension().programmatic_launches(torch.cuda.current_device()),
     )
     print(f"device copy {bandwidth / 1e9:.0f} GB/s; {report['gpu']}; commit {commit}", flush=True)
     rates = [bandwidth]

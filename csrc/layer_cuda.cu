@@ -614,6 +614,15 @@ RmsNormArgs<T> rms_norm_args(const char* op, const at::Tensor& x, const at::Tens
 
 }  // namespace
 
+bool programmatic_launches(int64_t device_index) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  // One kernel answers for all: a build compiles every kernel for the same architectures, so the code the GPU runs
+  // has the same PTX version in each.
+  return cuda::programmatic_launch_supported() &&
+         cuda::has_grid_dependency_control(
+             reinterpret_cast<const void*>(&gated_mul_kernel<float, 1, GateActivation::kSilu, false>));
+}
+
 void rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& gate, double eps,
                    bool zero_centered, at::Tensor& out) {
   check_rms_norm(x, weight, gate, eps, zero_centered, out);

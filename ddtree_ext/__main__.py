@@ -62,6 +62,16 @@ def main(argv=None) -> int:
 
         info = build_info()
         info["torch"] = torch.__version__
+        if info["cuda"] and torch.cuda.is_available():
+            from ddtree_ext._loader import load_extension
+
+            core = load_extension()
+            info["gpus"] = [
+                dict(name=torch.cuda.get_device_name(d),
+                     capability=".".join(map(str, torch.cuda.get_device_capability(d))),
+                     programmatic_launches=core.programmatic_launches(d))
+                for d in range(torch.cuda.device_count())
+            ]
         print(json.dumps(info, indent=2))
         return 0
     if args.target is None and args.draft is not None:

@@ -27,15 +27,14 @@ def built_for_hopper() -> bool:
 
 
 def programmatic_launches() -> bool:
-    """Whether the core's kernels launch as programmatic dependents on this GPU (csrc/cuda_common.cuh,
-    launch_programmatic): CUDA 12.3 or later, compute capability 9.0 or more in the device and the build, and no
-    DDTREE_NO_PDL=1. Only then does a captured graph have programmatic edges."""
-    import os
-
-    if not CUDA or torch.version.cuda is None or os.environ.get("DDTREE_NO_PDL", "") == "1":
+    """Whether the core's kernels launch as programmatic dependents on the current GPU, as the core decides it
+    (ddtree_ext._C.programmatic_launches: cuda::launch_programmatic's rule). Only then does a captured graph have
+    programmatic edges."""
+    if not CUDA:
         return False
-    cuda_version = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
-    return built_for_hopper() and cuda_version >= (12, 3) and torch.cuda.get_device_capability()[0] >= 9
+    from ddtree_ext import _C
+
+    return _C.programmatic_launches(torch.cuda.current_device())
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -1447,6 +1447,29 @@ def test_graph_launch_order_edges_argument_check():
         load_extension().graph_launch_order_edges(0)
 
 
+def test_programmatic_launches_as_the_core_decides():
+    """The core's answer against its rule (compute capability 9.0 in device and build, CUDA 12.3, no DDTREE_NO_PDL=1),
+    the switch in a fresh process, and the device index check."""
+    import os
+    import subprocess
+    import sys
+
+    from ddtree_ext._loader import load_extension
+
+    core = load_extension()
+    cuda_version = tuple(int(v) for v in build_info()["cuda_version"].split("."))
+    expected = (torch.cuda.get_device_capability()[0] >= 9 and built_for_hopper() and cuda_version >= (12, 3)
+                and os.environ.get("DDTREE_NO_PDL", "") != "1")
+    assert core.programmatic_launches(torch.cuda.current_device()) == expected
+    probe = "from ddtree_ext._loader import load_extension; print(load_extension().programmatic_launches(0))"
+    env = dict(os.environ, DDTREE_NO_PDL="1")
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr
+    for bad in (-1, torch.cuda.device_count()):
+        with pytest.raises(ValueError, match="device_index must be a CUDA device index"):
+            core.programmatic_launches(bad)
+
+
 def test_linear_rows_with_infinities_stay_in_their_rows():
     """A row of infinities gives inf/NaN in its own output row only (the columns of the tensor-core products are
     independent, and rows past M read zeros)."""
