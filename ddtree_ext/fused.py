@@ -898,33 +898,83 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
 
 
-def rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+def rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype, *,
+               per_position_factors: bool = False) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """(cos, sin) [capacity, rotary dim] in ``dtype``: a rotary embedding's output for positions 0 .. capacity - 1,
     which :func:`rope_rows` gathers instead of running the module (two launches where it launched eight on the H200:
     the product, a concat, cos, sin, two scalings, two casts). None for a RoPE that follows the sequence length
-    (dynamic, longrope), a module with an accelerate hook (it moves tensors between devices), one this table does not
-    know, and while float32 matmuls may run in TF32 (see below).
+    (dynamic; longrope unless ``per_position_factors``), a module with an accelerate hook (it moves tensors between
+    devices), one this table does not know, and while float32 matmuls may run in TF32 (see below).
 
     HF's rotary embeddings form each position's angles from that position alone (a product with the inverse
     frequencies; some transformers versions take it as a matmul of depth one, one product per output), so a table row
     holds the bits a call computes for that position. Under TF32 such a matmul's inputs are rounded or not depending on
     the kernel cuBLAS picks for the shape, so readers ask :func:`rope_table_serves` at each use too (the precision or
     a hook may change after the table is built). Qwen3.5's multimodal RoPE reads one position per axis: for text the
-    axes share it (the model expands one row), and the table is built that way."""
+    axes share it (the model expands one row), and the table is built that way.
+
+    A longrope embedding takes its short factors in a call whose largest position is below its
+    ``original_max_position_embeddings`` and its long ones otherwise, for every position of the call. With
+    ``per_position_factors`` each row holds what a call at that position alone gives (short factors below the
+    boundary, long ones from it), as a one-token decode step computes it: what a verify of many positions must use to
+    give the target's own decoding."""
     rope_type = str(getattr(rotary, "rope_type", "default"))
-    if any(kind in rope_type for kind in ("dynamic", "longrope")) or not rope_table_serves(rotary):
+    longrope = "longrope" in rope_type
+    if "dynamic" in rope_type or (longrope and not per_position_factors) or not rope_table_serves(rotary):
         return None
     inv_freq = getattr(rotary, "inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.device.type == "meta":
         return None
+    # Calls over [0, boundary) and [boundary, capacity): each call's largest position picks the factors of its rows.
+    boundary = min(longrope_boundary(rotary), capacity) if longrope else capacity
+    spans = [(start, stop) for start, stop in ((0, boundary), (boundary, capacity)) if stop > start]
+    parts = []
     with torch.no_grad():
-        positions = torch.arange(capacity, device=inv_freq.device)[None]
-        if hasattr(rotary, "mrope_section"):  # [3, B, T], as the text model passes one text row to it
-            positions = positions[None].expand(3, -1, -1)
-        cos, sin = rotary(inv_freq.new_empty(1, capacity, 1, dtype=dtype), positions)
-    if cos.dim() != 3 or cos.shape[:2] != (1, capacity) or sin.shape != cos.shape:
-        return None
-    return cos[0], sin[0]
+        for start, stop in spans:
+            positions = torch.arange(start, stop, device=inv_freq.device)[None]
+            if hasattr(rotary, "mrope_section"):  # [3, B, T], as the text model passes one text row to it
+                positions = positions[None].expand(3, -1, -1)
+            cos, sin = rotary(inv_freq.new_empty(1, stop - start, 1, dtype=dtype), positions)
+            if cos.dim() != 3 or cos.shape[:2] != (1, stop - start) or sin.shape != cos.shape:
+                return None
+            parts.append((cos[0], sin[0]))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([cos for cos, _ in parts]), torch.cat([sin for _, sin in parts])
+
+
+def longrope_boundary(rotary: torch.nn.Module) -> int:
+    """A longrope rotary embedding's ``original_max_position_embeddings``, where HF's ``longrope_frequency_update``
+    reads it (the config's ``rope_parameters``, or the config itself in older layouts): a call whose positions all lie
+    below it takes the short factors, any other call the long ones."""
+    config = getattr(rotary, "config", None)
+    params = getattr(config, "rope_parameters", None)
+    value = params.get("original_max_position_embeddings") if isinstance(params, dict) else None
+    if value is None:
+        value = getattr(config, "original_max_position_embeddings", None)
+    if value is None:
+        raise ValueError("target: a longrope rotary embedding without original_max_position_embeddings in its config "
+                         "(rope_parameters); expected the position where its long factors begin")
+    return int(value)
+
+
+def per_position_longrope(rotary: torch.nn.Module, forward: Callable) -> Callable:
+    """A forward for a longrope rotary embedding that gives each position the factors a call at that position alone
+    takes (short below :func:`longrope_boundary`, long from it) by two calls of ``forward``: one with the positions at
+    or past the boundary replaced by 0 (all short), one with those below it replaced by the boundary (all long),
+    then each row from the call that computed it as itself. Positions [B, T], or [3, B, T] for Qwen3.5's text (its
+    axes share one position). For where :func:`rope_table` gives no table (a hook, TF32)."""
+    boundary = longrope_boundary(rotary)
+
+    def split_forward(x: torch.Tensor, position_ids: torch.Tensor):
+        below = position_ids < boundary
+        cos_short, sin_short = forward(x, torch.where(below, position_ids, torch.zeros_like(position_ids)))
+        cos_long, sin_long = forward(x, torch.where(below, torch.full_like(position_ids, boundary), position_ids))
+        rows = below[0] if below.dim() == 3 else below
+        pick = rows.to(cos_short.device)[..., None]
+        return torch.where(pick, cos_short, cos_long), torch.where(pick, sin_short, sin_long)
+
+    return split_forward
 
 
 def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

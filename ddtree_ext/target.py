@@ -54,8 +54,8 @@ from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, ops_apply, rope_rows, rope_table, rope_table_serves,
-    swapped_forwards,
+    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, ops_apply, per_position_longrope, rope_rows, rope_table,
+    rope_table_serves, swapped_forwards,
 )
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
@@ -310,7 +310,7 @@ class TargetAdapter:
             state.recurrent[i] = torch.zeros(
                 batch_size, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, dtype=torch.float32, device=device
             )
-        state.rope = rope_table(self.text_model.rotary_emb, capacity, dtype)
+        state.rope = rope_table(self.text_model.rotary_emb, capacity, dtype, per_position_factors=True)
         return state
 
     # ---- forwards ----------------------------------------------------------------------------------
@@ -537,11 +537,16 @@ class TargetAdapter:
 
     def _rope_from_table(self, state: TargetState) -> contextlib.AbstractContextManager:
         """A context in which the rotary embedding gathers the state's RoPE table rows, where it has one and
-        ``fused.rope_table_serves`` says it gives the module's bits now."""
+        ``fused.rope_table_serves`` says it gives the module's bits now. Else a longrope embedding still gives each
+        position its own factors (``fused.per_position_longrope``): run over a verify's positions at once, it would
+        take the long factors for all of them once one node passes the boundary, where decoding token by token takes
+        the short ones below it."""
         rotary = self.text_model.rotary_emb
-        if state.rope is None or not rope_table_serves(rotary):
-            return contextlib.nullcontext()
-        return swapped_forwards([(rotary, functools.partial(_rope_rows, rotary, *state.rope))])
+        if state.rope is not None and rope_table_serves(rotary):
+            return swapped_forwards([(rotary, functools.partial(_rope_rows, rotary, *state.rope))])
+        if "longrope" in str(getattr(rotary, "rope_type", "")):
+            return swapped_forwards([(rotary, per_position_longrope(rotary, rotary.forward))])
+        return contextlib.nullcontext()
 
     def _tree_gdn_forwards(
         self, state: TargetState, parent_by_device: Dict[torch.device, torch.Tensor], stash: _VerifyStash

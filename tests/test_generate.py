@@ -330,6 +330,37 @@ def test_float64_pair_equals_hf_generate(method):
     assert_same_tokens(generate(target, draft, ids, 24, method=method), tiny.hf_greedy(target, ids, 24))
 
 
+# LongRoPE: short factors in a call whose positions all lie below original_max_position_embeddings (32), long ones in
+# any other call, for all of its positions.
+LONGROPE = {
+    "qwen3": dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=32,
+                  short_factor=[1.0] * 8, long_factor=[1.0 + 0.5 * i for i in range(8)]),
+    "qwen3_5": dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=32,
+                    partial_rotary_factor=0.25, mrope_section=[1, 1, 0], mrope_interleaved=True,
+                    short_factor=[1.0, 1.0], long_factor=[4.0, 16.0]),
+}
+
+
+@pytest.mark.parametrize("path", ["table", "two-calls"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_longrope_target_stays_exact_across_its_boundary(family, path, monkeypatch):
+    """Decoding token by token, a LongRoPE target rotates each token with the short factors below the boundary and
+    the long ones from it. A verify reaches up to a block past the token it decides, so run over its positions at once
+    the module would take the long factors for nodes still below the boundary. The rounds give each position its own
+    factors: from the RoPE table built span by span, or where the table cannot serve (a hook, TF32: here forced) from
+    two calls of the module. Prompt 20, 40 new tokens: the rounds cross position 32."""
+    from ddtree_ext import target as target_module
+
+    if path == "two-calls":
+        monkeypatch.setattr(target_module, "rope_table_serves", lambda rotary: False)
+    target = make_tiny_target(family, seed=3, max_position_embeddings=128, rope_parameters=LONGROPE[family])
+    draft = make_tiny_draft(target, seed=1)
+    ids = prompt(0, target.config.vocab_size, 20)
+    expected = tiny.hf_greedy(target, ids, 40)
+    for method in ("dflash", "ddtree"):
+        assert_same_tokens(generate(target, draft, ids, 40, method=method), expected)
+
+
 # ---- stopping: max_new_tokens and EOS ----------------------------------------------------------
 
 
