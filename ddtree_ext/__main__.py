@@ -3,7 +3,7 @@
 ``python -m ddtree_ext generate --target DIR_OR_ID --draft DIR_OR_ID --prompt "..."`` streams the target's
 output (DDTree by default) and prints the acceptance length, the speed and the time per stage.
 ``python -m ddtree_ext generate`` alone runs the built-in tiny random Qwen3.5 hybrid target and draft with
-all three methods greedily and checks that their outputs are identical.
+all three methods (greedily, or sampled with one seed) and checks that their outputs are identical.
 ``python -m ddtree_ext info`` prints how the compiled core was built.
 """
 
@@ -19,6 +19,10 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEMO_PROMPT_LEN = 16
 DEMO_NEW_TOKENS = 64
 DEFAULT_NEW_TOKENS = 128
+DEFAULT_PROMPT = "Write a short story about a robot learning to paint."
+DEFAULT_METHOD = "ddtree"
+# Options the built-in demo cannot take (it has no tokenizer, runs all three methods, and compares them in float32).
+DEMO_REFUSES = {"prompt": "--prompt", "method": "--method", "no_chat_template": "--no-chat-template"}
 
 
 def main(argv=None) -> int:
@@ -31,19 +35,22 @@ def main(argv=None) -> int:
         "generate",
         help="generate with DDTree / DFlash / autoregressive decoding (no --target: built-in tiny demo)",
         description="Generate text with a target and its DFlash draft. Without --target and --draft, run the "
-        "built-in tiny random hybrid pair with all three methods and check their outputs are identical.",
+        "built-in tiny random hybrid pair with all three methods and check their outputs are identical (greedily, or "
+        "with --temperature sampled with one seed: --seed, 0 if not given).",
     )
     gen.add_argument("--target", help="target model: local directory or Hugging Face id")
     gen.add_argument("--draft", help="DFlash draft: local directory or Hugging Face id (z-lab format)")
-    gen.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
-    gen.add_argument("--method", choices=("ddtree", "dflash", "autoregressive"), default="ddtree")
+    gen.add_argument("--prompt", default=None, help=f"default: {DEFAULT_PROMPT!r}")
+    gen.add_argument("--method", choices=("ddtree", "dflash", "autoregressive"), default=None,
+                     help=f"default {DEFAULT_METHOD}")
     gen.add_argument("--budget", type=int, default=64, help="DDTree nodes per round besides the root (1..256)")
     gen.add_argument("--max-new-tokens", type=int, default=None, help=f"default {DEFAULT_NEW_TOKENS} ({DEMO_NEW_TOKENS} in the demo)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None, help="seed of the sampling uniforms")
-    gen.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (auto: the checkpoint's)")
+    gen.add_argument("--dtype", choices=DTYPES, default="auto",
+                     help="weights dtype (auto: the checkpoint's; the demo: float32, or bfloat16 / float16)")
     gen.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu (default: cuda when available)")
     gen.add_argument(
         "--no-chat-template", action="store_true", help="feed the prompt as raw text instead of a chat turn"
@@ -76,8 +83,16 @@ def main(argv=None) -> int:
         return 0
     if args.target is None and args.draft is not None:
         gen.error("--draft needs --target")
-    if args.target is not None and args.draft is None and args.method != "autoregressive":
-        gen.error(f"--method {args.method} needs --draft (only autoregressive runs without)")
+    if args.target is None:
+        given = [flag for name, flag in DEMO_REFUSES.items() if getattr(args, name) not in (None, False)]
+        if given:
+            gen.error(f"{', '.join(given)} needs --target: the built-in demo has no tokenizer and runs all three "
+                      "methods to compare them")
+    method = args.method or DEFAULT_METHOD
+    if args.target is not None and args.draft is None and method != "autoregressive":
+        gen.error(f"--method {method} needs --draft (only autoregressive runs without)")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        gen.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.tune_gemms:
         from ddtree_ext import gemm_tuning
 
@@ -116,18 +131,19 @@ def _generate(args) -> int:
         if model is not None:
             stack_projections(model)
 
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.no_chat_template or tokenizer.chat_template is None:
-        input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     else:
         input_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
     _, stats = generate(
         target,
         draft,
         input_ids.to(device),
-        args.max_new_tokens or DEFAULT_NEW_TOKENS,
-        method=args.method,
+        DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
+        method=args.method or DEFAULT_METHOD,
         tree_budget=args.budget,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -143,36 +159,46 @@ def _generate(args) -> int:
 
 
 def _demo(args) -> int:
-    """The tiny random hybrid pair, all three methods greedily on a fixed prompt: outputs must agree."""
+    """The tiny random hybrid pair, all three methods on a fixed prompt (greedily, or sampled with one seed): the
+    outputs must agree. Takes --budget, --max-new-tokens, --temperature, --top-k, --top-p, --seed, --dtype, --device."""
     import torch
 
     from ddtree_ext import generate
     from ddtree_ext.tiny import TINY_VOCAB, make_tiny_draft, make_tiny_target
 
-    target = make_tiny_target("qwen3_5")
-    draft = make_tiny_draft(target)
-    new_tokens = args.max_new_tokens or DEMO_NEW_TOKENS
-    prompt = torch.randint(0, TINY_VOCAB, (1, DEMO_PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    device = torch.device(args.device or "cpu")
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    target = make_tiny_target("qwen3_5", dtype=dtype).to(device)
+    draft = make_tiny_draft(target).to(device)
+    new_tokens = DEMO_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    sampled = args.temperature > 0
+    # One seed gives all three methods the same uniforms, so sampled outputs agree too.
+    seed = args.seed if args.seed is not None or not sampled else 0
+    prompt = torch.randint(0, TINY_VOCAB, (1, DEMO_PROMPT_LEN), generator=torch.Generator().manual_seed(0)).to(device)
     print(
         f"Built-in demo: tiny random Qwen3.5 hybrid target ({target.config.num_hidden_layers} layers: "
-        f"{', '.join(target.config.layer_types)}) and a tiny random DFlash draft (block size {draft.block_size}); "
-        f"no tokenizer, so token ids are shown."
+        f"{', '.join(target.config.layer_types)}) and a tiny random DFlash draft (block size {draft.block_size}), "
+        f"{str(dtype).removeprefix('torch.')} on {device}; no tokenizer, so token ids are shown."
     )
     print(f"prompt: {prompt[0].tolist()}")
     outputs = {}
     for method in ("autoregressive", "dflash", "ddtree"):
         ids, stats = generate(
-            target, draft, prompt, new_tokens, method=method, tree_budget=args.budget, return_stats=True
+            target, draft, prompt, new_tokens, method=method, tree_budget=args.budget, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=seed, return_stats=True,
         )
         outputs[method] = ids[0, DEMO_PROMPT_LEN:].tolist()
         print(f"\n{method}: {outputs[method]}")
         print(stats.summary())
     identical = all(out == outputs["autoregressive"] for out in outputs.values())
+    how = f"sampled at temperature {args.temperature} with seed {seed}" if sampled else "greedy"
     print()
     if not identical:
-        print("FAIL: the three methods produced different outputs", file=sys.stderr)
+        print(f"FAIL: the three methods produced different outputs ({how}"
+              + (", in 16-bit, where a verify of many rows can round a near-tie the other way)" if dtype != torch.float32
+                 else ")"), file=sys.stderr)
         return 1
-    print(f"OK: ddtree, dflash and autoregressive outputs are identical ({new_tokens} greedy tokens).")
+    print(f"OK: ddtree, dflash and autoregressive outputs are identical ({new_tokens} tokens, {how}).")
     print(
         "Random weights make the draft accept almost nothing (tau near 1), so the speeds above mean nothing; "
         "run with --target and --draft for a real measurement."

@@ -490,13 +490,14 @@ class DFlashDraftModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device=None
+        cls, path: str | os.PathLike, *, dtype: torch.dtype | str | None = None, device=None
     ) -> "DFlashDraftModel":
         """Load a z-lab checkpoint: ``config.json`` + ``model.safetensors`` or a sharded
         ``model.safetensors.index.json``. ``path`` is a local directory; anything else is fetched with
-        ``huggingface_hub.snapshot_download``. ``dtype`` defaults to the config's ``dtype``, else the
-        dtype the weights are stored in; ``device`` to the CPU. Every expected weight must be present and
-        no other (ValueError listing them)."""
+        ``huggingface_hub.snapshot_download``. ``dtype``: a floating torch dtype or its name (``"bfloat16"``), or
+        None / ``"auto"``: the config's ``dtype``, else the dtype the weights are stored in; ``device`` defaults to
+        the CPU. Every expected weight must be present and no other (ValueError listing them)."""
+        dtype = _dtype_argument(dtype)
         directory = os.fspath(path)
         if not os.path.isdir(directory):
             from huggingface_hub import snapshot_download
@@ -546,6 +547,20 @@ def _config_dtype(config) -> torch.dtype | None:
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
     return declared if isinstance(declared, torch.dtype) else None
+
+
+def _dtype_argument(dtype) -> Optional[torch.dtype]:
+    """from_pretrained's dtype as a floating torch dtype, or None for the checkpoint's (None, "auto"); names as HF
+    takes them ("bfloat16", "torch.bfloat16")."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        return None
+    value = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(
+            "DFlashDraftModel.from_pretrained: dtype must be None, 'auto', a floating torch.dtype or its name "
+            f"(e.g. torch.bfloat16 or 'bfloat16'), got {dtype!r}"
+        )
+    return value
 
 
 def _names(names: list[str], limit: int = 20) -> str:

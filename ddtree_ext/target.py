@@ -78,6 +78,9 @@ _LINEAR_ATTENTION = "linear_attention"
 _TREE_MASK_IMPLEMENTATIONS = ("sdpa", "eager")
 # The largest tree one verify takes (nodes, root included): the compiled ops' limit.
 MAX_TREE_NODES = 257
+# The widest GDN conv the tree ops take (csrc/verify.cpp, kMaxConvWidth); Qwen3.5 and 3.6 use 4.
+MAX_GDN_CONV_WIDTH = 4
+
 @dataclass
 class _VerifyStash:
     """What ``verify`` leaves for ``commit``: the tree's node count N and, per GDN layer index, the
@@ -228,6 +231,7 @@ class TargetAdapter:
         self.is_hybrid = _LINEAR_ATTENTION in self.layer_types
         self.attention_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _FULL_ATTENTION]
         self.gdn_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _LINEAR_ATTENTION]
+        self._check_gdn_layers("TargetAdapter")
 
         attn_impl = self.config._attn_implementation
         if attn_impl not in _TREE_MASK_IMPLEMENTATIONS:
@@ -257,6 +261,26 @@ class TargetAdapter:
         self._fusion = LayerFusion(self.text_model)
         self._head_fusion = LayerFusion(self.lm_head)  # a plain Linear's fused forward (fused.project)
 
+    def _check_gdn_layers(self, where: str) -> None:
+        """Refuses GDN layers the tree ops cannot run (``where`` names the caller): weights in a dtype the ops do not
+        take (HF computes its delta rule in float32 for any dtype, so a float64 hybrid has no exactness to gain), or a
+        conv wider than the ops' window. Checked again by ``new_state``, before any forward: a model's dtype can change
+        after the adapter is made."""
+        for i in self.gdn_layer_ids:
+            gdn = self.text_model.layers[i].linear_attn
+            dtypes = {p.dtype for p in (gdn.in_proj_qkv.weight, gdn.conv1d.weight)}
+            if not dtypes <= set(OP_DTYPES):
+                raise ValueError(
+                    f"{where}: model: GDN layer {i} has {', '.join(sorted(map(str, dtypes)))} weights; its tree ops "
+                    f"take float32, float16 or bfloat16 (load the model in one of them)"
+                )
+            width = gdn.conv1d.weight.shape[-1]
+            if not 1 <= width <= MAX_GDN_CONV_WIDTH:
+                raise ValueError(
+                    f"{where}: model: GDN layer {i} has a conv of width {width} (linear_conv_kernel_dim); the tree "
+                    f"conv takes widths 1 to {MAX_GDN_CONV_WIDTH}"
+                )
+
     @property
     def device(self) -> torch.device:
         """Where the embeddings (and so the token inputs, prefix_len, trees and walks) live."""
@@ -283,6 +307,7 @@ class TargetAdapter:
             raise ValueError(f"TargetAdapter.new_state: batch_size must be 1, got {batch_size}")
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"TargetAdapter.new_state: capacity must be an int >= 1, got {capacity!r}")
+        self._check_gdn_layers("TargetAdapter.new_state")
         dtype = self.embed_tokens.weight.dtype
         devices = self.layer_devices
         if any(d.type == "meta" for d in [self.device, *devices]):

@@ -172,7 +172,13 @@ def tiny_draft_config(
 
     num_target_layers = target_config.num_hidden_layers
     if target_layer_ids is None:
-        target_layer_ids = torch.linspace(1, max(1, num_target_layers - 2), 3).round().int().unique().tolist()
+        if num_target_layers < 2:
+            raise ValueError(
+                f"tiny_draft_config: target_config: a draft taps layers 0 .. L - 2 of the target's L, so the target "
+                f"needs at least 2 decoder layers, got {num_target_layers}"
+            )
+        first = 1 if num_target_layers > 2 else 0
+        target_layer_ids = torch.linspace(first, num_target_layers - 2, 3).round().int().unique().tolist()
     if layer_types is None:
         layer_types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
     kw = dict(

@@ -101,6 +101,13 @@ def test_from_pretrained_dtype(target, tmp_path):
     loaded = DFlashDraftModel.from_pretrained(tmp_path)  # float32 weights, the config says bfloat16
     assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
     assert DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).fc.weight.dtype == torch.float32
+    # HF's spellings: "auto" (the config's), a name with or without "torch."
+    assert DFlashDraftModel.from_pretrained(tmp_path, dtype="auto").fc.weight.dtype == torch.bfloat16
+    assert DFlashDraftModel.from_pretrained(tmp_path, dtype="float16").fc.weight.dtype == torch.float16
+    assert DFlashDraftModel.from_pretrained(tmp_path, dtype="torch.float32").fc.weight.dtype == torch.float32
+    for bad in (torch.int8, "int8", "fp8", 16):
+        with pytest.raises(ValueError, match="from_pretrained: dtype must be None, 'auto', a floating torch.dtype"):
+            DFlashDraftModel.from_pretrained(tmp_path, dtype=bad)
     target_bf16 = make_tiny_target("qwen3", dtype=torch.bfloat16)
     with torch.no_grad():
         logits = loaded.propose(
@@ -178,6 +185,18 @@ def test_config_validation(target, attributes, message):
 def test_check_target_accepts_its_target(family):
     target = make_tiny_target(family)
     make_tiny_draft(target).check_target(target.config)
+
+
+@pytest.mark.parametrize("layers, taps", [(2, [0]), (3, [1]), (4, [1, 2]), (8, [1, 4, 6])])
+def test_tiny_draft_taps_layers_short_of_the_last(layers, taps):
+    """The tiny draft's default taps lie in 0 .. L - 2 (the last layer's HF hidden state is post-norm), for targets of
+    2 layers up; a 1-layer target has no layer to tap."""
+    target = make_tiny_target("qwen3", num_hidden_layers=layers)
+    draft = make_tiny_draft(target)
+    assert draft.target_layer_ids == taps
+    draft.check_target(target.config)
+    with pytest.raises(ValueError, match="needs at least 2 decoder layers, got 1"):
+        tiny_draft_config(make_tiny_target("qwen3", num_hidden_layers=1).config)
 
 
 @pytest.mark.parametrize(

@@ -649,6 +649,34 @@ def test_bad_input_raises_before_any_forward(forward_counter, argument, override
     assert not calls, f"{len(calls)} module forwards ran before the error"
 
 
+@pytest.mark.parametrize("kind", ["float64", "conv-width-6"])
+@pytest.mark.parametrize("method", ["autoregressive", "ddtree"])
+def test_gdn_layers_the_tree_ops_cannot_run_are_refused_before_any_forward(kind, method):
+    """A hybrid whose GDN layers the tree ops cannot run (float64 weights; a conv wider than 4) is refused with the
+    reason before any forward, also when the model changes after an adapter was made for it (new_state checks)."""
+    if kind == "float64":
+        target = make_tiny_target("qwen3_5", seed=3)
+        adapter = TargetAdapter(target)  # made while the weights are float32
+        draft = make_tiny_draft(target, seed=1).to(torch.float64)
+        target.to(torch.float64)
+        message = "GDN layer 0 has torch.float64 weights; its tree ops take float32, float16 or bfloat16"
+        with pytest.raises(ValueError, match="TargetAdapter.new_state: model: " + message):
+            adapter.new_state(capacity=64)
+    else:
+        target = make_tiny_target("qwen3_5", seed=3, linear_conv_kernel_dim=6)
+        draft = make_tiny_draft(target, seed=1)
+        message = "GDN layer 0 has a conv of width 6 \\(linear_conv_kernel_dim\\); the tree conv takes widths 1 to 4"
+    calls = []
+    handles = [m.register_forward_pre_hook(lambda *a: calls.append(1)) for m in (*target.modules(), *draft.modules())]
+    try:
+        with pytest.raises(ValueError, match=message):
+            generate(target, draft, prompt(1, target.config.vocab_size), 8, method=method)
+    finally:
+        for h in handles:
+            h.remove()
+    assert not calls, f"{len(calls)} module forwards ran before the error"
+
+
 def test_eos_ids_from_a_one_shot_iterable_and_top_k_beyond_the_vocabulary():
     """An iterator of EOS ids is read once (and still stops generation); a top_k larger than the vocabulary keeps
     every token, as top_k = vocabulary does."""
@@ -737,9 +765,24 @@ def test_cli_demo_reports_identical_outputs(capsys):
     assert "identical" in out and "autoregressive:" in out and "ddtree:" in out
 
 
+def test_cli_demo_takes_sampling_and_length_options(capsys):
+    """The demo samples with the options it is given, one seed for all three methods (0 when none is given), so
+    their outputs still agree; --max-new-tokens sets the length."""
+    from ddtree_ext.__main__ import main
+
+    assert main(["generate", "--temperature", "1.5", "--top-p", "0.9", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "identical (12 tokens, sampled at temperature 1.5 with seed 0)" in out
+    rows = [line for line in out.splitlines() if line.startswith(("autoregressive: [", "ddtree: ["))]
+    assert len(rows) == 2 and all(len(row.split(": ", 1)[1].split(",")) == 12 for row in rows), rows
+
+
 @pytest.mark.parametrize(
     "argv,message",
-    [(["--budget", "0"], "tree_budget"), (["--draft", "some/draft"], "--draft needs --target")],
+    [(["--budget", "0"], "tree_budget"), (["--draft", "some/draft"], "--draft needs --target"),
+     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+     (["--method", "dflash"], "--method needs --target"), (["--prompt", "hi"], "--prompt needs --target"),
+     (["--target", "some/target", "--method", "ddtree"], "--method ddtree needs --draft")],
 )
 def test_cli_usage_errors(capsys, argv, message):
     from ddtree_ext.__main__ import main
