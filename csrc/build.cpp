@@ -443,7 +443,8 @@ void tree_attention_mask_cpu(const at::Tensor& ancestor_mask, const at::Tensor& 
   const int64_t n = mask.size(2), kv_len = mask.size(3);
   const auto prefix = prefix_len.accessor<int64_t, 1>();
   for (int64_t b = 0; b < prefix_len.size(0); ++b) {
-    DDTREE_CHECK("tree_attention_mask", prefix[b] >= 0 && prefix[b] + n <= kv_len,
+    // prefix + n <= S, as prefix <= S - n (S >= N is checked): a huge prefix_len cannot wrap around.
+    DDTREE_CHECK("tree_attention_mask", prefix[b] >= 0 && prefix[b] <= kv_len - n,
                  "prefix_len must satisfy 0 <= prefix_len[b] and prefix_len[b] + N <= S (N = ", n,
                  " nodes, S = ", kv_len, " mask columns), got prefix_len[", b, "] = ", prefix[b]);
   }

@@ -296,8 +296,9 @@ void commit_kv_cpu(at::TensorList cache, const at::Tensor& prefix_len, const at:
   const int32_t* len_all = accept_len.data_ptr<int32_t>();
   for (int64_t b = 0; b < accepted.size(0); ++b) {
     const int64_t last = path_all[b * max_accept + len_all[b] - 1];
-    DDTREE_CHECK(op, prefix[b] + last < slots, "prefix_len[", b, "] + accepted[", b, ", ", len_all[b] - 1,
-                 "] = ", prefix[b] + last, " must be < ", slots, " (the slots of cache[", shortest, "])");
+    // prefix[b] >= 0 and last >= 0 are checked; comparing with slots - last keeps a huge prefix from wrapping.
+    DDTREE_CHECK(op, prefix[b] < slots - last, "prefix_len[", b, "] + accepted[", b, ", ", len_all[b] - 1,
+                 "] = ", prefix[b], " + ", last, " must be < ", slots, " (the slots of cache[", shortest, "])");
   }
 
   std::vector<int64_t> heads(cache.size());

@@ -272,6 +272,10 @@ void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::op
   }
   DDTREE_CHECK(op, std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
   check_rows(op, "out", x, out, rows, dim);
+  // A row's output pass reads the row again (and the weight, the gate) after others' rows may have been written.
+  DDTREE_CHECK(op, !rows_overlap(x, out), "out must not overlap x");
+  DDTREE_CHECK(op, !may_overlap(weight, out), "out must not overlap weight");
+  if (gate.has_value()) DDTREE_CHECK(op, !rows_overlap(*gate, out), "out must not overlap gate");
 }
 
 void check_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
@@ -296,9 +300,10 @@ void check_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const a
                  t == &x ? "x" : t == &residual ? "residual" : "residual_out");
   }
   for (const auto* t : {&x, &residual}) {
-    DDTREE_CHECK(op, at::get_overlap_status(*t, residual_out) != at::MemOverlapStatus::Partial,
-                 "residual_out must be ", t == &x ? "x" : "residual", " itself or apart from it");
+    DDTREE_CHECK(op, same_elements(*t, residual_out) || !rows_overlap(*t, residual_out), "residual_out must be ",
+                 t == &x ? "x" : "residual", " itself or apart from it");
   }
+  DDTREE_CHECK(op, !may_overlap(weight, residual_out), "residual_out must not overlap weight");
 }
 
 void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out) {
@@ -308,6 +313,11 @@ void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const at::Tens
   check_rows(op, "gate", gate, gate, gate.size(0), gate.size(1));
   check_rows(op, "up", gate, up, gate.size(0), gate.size(1));
   check_rows(op, "out", gate, out, gate.size(0), gate.size(1));
+  // Elementwise: out may be gate or up itself (in place); any other overlap would read values already written.
+  for (const auto* t : {&gate, &up}) {
+    DDTREE_CHECK(op, same_elements(*t, out) || !rows_overlap(*t, out), "out must not overlap ",
+                 t == &gate ? "gate" : "up", " unless it is ", t == &gate ? "gate" : "up", " itself");
+  }
 }
 
 void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
@@ -419,8 +429,7 @@ void check_sigmoid_mul(const at::Tensor& gate, const at::Tensor& x, const at::Te
                "out must not overlap itself (e.g. an expanded tensor)");
   // Elementwise: out may be x itself (in place); any other overlap would read values already written.
   DDTREE_CHECK(op, !may_overlap(gate, out), "out must not overlap gate");
-  const bool same = at::get_overlap_status(x, out) == at::MemOverlapStatus::Full && x.strides() == out.strides();
-  DDTREE_CHECK(op, same || !may_overlap(x, out), "out must not overlap x unless it is x itself");
+  DDTREE_CHECK(op, same_elements(x, out) || !may_overlap(x, out), "out must not overlap x unless it is x itself");
 }
 
 void check_gdn_gates(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b,

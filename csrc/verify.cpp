@@ -273,6 +273,11 @@ void check_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10:
   CHECK_DENSE(op, x, parent, at::kInt, {bsz, n});
 
   CHECK_DENSE(op, x, out, x.scalar_type(), {bsz, n, channels});
+  // A node's window reads its ancestors' x rows, which other nodes' outputs would overwrite.
+  for (const at::Tensor* t : {&x, &weight, &conv_state}) {
+    DDTREE_CHECK(op, !may_overlap(*t, out), "out must not overlap ",
+                 t == &x ? "x" : t == &weight ? "weight" : "conv_state");
+  }
 }
 
 void tree_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,

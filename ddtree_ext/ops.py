@@ -86,6 +86,26 @@ def tree_num_words(num_nodes: int) -> int:
     return (num_nodes + 63) // 64
 
 
+def _check_dim(op: str, name: str, t: torch.Tensor, dims: int, layout: str) -> None:
+    """A ValueError naming the argument when ``t`` is not a tensor of ``dims`` dims (``layout`` names them): the
+    wrappers read sizes from their inputs to allocate outputs before the op checks them."""
+    if not isinstance(t, torch.Tensor) or t.dim() != dims:
+        got = f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{op}: {name} must have shape {layout}, got {got}")
+
+
+def _out_rows(op: str, out: torch.Tensor, shape: torch.Size, name: str = "out") -> torch.Tensor:
+    """A given output ``name`` [..., D] of ``shape`` as rows [R, D] without a copy (the op writes them), else a
+    ValueError."""
+    if out.shape != shape:
+        raise ValueError(f"{op}: {name} must have shape {list(shape)}, got {list(out.shape)}")
+    try:
+        return out.view(-1, out.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"{op}: {name}'s rows must be reachable by one stride (e.g. contiguous), got shape "
+                         f"{list(out.shape)} with strides {list(out.stride())}") from None
+
+
 def _check_count(op: str, name: str, value, low: int, high: Optional[int] = None) -> int:
     """``value`` as an int in [low, high] (an int, not a bool), else a ValueError naming the argument: the sizes the
     wrappers allocate with are checked before torch's allocator sees them."""
@@ -241,6 +261,7 @@ def tree_attention_mask(
         if kv_len is None:
             raise ValueError("tree_attention_mask: give kv_len or out")
         kv_len = _check_count("tree_attention_mask", "kv_len", kv_len, 1)
+        _check_dim("tree_attention_mask", "ancestor_mask", ancestor_mask, 3, "[B, N, W]")
         b, n = ancestor_mask.shape[0], ancestor_mask.shape[1]
         out = torch.empty(b, 1, n, kv_len, dtype=dtype, device=ancestor_mask.device)
     load_ops().tree_attention_mask(ancestor_mask, prefix_len, out)
@@ -309,10 +330,12 @@ def tree_gated_delta_rule(
     K x V state per node. Returns :class:`GDNTreeOutput` (outputs plus the stash for
     :func:`commit_gdn_state`).
     """
+    _check_dim("tree_gated_delta_rule", "k", k, 4, "[B, N, H, K]")
+    _check_dim("tree_gated_delta_rule", "v", v, 4, "[B, N, HV, V]")
     if out is None:
         out = _gdn_outputs(*k.shape, *v.shape[2:], v.dtype, v.device)
     if scale is None:
-        scale = k.shape[-1] ** -0.5
+        scale = k.shape[-1] ** -0.5 if k.shape[-1] > 0 else 1.0  # K = 0: the op refuses it
     load_ops().tree_gated_delta_rule(q, k, v, g, beta, state, parent, float(scale), use_qk_l2norm, *out)
     return out
 
@@ -344,6 +367,12 @@ def gdn_conv_delta_rule(
     for :func:`tree_gated_delta_rule` (HV is g's last dim). On CUDA a single node (an autoregressive step) runs as one
     launch, the conv computed where the delta rule reads its inputs; a tree runs the two ops' kernels.
     """
+    op = "gdn_conv_delta_rule"
+    num_heads = _check_count(op, "num_heads", num_heads, 1)
+    head_k_dim = _check_count(op, "head_k_dim", head_k_dim, 1)
+    head_v_dim = _check_count(op, "head_v_dim", head_v_dim, 1)
+    _check_dim(op, "x", x, 3, "[B, N, C]")
+    _check_dim(op, "g", g, 3, "[B, N, HV]")
     if out is None:
         out = _gdn_outputs(*x.shape[:2], num_heads, head_k_dim, g.shape[-1], head_v_dim, x.dtype, x.device)
     if scale is None:
@@ -403,8 +432,9 @@ def rms_norm(
         raise ValueError(f"rms_norm: gate must have shape {list(x.shape)} (x's), got {list(gate.shape)}")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out_rows = _out_rows("rms_norm", out, x.shape)
     gate_rows = _row_groups(gate) if gate is not None else None
-    load_ops().rms_norm(_row_groups(x), weight, gate_rows, float(eps), zero_centered, out.view(-1, out.shape[-1]))
+    load_ops().rms_norm(_row_groups(x), weight, gate_rows, float(eps), zero_centered, out_rows)
     return out
 
 
@@ -435,8 +465,8 @@ def add_rms_norm(
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if residual_out is None:
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    load_ops().add_rms_norm(_rows(x), _rows(residual), weight, float(eps), zero_centered, out.view(-1, out.shape[-1]),
-                            residual_out.view(-1, residual_out.shape[-1]))
+    load_ops().add_rms_norm(_rows(x), _rows(residual), weight, float(eps), zero_centered,
+                            _out_rows("add_rms_norm", out, x.shape), _out_rows("add_rms_norm", residual_out, x.shape, "residual_out"))
     return out, residual_out
 
 
@@ -449,7 +479,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: Optional[torch.Tensor
         raise ValueError(f"silu_mul: up must have shape {list(gate.shape)} (gate's), got {list(up.shape)}")
     if out is None:
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    load_ops().silu_mul(_rows(gate), _rows(up), out.view(-1, out.shape[-1]))
+    load_ops().silu_mul(_rows(gate), _rows(up), _out_rows("silu_mul", out, gate.shape))
     return out
 
 
@@ -728,7 +758,7 @@ def walk_sample(
     carries it. Every committed token is then a sample of the target's own distribution given its
     true prefix, so the walk is lossless with no draft probabilities.
 
-    logits [B, N, V] (the target's logits at every node, any float dtype), uniform [B, D] float32 in
+    logits [B, N, V] (the target's logits at every node, float32, float16 or bfloat16), uniform [B, D] float32 in
     [0, 1) (uniform[b, d] draws the token at the d-th node of row b's path; D = max_accept),
     temperature > 0, top_k (0 = off), top_p in (0, 1] (1 = off). The token is drawn from
     softmax(logits / temperature) restricted to the top_k largest logits (ties: lower id), then to the
@@ -802,6 +832,8 @@ def gather_rows(
     """Rows of ``src`` [B, N, F] along the accepted path -> out [B, D, F] with out[b, d] =
     src[b, accepted[b, d]] for d < accept_len[b] and zeros after."""
     if out is None:
+        _check_dim("gather_rows", "src", src, 3, "[B, N, F]")
+        _check_dim("gather_rows", "accepted", accepted, 2, "[B, D]")
         out = torch.empty(src.shape[0], accepted.shape[1], src.shape[2], dtype=src.dtype, device=src.device)
     load_ops().gather_rows(src, accepted, accept_len, out)
     return out

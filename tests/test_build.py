@@ -427,6 +427,15 @@ def test_chain_tree_bad_inputs_write_nothing():
         assert (out.token == -7).all(), message
 
 
+def test_mask_refuses_a_prefix_len_whose_sum_would_wrap():
+    """prefix_len[b] + N past int64 must not wrap into range: it is refused, nothing written."""
+    out = torch.ones(1, 1, 3, 8, dtype=torch.bool)
+    for prefix in (2**63 - 2, 2**63 - 1, 6):
+        with pytest.raises(ValueError, match="tree_attention_mask: prefix_len must satisfy"):
+            ops.tree_attention_mask(torch.zeros(1, 3, 1, dtype=torch.int64), torch.tensor([prefix]), out=out)
+    assert out.all()
+
+
 def test_kv_bucket_widths():
     """Attention widths: never below what is needed, at most 256 slots or 25% above it (whichever is
     more), non-decreasing, and few: a quarter octave apart."""

@@ -287,6 +287,7 @@ KV_BAD = {
     "prefix_dtype": ("prefix_len", lambda c, p: (c, p.int())),
     "prefix_negative": ("prefix_len", lambda c, p: (c, _with(p, 1, -1))),
     "past_last_slot": ("prefix_len", lambda c, p: (c, _with(p, 2, 20 - 5))),
+    "sum_would_wrap": ("prefix_len", lambda c, p: (c, _with(p, 2, 2**63 - 2))),
     "batch": ("cache\\[2\\]", lambda c, p: (c[:2] + [c[2][:2].clone()] + c[3:], p)),
     "last_dim_strided": ("cache\\[3\\]", lambda c, p: (c[:3] + [c[3].transpose(2, 3)], p)),
     "dims": ("cache\\[1\\]", lambda c, p: (c[:1] + [c[1][0]] + c[2:], p)),

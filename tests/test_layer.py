@@ -335,6 +335,53 @@ def test_outputs_inside_the_rows_of_sliced_inputs_are_refused():
     assert torch.equal(rows, before)
 
 
+def test_outputs_overlapping_inputs_are_refused_unless_in_place_is_allowed():
+    """rms_norm (its output pass reads the row again), silu_mul and add_rms_norm's residual_out (elementwise: in
+    place allowed, any other overlap not), also for strided views ATen's overlap status cannot judge; nothing is
+    written on a refusal."""
+    buf = torch.randn(4, 16)
+    before = buf.clone()
+    x, shifted = buf[:, 0:8], buf[:, 4:12]  # partial overlap of strided views
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="rms_norm: out must not overlap x"):
+        ops.rms_norm(x, w, 1e-6, out=shifted)
+    with pytest.raises(ValueError, match="rms_norm: out must not overlap gate"):
+        ops.rms_norm(torch.randn(4, 8), w, 1e-6, gate=x, out=shifted)
+    with pytest.raises(ValueError, match="rms_norm: out must not overlap x"):
+        ops.rms_norm(x, w, 1e-6, out=x)
+    with pytest.raises(ValueError, match="silu_mul: out must not overlap gate unless it is gate itself"):
+        ops.silu_mul(x, torch.randn(4, 8), out=shifted)
+    with pytest.raises(ValueError, match="silu_mul: out must not overlap up unless it is up itself"):
+        ops.silu_mul(torch.randn(4, 8), x, out=shifted)
+    with pytest.raises(ValueError, match="add_rms_norm: residual_out must be x itself or apart from it"):
+        ops.add_rms_norm(x, torch.randn(4, 8), w, 1e-6, residual_out=shifted)
+    assert torch.equal(buf, before)
+    # in place where allowed: the same bits as apart
+    gate, up = torch.randn(4, 8), torch.randn(4, 8)
+    expected = ops.silu_mul(gate, up)
+    assert torch.equal(ops.silu_mul(gate, up, out=gate), expected)
+    gate_up = torch.randn(4, 16)  # a stacked projection's halves: interleaved rows, no element shared
+    expected = ops.silu_mul(gate_up[:, :8].clone(), gate_up[:, 8:].clone())
+    assert torch.equal(ops.silu_mul(gate_up[:, :8], gate_up[:, 8:], out=gate_up[:, :8]), expected)
+    xs, res = torch.randn(4, 8), torch.randn(4, 8)
+    expected_out, expected_sum = ops.add_rms_norm(xs, res, w, 1e-6)
+    out, summed = ops.add_rms_norm(xs, res, w, 1e-6, residual_out=xs)
+    assert summed is xs and torch.equal(xs, expected_sum) and torch.equal(out, expected_out)
+
+
+def test_given_outputs_whose_rows_no_stride_reaches_are_refused():
+    out = torch.empty(3, 2, 8).transpose(0, 1)  # [2, 3, 8]: rows 8 apart within a batch, 16 across
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match="rms_norm: out's rows must be reachable by one stride"):
+        ops.rms_norm(x, torch.ones(8), 1e-6, out=out)
+    with pytest.raises(ValueError, match="silu_mul: out's rows must be reachable by one stride"):
+        ops.silu_mul(x, x.clone(), out=out)
+    with pytest.raises(ValueError, match="add_rms_norm: residual_out's rows must be reachable by one stride"):
+        ops.add_rms_norm(x, x.clone(), torch.ones(8), 1e-6, residual_out=out)
+    with pytest.raises(ValueError, match="rms_norm: out must have shape \\[2, 3, 8\\], got \\[6, 8\\]"):
+        ops.rms_norm(x, torch.ones(8), 1e-6, out=torch.empty(6, 8))
+
+
 def test_rms_norm_bad_inputs():
     x = torch.randn(4, 8)
     w = torch.ones(8)

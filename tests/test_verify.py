@@ -368,6 +368,46 @@ BAD_GDN = {
 GDN_OUTPUTS = ops.GDNTreeOutput._fields
 
 
+def test_tree_conv1d_refuses_out_over_its_inputs():
+    """A node's window reads its ancestors' x rows: writing out over x (or the conv state) would feed later nodes
+    convolved values. Refused before anything is written."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 6, generator=gen)
+    weight, state = torch.randn(6, 4, generator=gen), torch.randn(1, 6, 4, generator=gen)
+    parent = torch.tensor([[-1, 0, 1, 2]], dtype=torch.int32)
+    before = x.clone()
+    with pytest.raises(ValueError, match="tree_conv1d: out must not overlap x"):
+        ops.tree_conv1d(x, weight, None, state, parent, out=x)
+    with pytest.raises(ValueError, match="tree_conv1d: out must not overlap conv_state"):
+        ops.tree_conv1d(x, weight, None, state, parent, out=state.view(1, 4, 6))
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ops.tree_gated_delta_rule(torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2),
+                                       torch.zeros(1, 3, 2), torch.ones(1, 3, 2), torch.zeros(1, 2, 4, 4),
+                                       torch.tensor([[-1, 0, 1]], dtype=torch.int32)),
+     "tree_gated_delta_rule: v must have shape \\[B, N, HV, V\\], got shape \\[1, 3, 2\\]"),
+    (lambda: ops.gdn_conv_delta_rule(torch.randn(1, 3, 24), torch.randn(24, 4), None, torch.zeros(1, 24, 3),
+                                     torch.zeros(1, 3, 2), torch.ones(1, 3, 2), torch.zeros(1, 2, 4, 4),
+                                     torch.tensor([[-1, 0, 1]], dtype=torch.int32), num_heads=-1, head_k_dim=4,
+                                     head_v_dim=4), "gdn_conv_delta_rule: num_heads must be an int >= 1, got -1"),
+    (lambda: ops.gdn_conv_delta_rule(torch.randn(1, 3, 24), torch.randn(24, 4), None, torch.zeros(1, 24, 3),
+                                     torch.zeros(1, 3, 2), torch.ones(1, 3, 2), torch.zeros(1, 2, 4, 4),
+                                     torch.tensor([[-1, 0, 1]], dtype=torch.int32), num_heads=2, head_k_dim=0,
+                                     head_v_dim=4), "gdn_conv_delta_rule: head_k_dim must be an int >= 1, got 0"),
+    (lambda: ops.gather_rows(torch.randn(1, 3), torch.zeros(1, 2, dtype=torch.int32),
+                             torch.ones(1, dtype=torch.int32)), "gather_rows: src must have shape \\[B, N, F\\]"),
+    (lambda: ops.tree_attention_mask(torch.zeros(3, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 8),
+     "tree_attention_mask: ancestor_mask must have shape \\[B, N, W\\]"),
+], ids=["delta-rule-v-3d", "conv-delta-num-heads", "conv-delta-head-k-dim", "gather-src-2d", "mask-ancestors-1d"])
+def test_wrappers_check_the_sizes_they_allocate_with(call, message):
+    """The wrappers read sizes from their inputs to allocate the outputs: a wrong rank or count is a ValueError naming
+    the argument, not a TypeError, IndexError or an allocator error."""
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
 @pytest.mark.parametrize("mistake", list(BAD_GDN))
 def test_tree_gated_delta_rule_rejects_bad_input(mistake, gen):
     mutate, message = BAD_GDN[mistake]
