@@ -166,14 +166,20 @@ def test_commit_equals_chain_forward_over_rounds(adapter):
             assert rel_err(actual, expected[name]) < MODEL_RTOL, f"round {rnd}: {name} differs"
 
 
+# Before torch 2.11 (2.6 and 2.8 checked) the CPU's SDPA rounds a bf16 call with a mask (the tree's) apart from one
+# without (the chain's): 1.6 bf16 ulps seen there, where 2.11 and later stay within one.
+SDPA_BF16_ULPS = 1 if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11) else 2
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_bf16_tree_stays_on_the_chain(attn):
     """In bf16 the tree forward rounds where HF's does, so its logits stay within one bf16 ulp of the
     largest chain logit (activating the conv before rounding it, as a fused kernel would, is several ulps off)."""
     model = make_tiny_target("qwen3_5", seed=3, dtype=torch.bfloat16, attn_implementation=attn)
     adapter = TargetAdapter(model)
+    ulps = SDPA_BF16_ULPS if attn == "sdpa" else 1
     for rnd, tree_logits, chain_logits, _, _ in _rounds(adapter, seed=5, num_rounds=8):
-        assert rel_err(tree_logits, chain_logits) <= 2**-8, f"round {rnd}"
+        assert rel_err(tree_logits, chain_logits) <= ulps * 2**-8, f"round {rnd}"
         assert torch.equal(tree_logits.argmax(-1), chain_logits.argmax(-1)), f"round {rnd}"
 
 
