@@ -159,7 +159,8 @@ def generate(
             is included in the output). None (the default) never stops early: the target's
             generation_config is not consulted.
         seed: seeds the uniforms of sampling (reproducible output); None draws the seed from
-            torch's global generator, so ``torch.manual_seed`` also makes a run reproducible.
+            torch's global generator, so ``torch.manual_seed`` also makes a run reproducible. The uniforms come
+            from torch's CPU generator, which keeps 32 bits of a seed: seeds equal modulo 2**32 draw alike.
         attention_mask: accepted only when all ones (no padding), as [1, T].
         streamer: an HF streamer (e.g. ``transformers.TextStreamer``): receives the prompt, then
             the new tokens of every round, then ``end()``.
