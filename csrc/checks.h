@@ -34,13 +34,29 @@ inline bool same_elements(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // Whether a and b may share memory, for the ops' "must not overlap" checks: ATen's overlap status, and where it cannot
-// tell (a tensor that is not non-overlapping and dense, such as heads sliced from wider rows) whether their byte ranges
-// in one storage meet (conservative: interleaved views of one buffer count as overlapping).
+// tell (a tensor that is not non-overlapping and dense, such as heads sliced from wider rows):
+// * for row tensors [R, D] of one row stride s (last dim contiguous), exactly: row i of a spans [i s, i s + Da) and
+//   row j of b [d + j s, d + j s + Db) (in elements, d = b's offset from a's), so they meet iff some k = i - j in
+//   [1 - Rb, Ra - 1] has k s in (d - Da, d + Db); interleaved slices of one buffer (a stacked projection's halves) do
+//   not;
+// * otherwise whether their byte ranges in one storage meet (conservative: interleaved views count as overlapping).
 inline bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
   const auto status = at::get_overlap_status(a, b);
   if (status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial) return true;
   if (status != at::MemOverlapStatus::TooHard || a.numel() == 0 || b.numel() == 0) return false;
   if (!a.has_storage() || !b.has_storage() || !a.storage().is_alias_of(b.storage())) return false;
+  const int64_t bytes = static_cast<const char*>(b.data_ptr()) - static_cast<const char*>(a.data_ptr());
+  const bool rows = a.dim() == 2 && b.dim() == 2 && a.stride(1) == 1 && b.stride(1) == 1 && a.stride(0) == b.stride(0) &&
+                    a.stride(0) >= a.size(1) && a.stride(0) >= b.size(1) && a.element_size() == b.element_size() &&
+                    bytes % a.element_size() == 0;
+  if (rows) {
+    const int64_t d = bytes / a.element_size(), s = a.stride(0);
+    auto floor_div = [](int64_t p, int64_t q) { return p / q - ((p % q != 0) && ((p < 0) != (q < 0))); };
+    // k s > d - Da  <=>  k >= floor((d - Da) / s) + 1;  k s < d + Db  <=>  k <= ceil((d + Db) / s) - 1
+    const int64_t lo = std::max(floor_div(d - a.size(1), s) + 1, 1 - b.size(0));
+    const int64_t hi = std::min(-floor_div(-(d + b.size(1)), s) - 1, a.size(0) - 1);
+    return lo <= hi;
+  }
   auto range = [](const at::Tensor& t) {  // [first byte, one past the last byte]; strides are never negative
     int64_t last = 0;
     for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
@@ -49,25 +65,6 @@ inline bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
   };
   const auto ra = range(a), rb = range(b);
   return ra.first < rb.second && rb.first < ra.second;
-}
-
-// Whether row tensors a and b [R, D] (last dim contiguous, rows one stride apart in both) share an element, exactly:
-// row i of a spans [i s, i s + Da) and row j of b [d + j s, d + j s + Db) (in elements, d = b's offset from a's), so
-// they meet iff some k = i - j in [1 - Rb, Ra - 1] has k s in (d - Da, d + Db). Interleaved slices of one buffer (a
-// stacked projection's halves) do not. Other layouts: may_overlap's conservative answer.
-inline bool rows_overlap(const at::Tensor& a, const at::Tensor& b) {
-  const bool rows = a.dim() == 2 && b.dim() == 2 && a.stride(1) == 1 && b.stride(1) == 1 && a.stride(0) == b.stride(0) &&
-                    a.stride(0) >= a.size(1) && a.stride(0) >= b.size(1) && a.element_size() == b.element_size();
-  if (!rows || a.numel() == 0 || b.numel() == 0) return may_overlap(a, b);
-  if (!a.has_storage() || !b.has_storage() || !a.storage().is_alias_of(b.storage())) return false;
-  const int64_t bytes = static_cast<const char*>(b.data_ptr()) - static_cast<const char*>(a.data_ptr());
-  if (bytes % a.element_size() != 0) return may_overlap(a, b);
-  const int64_t d = bytes / a.element_size(), s = a.stride(0);
-  auto floor_div = [](int64_t p, int64_t q) { return p / q - ((p % q != 0) && ((p < 0) != (q < 0))); };
-  // k s > d - Da  <=>  k >= floor((d - Da) / s) + 1;  k s < d + Db  <=>  k <= ceil((d + Db) / s) - 1
-  const int64_t lo = std::max(floor_div(d - a.size(1), s) + 1, 1 - b.size(0));
-  const int64_t hi = std::min(-floor_div(-(d + b.size(1)), s) - 1, a.size(0) - 1);
-  return lo <= hi;
 }
 
 // Where row r of an activation lies, for an op that takes it as [rows, D] or as groups of rows [G, R, D]: at

@@ -273,9 +273,9 @@ void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::op
   DDTREE_CHECK(op, std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
   check_rows(op, "out", x, out, rows, dim);
   // A row's output pass reads the row again (and the weight, the gate) after others' rows may have been written.
-  DDTREE_CHECK(op, !rows_overlap(x, out), "out must not overlap x");
+  DDTREE_CHECK(op, !may_overlap(x, out), "out must not overlap x");
   DDTREE_CHECK(op, !may_overlap(weight, out), "out must not overlap weight");
-  if (gate.has_value()) DDTREE_CHECK(op, !rows_overlap(*gate, out), "out must not overlap gate");
+  if (gate.has_value()) DDTREE_CHECK(op, !may_overlap(*gate, out), "out must not overlap gate");
 }
 
 void check_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
@@ -300,7 +300,7 @@ void check_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const a
                  t == &x ? "x" : t == &residual ? "residual" : "residual_out");
   }
   for (const auto* t : {&x, &residual}) {
-    DDTREE_CHECK(op, same_elements(*t, residual_out) || !rows_overlap(*t, residual_out), "residual_out must be ",
+    DDTREE_CHECK(op, same_elements(*t, residual_out) || !may_overlap(*t, residual_out), "residual_out must be ",
                  t == &x ? "x" : "residual", " itself or apart from it");
   }
   DDTREE_CHECK(op, !may_overlap(weight, residual_out), "residual_out must not overlap weight");
@@ -315,7 +315,7 @@ void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const at::Tens
   check_rows(op, "out", gate, out, gate.size(0), gate.size(1));
   // Elementwise: out may be gate or up itself (in place); any other overlap would read values already written.
   for (const auto* t : {&gate, &up}) {
-    DDTREE_CHECK(op, same_elements(*t, out) || !rows_overlap(*t, out), "out must not overlap ",
+    DDTREE_CHECK(op, same_elements(*t, out) || !may_overlap(*t, out), "out must not overlap ",
                  t == &gate ? "gate" : "up", " unless it is ", t == &gate ? "gate" : "up", " itself");
   }
 }

@@ -88,9 +88,10 @@ def main(argv=None) -> int:
         if given:
             gen.error(f"{', '.join(given)} needs --target: the built-in demo has no tokenizer and runs all three "
                       "methods to compare them")
-    method = args.method or DEFAULT_METHOD
-    if args.target is not None and args.draft is None and method != "autoregressive":
-        gen.error(f"--method {method} needs --draft (only autoregressive runs without)")
+    args.method = args.method or DEFAULT_METHOD
+    args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if args.target is not None and args.draft is None and args.method != "autoregressive":
+        gen.error(f"--method {args.method} needs --draft (only autoregressive runs without)")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         gen.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.tune_gemms:
@@ -131,19 +132,18 @@ def _generate(args) -> int:
         if model is not None:
             stack_projections(model)
 
-    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.no_chat_template or tokenizer.chat_template is None:
-        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+        input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     else:
         input_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
     _, stats = generate(
         target,
         draft,
         input_ids.to(device),
         DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
-        method=args.method or DEFAULT_METHOD,
+        method=args.method,
         tree_budget=args.budget,
         temperature=args.temperature,
         top_k=args.top_k,

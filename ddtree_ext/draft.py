@@ -552,7 +552,7 @@ def _config_dtype(config) -> torch.dtype | None:
 def _dtype_argument(dtype) -> Optional[torch.dtype]:
     """from_pretrained's dtype as a floating torch dtype, or None for the checkpoint's (None, "auto"); names as HF
     takes them ("bfloat16", "torch.bfloat16")."""
-    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+    if dtype is None or dtype == "auto":
         return None
     value = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
     if not isinstance(value, torch.dtype) or not value.is_floating_point:

@@ -918,9 +918,9 @@ def rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype, *,
     ``per_position_factors`` each row holds what a call at that position alone gives (short factors below the
     boundary, long ones from it), as a one-token decode step computes it: what a verify of many positions must use to
     give the target's own decoding."""
-    rope_type = str(getattr(rotary, "rope_type", "default"))
-    longrope = "longrope" in rope_type
-    if "dynamic" in rope_type or (longrope and not per_position_factors) or not rope_table_serves(rotary):
+    longrope = is_longrope(rotary)
+    dynamic = "dynamic" in str(getattr(rotary, "rope_type", ""))
+    if dynamic or (longrope and not per_position_factors) or not rope_table_serves(rotary):
         return None
     inv_freq = getattr(rotary, "inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.device.type == "meta":
@@ -941,6 +941,11 @@ def rope_table(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype, *,
     if len(parts) == 1:
         return parts[0]
     return torch.cat([cos for cos, _ in parts]), torch.cat([sin for _, sin in parts])
+
+
+def is_longrope(rotary: torch.nn.Module) -> bool:
+    """Whether a rotary embedding is HF's longrope (short or long factors by the largest position of a call)."""
+    return "longrope" in str(getattr(rotary, "rope_type", ""))
 
 
 def longrope_boundary(rotary: torch.nn.Module) -> int:

@@ -54,8 +54,8 @@ from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, ops_apply, per_position_longrope, rope_rows, rope_table,
-    rope_table_serves, swapped_forwards,
+    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, is_longrope, ops_apply, per_position_longrope, rope_rows,
+    rope_table, rope_table_serves, swapped_forwards,
 )
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
@@ -569,7 +569,7 @@ class TargetAdapter:
         rotary = self.text_model.rotary_emb
         if state.rope is not None and rope_table_serves(rotary):
             return swapped_forwards([(rotary, functools.partial(_rope_rows, rotary, *state.rope))])
-        if "longrope" in str(getattr(rotary, "rope_type", "")):
+        if is_longrope(rotary):
             return swapped_forwards([(rotary, per_position_longrope(rotary, rotary.forward))])
         return contextlib.nullcontext()
 
