@@ -173,11 +173,12 @@ void walk_row(const TreeRows& tree, int64_t b, TokenAt&& token_at, const WalkRow
 }
 
 // Draws one token per call from a row of logits by the rule of reference.sample_token:
-// x = float32(logits) / temperature; keep the top_k largest x (ties: lower id first), then the
-// shortest prefix of those, in that descending order, whose renormalised mass reaches top_p; draw by
-// inverse CDF over the kept tokens in ascending id order. Without filters that is a few streaming
-// passes; the filters need only selections (nth_element, a mass-weighted quickselect), never a sort
-// of the vocabulary. One sampler per thread: it owns the scratch rows.
+// x = float32(logits) / temperature; top_k keeps every x at or above the k-th largest (all its ties, as
+// HF's warper does); top_p ranks those by x descending and keeps a token when the mass ranked strictly
+// above its value is below top_p of theirs (a tied group stays or goes whole); draw by inverse CDF over
+// the kept tokens in ascending id order. Both cuts are thresholds on x. Without filters that is a few
+// streaming passes; the filters need only selections (nth_element, a mass-weighted quickselect), never a
+// sort of the vocabulary. One sampler per thread: it owns the scratch rows.
 template <typename scalar_t>
 class TokenSampler {
  public:
@@ -215,21 +216,32 @@ class TokenSampler {
     int32_t id;
   };
 
-  // The sampling order: larger x first, the lower id first among equal x.
-  static bool ranks_above(const Ranked& a, const Ranked& b) { return a.x > b.x || (a.x == b.x && a.id < b.id); }
+  // x descending, a NaN above every number (as torch.topk ranks it): with the id as the tie-break, a
+  // strict total order even with NaNs, which the selections below need.
+  static bool greater(float a, float b) { return std::isnan(a) ? !std::isnan(b) : a > b; }
+  static bool ranks_above(const Ranked& a, const Ranked& b) {
+    return greater(a.x, b.x) || (!greater(b.x, a.x) && a.id < b.id);
+  }
 
-  // Zeroes the weight of every token top_k or top_p drops; returns the largest kept id. The kept set
-  // is always "ranks at or above a cut token", so one selection finds it.
+  // Zeroes the weight of every token top_k or top_p drops; returns the largest kept id. The kept set is
+  // every x not below a cut value, so selections find it.
   int64_t drop_filtered() {
     ranked_.resize(vocab_);
     for (int64_t i = 0; i < vocab_; ++i) ranked_[i] = {scaled_[i], static_cast<int32_t>(i)};
-    const auto first = ranked_.begin(), last = first + top_k_count_;
-    if (top_k_count_ < vocab_) std::nth_element(first, last - 1, ranked_.end(), ranks_above);
-    const Ranked cut = top_p_ < 1.0 ? top_p_cut(first, last) : last[-1];
+    const auto first = ranked_.begin();
+    auto last = ranked_.end();
+    float cut = 0.0f;  // set below: this runs only with top_k or top_p on
+    if (top_k_count_ < vocab_) {
+      // The k-th largest x; the top_k set is every token not below it, its whole tie group included.
+      std::nth_element(first, first + (top_k_count_ - 1), last, ranks_above);
+      cut = first[top_k_count_ - 1].x;
+      last = std::partition(first + top_k_count_, last, [cut](const Ranked& r) { return !greater(cut, r.x); });
+    }
+    // The last token top_p keeps in rank order; its value keeps its ties too.
+    if (top_p_ < 1.0) cut = top_p_cut(first, last).x;
     int64_t last_kept = -1;
     for (int64_t i = 0; i < vocab_; ++i) {
-      const Ranked token{scaled_[i], static_cast<int32_t>(i)};
-      if (ranks_above(cut, token)) {
+      if (greater(cut, scaled_[i])) {
         weight_[i] = 0.0f;
       } else {
         last_kept = i;
@@ -238,9 +250,9 @@ class TokenSampler {
     return last_kept;
   }
 
-  // The last token top_p keeps among [first, last) (the top_k set): the first, in the sampling order,
-  // whose mass together with everything ranked above it reaches top_p of the set's mass. A quickselect
-  // that descends by mass instead of by rank: expected linear time.
+  // The last token top_p keeps among [first, last) (the top_k set): the first, in rank order, whose mass
+  // together with everything ranked above it reaches top_p of the set's mass. Its value does not depend
+  // on how ties are ranked. A quickselect that descends by mass instead of by rank: expected linear time.
   Ranked top_p_cut(typename std::vector<Ranked>::iterator first, typename std::vector<Ranked>::iterator last) {
     double mass = 0;
     for (auto it = first; it != last; ++it) mass += weight_[it->id];

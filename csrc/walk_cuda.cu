@@ -5,11 +5,13 @@
 // uniform[b, depth], so every reachable node draws its token in parallel first (depths come from the
 // child links); the walk itself is then the greedy walk over those tokens. Draws:
 //   * top_k in [1, 64]: one pass over each node's row, split into segments over several blocks
-//     (row_topk.cuh), gives the sorted top-k; one warp per node merges the segments and applies top_p
-//     and the inverse CDF over those <= 64 tokens in the reference's orders;
+//     (row_topk.cuh), gives the row's best 8/16/32/64 (the next size above k; 64 for k = 64); one
+//     block per node merges the segments and finds top_k's and top_p's cut values from them (a group
+//     tied with the k-th that runs past the list is counted over the row), then draws from the list,
+//     or over the row when the kept set runs past the list;
 //   * no top_k, no top_p: a max pass, then chunked prefix sums in ascending id order;
-//   * anything else (top_p over the whole vocabulary, top_k > 64): the same rule through a stable
-//     sort of every node's row in ATen on the device (exact, heavier).
+//   * anything else (top_p over the whole vocabulary, top_k > 64): the same rule through a sort of
+//     every node's row in ATen on the device (exact, heavier).
 // Like the CPU op, weights are float32 exp(x - max x) and masses are summed in double, in a different
 // order, so a draw can differ from the CPU op's only when uniform * total (or top_p * mass) lands
 // within double rounding (or expf's last-bit differences) of a cumulative boundary.
@@ -300,45 +302,187 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_segment_kernel(
   if (threadIdx.x == 0) part_max[part] = sm.m;
 }
 
-// top_k in [1, 64], step 2: one warp per node merges the segments into the node's top k, applies top_p
-// over them in descending order, and draws by inverse CDF in ascending id order.
-template <int K_CAP>
-__global__ void __launch_bounds__(kWarp) sample_top_k_draw_kernel(SampleArgs a, int segments,
-                                                                  const float* __restrict__ part_val,
-                                                                  const int* __restrict__ part_id,
-                                                                  const float* __restrict__ part_max) {
+// Inclusive prefix sum over the block in a fixed order (warp shuffles, then warp totals); also returns
+// the exclusive prefix. Deterministic, so two scans of the same values agree bit for bit.
+__device__ __forceinline__ double block_scan(double x, double* warp_totals, double& exclusive) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  double incl = x;
+#pragma unroll
+  for (int off = 1; off < kWarp; off <<= 1) {
+    const double y = __shfl_up_sync(kFullMask, incl, off);
+    if (lane >= off) incl += y;
+  }
+  if (lane == kWarp - 1) warp_totals[warp] = incl;
+  __syncthreads();
+  double before = 0;
+  for (int w = 0; w < warp; ++w) before += warp_totals[w];
+  const double prev_in_warp = __shfl_up_sync(kFullMask, incl, 1);
+  exclusive = before + (lane == 0 ? 0.0 : prev_in_warp);
+  incl = before + incl;
+  __syncthreads();  // warp_totals is reused by the next scan
+  return incl;
+}
+
+// Draws by inverse CDF in ascending id order over the tokens of a row that keep(x) keeps, x = logit /
+// temperature, weights exp(x - m), sums in double: per-chunk totals, the chunk holding uniform * total,
+// that chunk rescanned. Every thread of the block calls it; the result is valid in thread 0. With no
+// crossing (non-finite logits) it is the largest kept id (the last id if none is kept); with a crossing
+// the chunk total saw but no element did (a rounding gap between the two sums), the chunk's largest kept
+// id.
+template <typename T, typename Keep>
+__device__ int64_t draw_over_row(const T* __restrict__ row, const SampleArgs& a, float m, float u, Keep keep,
+                                 double* chunk_total, double* warp_totals) {
+  __shared__ int chosen_chunk, chosen_id, last_kept, last_in_chunk;
+  __shared__ double chosen_before, threshold_shared;
+  const float temperature = a.temperature;
+  if (threadIdx.x == 0) {
+    last_kept = -1;
+    last_in_chunk = -1;
+    chosen_id = cuda::kNoId;
+  }
+  // Thread t of a chunk owns ids [c0 + 8 t, c0 + 8 t + 8): its running sums, then the block scan.
+  auto thread_sum = [&](int64_t c0, double (&run)[kSampleChunkPerThread], int& last) {
+    double s = 0;
+#pragma unroll
+    for (int e = 0; e < kSampleChunkPerThread; ++e) {
+      const int64_t j = c0 + threadIdx.x * kSampleChunkPerThread + e;
+      const float x = j < a.vocab ? cuda::to_float(row[j]) / temperature : 0.f;
+      if (j < a.vocab && keep(x)) {
+        s += expf(x - m);
+        last = static_cast<int>(j);
+      }
+      run[e] = s;
+    }
+    return s;
+  };
+  const int chunks = static_cast<int>((a.vocab + kSampleChunk - 1) / kSampleChunk);
+  int my_last = -1;
+  for (int c = 0; c < chunks; ++c) {
+    double run[kSampleChunkPerThread], excl;
+    const double incl = block_scan(thread_sum(static_cast<int64_t>(c) * kSampleChunk, run, my_last), warp_totals, excl);
+    if (threadIdx.x == kSampleThreads - 1) chunk_total[c] = incl;
+  }
+  if (my_last >= 0) atomicMax(&last_kept, my_last);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0;
+    for (int c = 0; c < chunks; ++c) total += chunk_total[c];
+    const double threshold = static_cast<double>(u) * total;
+    double before = 0;
+    int chosen = -1;
+    for (int c = 0; c < chunks && chosen < 0; ++c) {
+      if (before + chunk_total[c] > threshold) {
+        chosen = c;
+      } else {
+        before += chunk_total[c];
+      }
+    }
+    chosen_chunk = chosen;
+    chosen_before = before;
+    threshold_shared = threshold;
+  }
+  __syncthreads();
+  const int chosen = chosen_chunk;
+  if (chosen < 0) return last_kept >= 0 ? last_kept : a.vocab - 1;
+  const int64_t c0 = static_cast<int64_t>(chosen) * kSampleChunk;
+  double run[kSampleChunkPerThread], excl;
+  int my_last_in_chunk = -1;
+  block_scan(thread_sum(c0, run, my_last_in_chunk), warp_totals, excl);
+  const double before = chosen_before + excl, threshold = threshold_shared;
+#pragma unroll
+  for (int e = 0; e < kSampleChunkPerThread; ++e) {
+    const int64_t j = c0 + threadIdx.x * kSampleChunkPerThread + e;
+    if (j < a.vocab && before + run[e] > threshold) {
+      atomicMin(&chosen_id, static_cast<int>(j));
+      break;
+    }
+  }
+  if (my_last_in_chunk >= 0) atomicMax(&last_in_chunk, my_last_in_chunk);
+  __syncthreads();
+  return chosen_id != cuda::kNoId ? chosen_id : last_in_chunk;
+}
+
+// top_k in [1, 64], step 2: one block per node. Warp 0 merges the segments' lists into the row's best
+// K_CAP (x, id) pairs. The top_k set is every x >= the k-th largest, kth; when the list ends inside
+// kth's tie group, the group may run past it and is counted over the row. top_p then keeps the groups
+// of equal x, in descending order, whose mass above is below top_p of the set's: the kept set is every
+// x >= a cut value. When all of it is in the list (nearly always) warp 0 draws from the list; else the
+// block draws over the row.
+template <typename T, int K_CAP>
+__global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const T* __restrict__ logits, int64_t lg_sb,
+                                                                           int64_t lg_sn, SampleArgs a, int segments,
+                                                                           const float* __restrict__ part_val,
+                                                                           const int* __restrict__ part_id,
+                                                                           const float* __restrict__ part_max) {
+  extern __shared__ double chunk_total[];  // [ceil(V / kSampleChunk)], for a draw over the row
+  __shared__ double warp_totals[kSampleThreads / kWarp];
   __shared__ float val[K_CAP];
   __shared__ int id[K_CAP];
   __shared__ bool keep[K_CAP];
   __shared__ float weight_by_id[K_CAP];  // exp(x - max x) of the kept tokens, ascending id
   __shared__ int id_by_id[K_CAP];
-  __shared__ int kept;
-  const int i = blockIdx.x, b = blockIdx.y, lane = threadIdx.x;
+  __shared__ double tied_in_row;
+  __shared__ float cut_shared;
+  __shared__ bool over_row_shared;
+  const int i = blockIdx.x, b = blockIdx.y, lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   float u;
   if (!sample_target(a, b, i, u)) return;
   const int64_t first = (static_cast<int64_t>(b) * a.num_nodes + i) * segments;
-  cuda::warp_merge_lists(part_val + first * K_CAP, part_id + first * K_CAP, K_CAP, segments, K_CAP, val, id);
+  if (warp == 0) {
+    cuda::warp_merge_lists(part_val + first * K_CAP, part_id + first * K_CAP, K_CAP, segments, K_CAP, val, id);
+  }
   float m = -INFINITY;  // the row's max x, the reference point of every weight (as on the CPU)
   for (int s = 0; s < segments; ++s) m = fmaxf(m, part_max[first + s]);
+  __syncthreads();
+  const T* row = logits + b * lg_sb + i * lg_sn;
+  const float temperature = a.temperature;
   const int k = a.top_k;
-  if (lane == 0) {
-    // top_p over the top_k set in descending order: keep a token while the mass ranked above it is
-    // below top_p of the set's mass (masses in double, like the CPU op).
-    double mass = 0;
-    for (int r = 0; r < k; ++r) mass += expf(val[r] - m);
-    const double target = a.top_p * mass;
-    double above = 0;
+  const float kth = val[k - 1];
+  // The list ends inside kth's tie group: count the group over the row (block-uniform branch).
+  const bool group_past_list = val[K_CAP - 1] == kth;
+  if (group_past_list) {
     int count = 0;
-    for (int r = 0; r < K_CAP; ++r) {
-      const bool on = r < k && (a.top_p >= 1.0 || above < target);
-      if (r < k) above += expf(val[r] - m);
-      keep[r] = on;
-      count += on;
-    }
-    kept = count;
+    cuda::for_each_in_row<T, kSampleThreads>(row, a.vocab, [&](float x, int64_t) { count += x / temperature == kth; });
+    double excl;
+    const double incl = block_scan(static_cast<double>(count), warp_totals, excl);
+    if (threadIdx.x == kSampleThreads - 1) tied_in_row = incl;
+    __syncthreads();
   }
+  if (threadIdx.x == 0) {
+    int above_kth = k - 1;  // the list's entries [0, above_kth) are every x > kth
+    while (above_kth > 0 && val[above_kth - 1] == kth) --above_kth;
+    int tied_in_list = 0;
+    for (int r = above_kth; r < K_CAP && val[r] == kth; ++r) ++tied_in_list;
+    double mass = (group_past_list ? tied_in_row : tied_in_list) * static_cast<double>(expf(kth - m));
+    for (int r = 0; r < above_kth; ++r) mass += expf(val[r] - m);
+    float cut = kth;
+    if (a.top_p < 1.0) {
+      // Groups of equal x in descending order (masses in double, like the CPU op): a group stays while the
+      // mass above it is below top_p of the set's mass; the first always does.
+      const double target = a.top_p * mass;
+      double above = 0;
+      int r = 0;
+      while (r < above_kth && above < target) {
+        cut = val[r];
+        for (const float group = val[r]; r < above_kth && val[r] == group; ++r) above += expf(val[r] - m);
+      }
+      if (r == above_kth && above < target) cut = kth;
+    }
+    cut_shared = cut;
+    over_row_shared = group_past_list && cut == kth;
+  }
+  __syncthreads();
+  const float cut = cut_shared;
+  if (over_row_shared) {
+    const int64_t token =
+        draw_over_row(row, a, m, u, [cut](float x) { return x >= cut; }, chunk_total, warp_totals);
+    if (threadIdx.x == 0) a.token[static_cast<int64_t>(b) * a.num_nodes + i] = token;
+    return;
+  }
+  if (warp != 0) return;
+  // Every kept token is in the list: warp 0 ranks them by id (each lane its entries) and lane 0 draws.
+  for (int r = lane; r < K_CAP; r += kWarp) keep[r] = val[r] >= cut;
   __syncwarp();
-  // Kept tokens in ascending id order (each lane ranks its entries).
   for (int r = lane; r < K_CAP; r += kWarp) {
     if (!keep[r]) continue;
     int pos = 0;
@@ -349,8 +493,9 @@ __global__ void __launch_bounds__(kWarp) sample_top_k_draw_kernel(SampleArgs a, 
   __syncwarp();
   if (lane != 0) return;
   // Inverse CDF in ascending id order: the first kept token whose cumulative weight exceeds
-  // uniform * total, else the largest kept id.
-  const int count = kept;
+  // uniform * total, else the largest kept id (the list's first entry is always kept).
+  int count = 0;
+  for (int r = 0; r < K_CAP; ++r) count += keep[r];
   double total = 0;
   for (int r = 0; r < count; ++r) total += weight_by_id[r];
   const double threshold = static_cast<double>(u) * total;
@@ -380,43 +525,21 @@ void launch_sample_top_k(const at::Tensor& logits, const SampleArgs& args, int64
           logits.data_ptr<T>(), logits.stride(0), logits.stride(1), args, static_cast<int>(segments), seg_len,
           part_val.data_ptr<float>(), part_id.data_ptr<int>(), part_max.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  sample_top_k_draw_kernel<K_CAP><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(bsz)), kWarp, 0, stream>>>(
-      args, static_cast<int>(segments), part_val.data_ptr<float>(), part_id.data_ptr<int>(),
-      part_max.data_ptr<float>());
+  sample_top_k_draw_kernel<T, K_CAP>
+      <<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(bsz)), kSampleThreads,
+         sizeof(double) * cuda::ceil_div(args.vocab, kSampleChunk), stream>>>(
+          logits.data_ptr<T>(), logits.stride(0), logits.stride(1), args, static_cast<int>(segments),
+          part_val.data_ptr<float>(), part_id.data_ptr<int>(), part_max.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Inclusive prefix sum over the block in a fixed order (warp shuffles, then warp totals); also returns
-// the exclusive prefix. Deterministic, so two scans of the same values agree bit for bit.
-__device__ __forceinline__ double block_scan(double x, double* warp_totals, double& exclusive) {
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  double incl = x;
-#pragma unroll
-  for (int off = 1; off < kWarp; off <<= 1) {
-    const double y = __shfl_up_sync(kFullMask, incl, off);
-    if (lane >= off) incl += y;
-  }
-  if (lane == kWarp - 1) warp_totals[warp] = incl;
-  __syncthreads();
-  double before = 0;
-  for (int w = 0; w < warp; ++w) before += warp_totals[w];
-  const double prev_in_warp = __shfl_up_sync(kFullMask, incl, 1);
-  exclusive = before + (lane == 0 ? 0.0 : prev_in_warp);
-  incl = before + incl;
-  __syncthreads();  // warp_totals is reused by the next scan
-  return incl;
-}
-
-// No top_k, no top_p: weights exp(x - max x), their total and prefix sums in double, in ascending id
-// order. A max pass, a pass of per-chunk totals, then one chunk rescanned to find the crossing.
+// No top_k, no top_p: a max pass, then the draw over the row.
 template <typename T>
 __global__ void __launch_bounds__(kSampleThreads) sample_full_kernel(const T* __restrict__ logits, int64_t lg_sb,
                                                                      int64_t lg_sn, SampleArgs a) {
   extern __shared__ double chunk_total[];  // [ceil(V / kSampleChunk)]
   __shared__ double warp_totals[kSampleThreads / kWarp];
   __shared__ float warp_max[kSampleThreads / kWarp];
-  __shared__ int chosen_chunk, chosen_id;
-  __shared__ double chosen_before, threshold_shared;
   const int i = blockIdx.x, b = blockIdx.y;
   float u;
   if (!sample_target(a, b, i, u)) return;
@@ -432,86 +555,31 @@ __global__ void __launch_bounds__(kSampleThreads) sample_full_kernel(const T* __
   __syncthreads();
   m = warp_max[0];
   for (int w = 1; w < kSampleThreads / kWarp; ++w) m = fmaxf(m, warp_max[w]);
-
-  // Thread t of a chunk owns ids [c0 + 8 t, c0 + 8 t + 8): its running sums, then the block scan.
-  auto thread_sum = [&](int64_t c0, double (&run)[kSampleChunkPerThread]) {
-    double s = 0;
-#pragma unroll
-    for (int e = 0; e < kSampleChunkPerThread; ++e) {
-      const int64_t j = c0 + threadIdx.x * kSampleChunkPerThread + e;
-      s += j < a.vocab ? expf(cuda::to_float(row[j]) / temperature - m) : 0.f;
-      run[e] = s;
-    }
-    return s;
-  };
-  const int chunks = static_cast<int>((a.vocab + kSampleChunk - 1) / kSampleChunk);
-  for (int c = 0; c < chunks; ++c) {
-    double run[kSampleChunkPerThread], excl;
-    const double incl = block_scan(thread_sum(static_cast<int64_t>(c) * kSampleChunk, run), warp_totals, excl);
-    if (threadIdx.x == kSampleThreads - 1) chunk_total[c] = incl;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double total = 0;
-    for (int c = 0; c < chunks; ++c) total += chunk_total[c];
-    const double threshold = static_cast<double>(u) * total;
-    double before = 0;
-    int chosen = -1;
-    for (int c = 0; c < chunks && chosen < 0; ++c) {
-      if (before + chunk_total[c] > threshold) {
-        chosen = c;
-      } else {
-        before += chunk_total[c];
-      }
-    }
-    chosen_chunk = chosen;
-    chosen_before = before;
-    threshold_shared = threshold;
-    chosen_id = cuda::kNoId;
-  }
-  __syncthreads();
-  const int chosen = chosen_chunk;
-  int64_t token = a.vocab - 1;  // no crossing (non-finite logits): the largest kept id
-  if (chosen >= 0) {
-    const int64_t c0 = static_cast<int64_t>(chosen) * kSampleChunk;
-    double run[kSampleChunkPerThread], excl;
-    block_scan(thread_sum(c0, run), warp_totals, excl);
-    const double before = chosen_before + excl, threshold = threshold_shared;
-#pragma unroll
-    for (int e = 0; e < kSampleChunkPerThread; ++e) {
-      const int64_t j = c0 + threadIdx.x * kSampleChunkPerThread + e;
-      if (j < a.vocab && before + run[e] > threshold) {
-        atomicMin(&chosen_id, static_cast<int>(j));
-        break;
-      }
-    }
-    __syncthreads();
-    // A crossing the chunk total saw but no element did is a rounding gap: take the chunk's last id.
-    const int64_t chunk_end = c0 + kSampleChunk < a.vocab ? c0 + kSampleChunk : a.vocab;
-    token = chosen_id != cuda::kNoId ? chosen_id : chunk_end - 1;
-  }
+  const int64_t token = draw_over_row(row, a, m, u, [](float) { return true; }, chunk_total, warp_totals);
   if (threadIdx.x == 0) a.token[static_cast<int64_t>(b) * a.num_nodes + i] = token;
 }
 
-// The CPU op's formulation, batched over every node through ATen on the device: weights
-// exp(x - max x), the kept set by a stable descending sort (top_k ranks, then the top_p prefix by
-// double masses), the inverse CDF by a double cumulative sum and a search.
+// The CPU op's rule, batched over every node through ATen on the device: weights exp(x - max x); the top_k
+// set (every x at or above the k-th largest); top_p's cut value from a descending sort and double masses;
+// the inverse CDF by a double cumulative sum and a search.
 void sample_by_sort(const at::Tensor& logits, const at::Tensor& uniform, const at::Tensor& depth, double temperature,
                     int64_t top_k, double top_p, at::Tensor& token) {
   const int64_t vocab = logits.size(2);
   const at::Tensor x = logits.to(at::kFloat) / temperature;
   const at::Tensor weight = (x - std::get<0>(x.max(-1, /*keepdim=*/true))).exp();
   const at::Tensor u = uniform.gather(1, depth.clamp(0, uniform.size(1) - 1).to(at::kLong));  // [B, N]
-  const at::Tensor order = std::get<1>(at::sort(x, /*stable=*/true, /*dim=*/-1, /*descending=*/true));
   const at::Tensor rank = at::arange(vocab, x.options().dtype(at::kLong));
-  at::Tensor keep_sorted = at::ones_like(order, order.options().dtype(at::kBool));
-  if (top_k > 0 && top_k < vocab) keep_sorted = rank.lt(top_k).expand_as(order);
+  at::Tensor keep = at::ones_like(x, x.options().dtype(at::kBool));
+  if (top_k > 0 && top_k < vocab) keep = x.ge(std::get<0>(x.topk(top_k, -1)).narrow(-1, top_k - 1, 1));
   if (top_p < 1.0) {
+    const auto [sorted_x, order] = at::sort(x, /*stable=*/false, /*dim=*/-1, /*descending=*/true);
+    const at::Tensor keep_sorted = keep.gather(-1, order);
     const at::Tensor mass = weight.gather(-1, order).to(at::kDouble).mul(keep_sorted);
     const at::Tensor above = mass.cumsum(-1).sub(mass);
-    keep_sorted = keep_sorted.logical_and(above.lt(mass.sum(-1, /*keepdim=*/true).mul(top_p)));
+    const at::Tensor in_prefix = keep_sorted.logical_and(above.lt(mass.sum(-1, /*keepdim=*/true).mul(top_p)));
+    // The last token kept in rank order; its value keeps its ties too.
+    keep = keep.logical_and(x.ge(sorted_x.masked_fill(in_prefix.logical_not(), INFINITY).amin(-1, true)));
   }
-  const at::Tensor keep = at::zeros_like(keep_sorted).scatter(-1, order, keep_sorted);
   const at::Tensor cum = weight.to(at::kDouble).mul(keep).cumsum(-1);
   const at::Tensor threshold = u.to(at::kDouble).unsqueeze(-1).mul(cum.narrow(-1, vocab - 1, 1));
   const at::Tensor hit = at::searchsorted(cum, threshold, /*out_int32=*/false, /*right=*/true).squeeze(-1);
@@ -592,11 +660,11 @@ void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
                                        sizeof(double) * cuda::ceil_div(vocab, kSampleChunk), stream>>>(
             logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), args);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-      } else if (k_on <= 8) {
+      } else if (k_on < 8) {  // a list longer than k: kth's tie group rarely runs past it
         launch_sample_top_k<scalar_t, 8>(logits, args, bsz, stream);
-      } else if (k_on <= 16) {
+      } else if (k_on < 16) {
         launch_sample_top_k<scalar_t, 16>(logits, args, bsz, stream);
-      } else if (k_on <= 32) {
+      } else if (k_on < 32) {
         launch_sample_top_k<scalar_t, 32>(logits, args, bsz, stream);
       } else {
         launch_sample_top_k<scalar_t, 64>(logits, args, bsz, stream);

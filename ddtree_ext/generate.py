@@ -152,9 +152,9 @@ def generate(
         tree_budget: 1..256 tree nodes besides the root verified per DDTree round.
         temperature: 0 = greedy (argmax; ties go to the lower token id, like ``torch.argmax``);
             > 0 samples by :func:`ddtree_ext.ops.walk_sample`'s rule, after ``top_k`` (None or 0 = off;
-            unlike HF, no implicit 50) and ``top_p`` (None or 1 = off). Both are ignored when greedy. Where
-            logits tie at a cut the rule differs from HF's warpers: top_k keeps exactly k (lower ids first), HF
-            every token tied with the k-th; top_p keeps a tied group's lower ids, HF its higher ones.
+            unlike HF, no implicit 50) and ``top_p`` (None or 1 = off). Both are ignored when greedy. The kept
+            tokens are those of HF's warpers, ties at the top_k cut included; a group of equal logits at the
+            top_p cut is kept whole, where HF keeps whichever part its sort ranks higher.
         eos_token_id: an id or a list of ids; generation stops after the first one emitted (the EOS
             is included in the output). None (the default) never stops early: the target's
             generation_config is not consulted.

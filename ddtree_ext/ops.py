@@ -761,10 +761,12 @@ def walk_sample(
     logits [B, N, V] (the target's logits at every node, float32, float16 or bfloat16), uniform [B, D] float32 in
     [0, 1) (uniform[b, d] draws the token at the d-th node of row b's path; D = max_accept),
     temperature > 0, top_k (0 = off), top_p in (0, 1] (1 = off). The token is drawn from
-    softmax(logits / temperature) restricted to the top_k largest logits (ties: lower id), then to the
-    smallest set in descending order whose probability reaches top_p (renormalised over the top_k
-    set), by inverse CDF in ascending token-id order: the first kept token whose cumulative
-    probability exceeds uniform * total.
+    softmax(logits / temperature) restricted to the top_k set (every logit at or above the k-th largest, all
+    its ties included, as HF's top-k warper keeps), then to the tokens whose logit has less than top_p of the
+    top_k set's probability strictly above it (the smallest set in descending order whose probability reaches
+    top_p, with every token tied with its last; HF's top-p warper keeps an arbitrary part of such a tie), by
+    inverse CDF in ascending token-id order: the first kept token whose cumulative probability exceeds
+    uniform * total.
     """
     if out is None:
         out = empty_walk(tree.token.shape[0], uniform.shape[-1], tree.token.device)

@@ -384,21 +384,23 @@ def walk_greedy(tree: Tree, target_token: torch.Tensor, max_accept: int) -> Walk
 
 
 def sample_token(logits: torch.Tensor, u: float, temperature: float, top_k: int = 0, top_p: float = 1.0) -> int:
-    """One draw from the target's processed distribution (the rule of :func:`ddtree_ext.ops.walk_sample`)."""
+    """One draw from the target's processed distribution (the rule of :func:`ddtree_ext.ops.walk_sample`). Both cuts
+    are thresholds on x = logits / temperature, so tokens of equal x are kept or dropped together."""
     x = logits.float() / temperature
     vocab = x.shape[0]
-    order = torch.sort(x, descending=True, stable=True).indices  # ties: lower id first
-    keep = torch.zeros(vocab, dtype=torch.bool)
-    kept = order[: top_k if 0 < top_k < vocab else vocab]
+    keep = torch.ones(vocab, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        keep = x >= torch.topk(x, top_k).values[-1]  # every token tied with the k-th stays, as in HF
     if top_p < 1.0:
-        p = torch.softmax(x[kept], dim=0)
+        kept = torch.nonzero(keep).flatten()
+        xs = torch.sort(x[kept], descending=True).values
+        p = torch.softmax(xs, dim=0)
         before = torch.cumsum(p, 0) - p  # probability of the tokens ranked above
-        kept = kept[before < top_p]
-    keep[kept] = True
+        keep &= x >= xs[before < top_p][-1]  # the last token kept in rank order, and its ties
     probs = torch.softmax(x, dim=0) * keep
     cum = torch.cumsum(probs, 0)  # ascending token id
     hit = torch.nonzero(cum > u * cum[-1])
-    return int(hit[0]) if hit.numel() else int(kept.max())
+    return int(hit[0]) if hit.numel() else int(torch.nonzero(keep).max())
 
 
 def walk_sample(

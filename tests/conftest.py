@@ -52,6 +52,76 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert err <= RTOL[dtype], f"{name}: relative error {err:.3e} > {RTOL[dtype]:.1e} ({dtype})"
 
 
+def warped_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution walk_sample draws from, float64 [R, V], out of Hugging Face's own warpers over float32 logits
+    [R, V] (generate upcasts them), in generate's order: temperature, top-k, top-p, then a softmax. One change: where
+    top-p's cut falls inside a group of equal logits, HF keeps the members its unstable sort happens to rank higher;
+    here every token tied with a kept one is kept (HF keeps at least one of such a group exactly when the group is
+    kept here)."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = TemperatureLogitsWarper(temperature)(None, logits.float().cpu())
+    if top_k > 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        kept = TopPLogitsWarper(top_p)(None, scores) > -float("inf")
+        lowest_kept = scores.masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
+        scores = scores.masked_fill(scores < lowest_kept, -float("inf"))
+    return torch.softmax(scores.double(), -1)
+
+
+def inverse_cdf_probes(probs: torch.Tensor, grid: int = 2048, margin: float = 1e-6) -> tuple:
+    """(uniforms, tokens) probing a sampler that draws by inverse CDF in ascending id order from one row of
+    probabilities [V] (float64): an even grid of ``grid`` uniforms plus the middle of each interval of a token
+    holding at least 1e-4 of the mass, less those within ``margin`` of a boundary (rounding may move one), each
+    with the token ``probs`` gives it. Another kept set or other weights draw some probe's token elsewhere: a
+    missing or extra token of share above about 1/grid covers a probe."""
+    cum = torch.cumsum(probs.double(), 0)
+    bounds = cum / cum[-1]
+    big = torch.nonzero(probs >= 1e-4 * cum[-1]).flatten()
+    u = torch.cat([(torch.arange(grid, dtype=torch.float64) + 0.5) / grid, bounds[big] - probs[big] / cum[-1] / 2])
+    u = u.float().double()  # the sampler sees float32 uniforms
+    edges = torch.cat([torch.zeros(1, dtype=torch.float64), bounds[probs > 0]])
+    at = torch.searchsorted(edges, u).clamp(1, edges.shape[0] - 1)
+    clear = torch.minimum((u - edges[at - 1]).abs(), (edges[at] - u).abs()) > margin
+    u = u[clear]
+    assert u.shape[0] > grid // 2, "too few probes clear of the boundaries"
+    return u.float(), torch.searchsorted(bounds, u, right=True).clamp_max(probs.shape[0] - 1)
+
+
+def tied_rows(vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Float32 rows [5, V] full of ties at every rank, exact in bfloat16 and float16: small integers; the same
+    over a quarter of the row and 10 lower elsewhere; a peaked row of 1/8-steps with groups of 10, 10 and 40
+    tokens tied at its 3rd, 8th and 20th largest value; its negation; -inf but for three tokens."""
+    ints = torch.randint(0, 4, (vocab,), generator=gen).float()
+    sparse = torch.where(torch.rand(vocab, generator=gen) < 0.25, ints, ints - 10)
+    peaked = torch.round(torch.randn(vocab, generator=gen) * 16) / 8
+    for rank, size in ((3, 10), (8, 10), (20, 40)):
+        value = peaked.sort(descending=True).values[min(rank, vocab) - 1]
+        peaked[torch.randperm(vocab, generator=gen)[: min(size, vocab)]] = value
+    few = torch.full((vocab,), -float("inf"))
+    few[torch.randperm(vocab, generator=gen)[:3]] = torch.tensor([1.0, 0.5, 0.5])
+    return torch.stack([ints, sparse, peaked, -peaked, few])
+
+
+def root_draws(logits: torch.Tensor, uniform: torch.Tensor, **kw) -> torch.Tensor:
+    """The token walk_sample draws at the root of a one-node tree from one row of logits [V] (on its device), for
+    each uniform [M]: the bonus tokens [M] of M one-node rows, on the CPU."""
+    from ddtree_ext import ops, reference
+
+    m = uniform.shape[0]
+    tree = reference.tree_from_parents(
+        torch.full((m, 1), -1, dtype=torch.int32), torch.zeros(m, 1, dtype=torch.int64), torch.zeros(m, dtype=torch.int64)
+    )
+    tree = ops.Tree(*(t.to(logits.device) for t in tree))
+    out = ops.walk_sample(tree, logits.expand(m, 1, -1), uniform.reshape(m, 1).contiguous().to(logits.device), **kw)
+    return out.next_token.cpu()
+
+
 def poison(t: torch.Tensor) -> torch.Tensor:
     """Fill an output buffer with a value no op writes, so an unwritten element fails the comparison."""
     if t.dtype.is_floating_point:

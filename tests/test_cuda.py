@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (RTOL, assert_close, built_for_hopper, poison, programmatic_launches, random_parents, rel_err,
-                      requires_cuda)
+from conftest import (RTOL, assert_close, built_for_hopper, inverse_cdf_probes, poison, programmatic_launches,
+                      random_parents, rel_err, requires_cuda, root_draws, tied_rows, warped_probs)
 from ddtree_ext import build_info, ops, reference
 from ddtree_ext.ops import GDNTreeOutput, TopK, Tree, Walk
 
@@ -691,6 +691,26 @@ def test_walk_sample_full_vocab():
     for kw in (dict(temperature=0.6, top_k=20, top_p=0.95), dict(temperature=1.0)):
         got = ops.walk_sample(to(tree, DEV), logits.to(DEV), uniform.to(DEV), **kw)
         assert_fields_equal(got, ops.walk_sample(tree, logits, uniform, **kw), "vs CPU op")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(
+    "top_k,top_p", [(5, 1.0), (7, 1.0), (8, 0.9), (20, 0.95), (31, 0.5), (64, 1.0), (64, 0.8), (100, 0.9), (0, 0.6)]
+)
+def test_walk_sample_ties_keep_what_hf_warpers_keep(dtype, top_k, top_p):
+    """Logits tied at the top_k and top_p cuts: groups inside the kernel's list, running past it (64 tokens or
+    62000 tied at the top), a k-th of -inf. The kept set and weights are HF's warpers' (a group tied at top_p's
+    cut kept whole), probed by inverse-CDF uniforms over the whole range; the CPU op draws the same."""
+    gen = make_gen(top_k + int(top_p * 10))
+    for vocab in (3000, 248320):
+        rows = tied_rows(vocab, gen).to(dtype)
+        kw = dict(temperature=0.8, top_k=top_k, top_p=top_p)
+        for row, probs in zip(rows, warped_probs(rows, **kw)):
+            uniform, want = inverse_cdf_probes(probs)
+            got = root_draws(row.to(DEV), uniform, **kw)
+            assert torch.equal(got, want), f"vocab {vocab}: {int((got != want).sum())} of {len(want)} probes differ"
+            if vocab == 3000:
+                assert torch.equal(root_draws(row, uniform, **kw), got), "vs CPU op"
 
 
 # ---- commit ------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from collections import Counter
 import pytest
 import torch
 
+from conftest import warped_probs
 from ddtree_ext import generate, stack_projections, tiny
 from ddtree_ext.generate import MAX_TREE_BUDGET, GenerationStats
 from ddtree_ext.target import TargetAdapter
@@ -470,19 +471,6 @@ def test_sampling_reproducible_and_identical_across_methods(name):
     assert not torch.equal(generate(target, draft, ids, 120), ref)  # sampling is not the greedy output
 
 
-def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The distribution ops.walk_sample draws from (float64): softmax(logits / T) on the top_k, then the
-    smallest descending set reaching top_p, renormalised."""
-    x = logits.double() / temperature
-    order = torch.sort(x, descending=True, stable=True).indices
-    kept = order[:top_k] if top_k else order
-    p = torch.softmax(x[kept], 0)
-    kept = kept[(torch.cumsum(p, 0) - p) < top_p]
-    probs = torch.zeros_like(x)
-    probs[kept] = torch.softmax(x[kept], 0)
-    return probs
-
-
 def exact_joint(target, ids: torch.Tensor, steps: int, **processing) -> dict:
     """P(first ``steps`` new tokens) under the processed target distribution: {token tuple: prob}."""
     joint = {(): 1.0}
@@ -493,7 +481,7 @@ def exact_joint(target, ids: torch.Tensor, steps: int, **processing) -> dict:
             logits = target(batch).logits[:, -1]
             nxt = {}
             for k, row in zip(prefixes, logits):
-                probs = processed_probs(row, **processing)
+                probs = warped_probs(row[None], **processing)[0]
                 for t in probs.nonzero()[:, 0].tolist():
                     nxt[k + (t,)] = joint[k] * float(probs[t])
             joint = nxt

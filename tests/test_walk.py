@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import poison, random_parents
+from conftest import inverse_cdf_probes, poison, random_parents, root_draws, tied_rows, warped_probs
 from ddtree_ext import ops
 from ddtree_ext import reference as ref
 from ddtree_ext._loader import load_ops
@@ -135,7 +135,7 @@ def test_sample_vs_reference(dtype, top_k, top_p):
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (4, 1.0), (0, 0.6), (6, 0.7)])
 def test_sample_ties_vs_reference(top_k, top_p):
-    """Integer logits make many ties: the top_k cut and the top_p order break them by the lower id."""
+    """Integer logits make many ties at the top_k cut and in the top_p order."""
     gen = torch.Generator().manual_seed(11 + top_k)
     batch, n, vocab, max_accept = 8, 9, 12, 4
     tree = random_trees(batch, n, vocab, gen)
@@ -144,6 +144,24 @@ def test_sample_ties_vs_reference(top_k, top_p):
     kw = dict(temperature=1.0, top_k=top_k, top_p=top_p)
     out = ops.walk_sample(tree, logits, uniform, **kw, out=poisoned_walk(batch, max_accept))
     assert_walk_equal(out, ref.walk_sample(tree, logits, uniform, **kw))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (8, 1.0), (20, 1.0), (0, 0.5), (0, 0.9), (8, 0.6), (20, 0.93)])
+def test_sample_keeps_what_hf_warpers_keep(dtype, top_k, top_p):
+    """Where logits tie at the top_k or the top_p cut, the kept set and weights are those of HF's own warpers:
+    every token tied with the k-th stays; a group tied at top_p's cut stays whole (HF's keeps an arbitrary part of
+    it). Probed by inverse-CDF uniforms over the whole range, for the op and the reference."""
+    gen = torch.Generator().manual_seed(top_k * 10 + int(top_p * 100))
+    for vocab in (40, 3000):
+        rows = tied_rows(vocab, gen).to(dtype)
+        for temperature in (1.0, 0.7):
+            kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+            for row, probs in zip(rows, warped_probs(rows, **kw)):
+                uniform, want = inverse_cdf_probes(probs)
+                assert torch.equal(root_draws(row, uniform, **kw), want)
+                if vocab == 40:  # the reference, on every 16th probe (it draws one token a call)
+                    assert [ref.sample_token(row, float(x), **kw) for x in uniform[::16]] == want[::16].tolist()
 
 
 def test_sample_large_vocab_strided_logits_vs_reference():
@@ -169,22 +187,6 @@ def test_sample_reproducible():
     assert_walk_equal(ops.walk_sample(tree, logits, uniform, **kw, out=poisoned_walk(4, 8)), first)
 
 
-def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The target's processed distribution [.., V], written independently of the inverse-CDF rule:
-    rank, cut by top_k and top_p, renormalise."""
-    x = logits.float() / temperature
-    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
-    p_sorted = torch.softmax(x.gather(-1, order), -1)
-    keep = torch.ones_like(p_sorted, dtype=torch.bool)
-    if top_k > 0:
-        keep[..., top_k:] = False
-    p_kept = p_sorted * keep
-    p_kept = p_kept / p_kept.sum(-1, keepdim=True)
-    keep &= (p_kept.cumsum(-1) - p_kept) < top_p
-    p = torch.zeros_like(x).scatter(-1, order, p_sorted * keep)
-    return p / p.sum(-1, keepdim=True)
-
-
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.85), (1.0, 4, 0.8)])
 def test_sample_law(temperature, top_k, top_p):
     """Lossless sampling: over many draws the committed (first, second) tokens follow the target's
@@ -206,7 +208,7 @@ def test_sample_law(temperature, top_k, top_p):
     first, second = tree.token[0, out.accepted[:, 1].long()], tree.token[0, out.accepted[:, 2].long()]
     observed = torch.bincount(first * vocab + second, minlength=vocab * vocab).double()
 
-    probs = processed_probs(logits_one, temperature, top_k, top_p).double()  # [n, V]
+    probs = warped_probs(logits_one, temperature, top_k, top_p)  # [n, V]
     expected = (probs[0].unsqueeze(1) * probs[1 : 1 + vocab]).reshape(-1) * draws  # p(t1) p(t2 | t1)
     impossible = expected == 0
     assert observed[impossible].sum() == 0, "a filtered-out token was drawn"
