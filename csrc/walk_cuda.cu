@@ -5,7 +5,7 @@
 // uniform[b, depth], so every reachable node draws its token in parallel first (depths come from the
 // child links); the walk itself is then the greedy walk over those tokens. Draws:
 //   * top_k in [1, 64]: one pass over each node's row, split into segments over several blocks
-//     (row_topk.cuh), gives the row's best 8/16/32/64 (the next size above k; 64 for k = 64); one
+//     (row_topk.cuh), gives the row's best 8/16/32/64 (the first at least k + 4 long, else 64); one
 //     block per node merges the segments and finds top_k's and top_p's cut values from them (a group
 //     tied with the k-th that runs past the list is counted over the row), then draws from the list,
 //     or over the row when the kept set runs past the list;
@@ -328,7 +328,7 @@ __device__ __forceinline__ double block_scan(double x, double* warp_totals, doub
 // that chunk rescanned. Every thread of the block calls it; the result is valid in thread 0. With no
 // crossing (non-finite logits) it is the largest kept id (the last id if none is kept); with a crossing
 // the chunk total saw but no element did (a rounding gap between the two sums), the chunk's largest kept
-// id.
+// id. Once per block: its shared scalars are set up without a barrier before them.
 template <typename T, typename Keep>
 __device__ int64_t draw_over_row(const T* __restrict__ row, const SampleArgs& a, float m, float u, Keep keep,
                                  double* chunk_total, double* warp_totals) {
@@ -403,11 +403,11 @@ __device__ int64_t draw_over_row(const T* __restrict__ row, const SampleArgs& a,
 }
 
 // top_k in [1, 64], step 2: one block per node. Warp 0 merges the segments' lists into the row's best
-// K_CAP (x, id) pairs. The top_k set is every x >= the k-th largest, kth; when the list ends inside
-// kth's tie group, the group may run past it and is counted over the row. top_p then keeps the groups
-// of equal x, in descending order, whose mass above is below top_p of the set's: the kept set is every
-// x >= a cut value. When all of it is in the list (nearly always) warp 0 draws from the list; else the
-// block draws over the row.
+// K_CAP (x, id) pairs. The top_k set is every x >= the k-th largest, kth. top_p then keeps the groups
+// of equal x, in descending order, whose mass above is below top_p of the set's (when the list ends
+// inside kth's group, the group may run past it and is counted over the row for that mass): the kept
+// set is every x >= a cut value. When all of it is in the list, warp 0 draws from the list; else (kth's
+// group is kept and reaches the list's end) the block draws over the row.
 template <typename T, int K_CAP>
 __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const T* __restrict__ logits, int64_t lg_sb,
                                                                            int64_t lg_sn, SampleArgs a, int segments,
@@ -438,9 +438,10 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
   const float temperature = a.temperature;
   const int k = a.top_k;
   const float kth = val[k - 1];
-  // The list ends inside kth's tie group: count the group over the row (block-uniform branch).
+  // The list ends inside kth's tie group, which may run past it. top_p needs the set's mass: count the
+  // group over the row (a block-uniform branch).
   const bool group_past_list = val[K_CAP - 1] == kth;
-  if (group_past_list) {
+  if (group_past_list && a.top_p < 1.0) {
     int count = 0;
     cuda::for_each_in_row<T, kSampleThreads>(row, a.vocab, [&](float x, int64_t) { count += x / temperature == kth; });
     double excl;
@@ -451,12 +452,14 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
   if (threadIdx.x == 0) {
     int above_kth = k - 1;  // the list's entries [0, above_kth) are every x > kth
     while (above_kth > 0 && val[above_kth - 1] == kth) --above_kth;
-    int tied_in_list = 0;
-    for (int r = above_kth; r < K_CAP && val[r] == kth; ++r) ++tied_in_list;
-    double mass = (group_past_list ? tied_in_row : tied_in_list) * static_cast<double>(expf(kth - m));
-    for (int r = 0; r < above_kth; ++r) mass += expf(val[r] - m);
     float cut = kth;
     if (a.top_p < 1.0) {
+      // The top_k set's mass: its tokens above kth, then kth's group (counted over the row when it may run
+      // past the list).
+      int tied_in_list = 0;
+      for (int r = above_kth; r < K_CAP && val[r] == kth; ++r) ++tied_in_list;
+      double mass = (group_past_list ? tied_in_row : tied_in_list) * static_cast<double>(expf(kth - m));
+      for (int r = 0; r < above_kth; ++r) mass += expf(val[r] - m);
       // Groups of equal x in descending order (masses in double, like the CPU op): a group stays while the
       // mass above it is below top_p of the set's mass; the first always does.
       const double target = a.top_p * mass;
@@ -565,7 +568,9 @@ __global__ void __launch_bounds__(kSampleThreads) sample_full_kernel(const T* __
 void sample_by_sort(const at::Tensor& logits, const at::Tensor& uniform, const at::Tensor& depth, double temperature,
                     int64_t top_k, double top_p, at::Tensor& token) {
   const int64_t vocab = logits.size(2);
-  const at::Tensor x = logits.to(at::kFloat) / temperature;
+  // Divided by a device tensor: ATen divides by a host scalar as a multiply by its reciprocal, a bit off
+  // x / temperature (which the other paths compute), and a bit can make or break a tie the cuts keep whole.
+  const at::Tensor x = logits.to(at::kFloat).div(at::full({}, static_cast<float>(temperature), logits.options().dtype(at::kFloat)));
   const at::Tensor weight = (x - std::get<0>(x.max(-1, /*keepdim=*/true))).exp();
   const at::Tensor u = uniform.gather(1, depth.clamp(0, uniform.size(1) - 1).to(at::kLong));  // [B, N]
   const at::Tensor rank = at::arange(vocab, x.options().dtype(at::kLong));
@@ -660,11 +665,11 @@ void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
                                        sizeof(double) * cuda::ceil_div(vocab, kSampleChunk), stream>>>(
             logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), args);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-      } else if (k_on < 8) {  // a list longer than k: kth's tie group rarely runs past it
+      } else if (k_on <= 8 - 4) {  // a list 4 longer than k: kth's tie group seldom runs past it
         launch_sample_top_k<scalar_t, 8>(logits, args, bsz, stream);
-      } else if (k_on < 16) {
+      } else if (k_on <= 16 - 4) {
         launch_sample_top_k<scalar_t, 16>(logits, args, bsz, stream);
-      } else if (k_on < 32) {
+      } else if (k_on <= 32 - 4) {
         launch_sample_top_k<scalar_t, 32>(logits, args, bsz, stream);
       } else {
         launch_sample_top_k<scalar_t, 64>(logits, args, bsz, stream);

@@ -94,32 +94,39 @@ def inverse_cdf_probes(probs: torch.Tensor, grid: int = 2048, margin: float = 1e
 
 
 def tied_rows(vocab: int, gen: torch.Generator) -> torch.Tensor:
-    """Float32 rows [5, V] full of ties at every rank, exact in bfloat16 and float16: small integers; the same
+    """Float32 rows [6, V] full of ties at every rank, exact in bfloat16 and float16: small integers; the same
     over a quarter of the row and 10 lower elsewhere; a peaked row of 1/8-steps with groups of 10, 10 and 40
-    tokens tied at its 3rd, 8th and 20th largest value; its negation; -inf but for three tokens."""
+    tokens (at most a quarter of the row each) tied at its 3rd, 8th and 20th largest value; its negation; one
+    token at 3, a third of the row tied at 0 (most of the mass) and -5 elsewhere; -inf but for three tokens."""
     ints = torch.randint(0, 4, (vocab,), generator=gen).float()
     sparse = torch.where(torch.rand(vocab, generator=gen) < 0.25, ints, ints - 10)
     peaked = torch.round(torch.randn(vocab, generator=gen) * 16) / 8
     for rank, size in ((3, 10), (8, 10), (20, 40)):
         value = peaked.sort(descending=True).values[min(rank, vocab) - 1]
-        peaked[torch.randperm(vocab, generator=gen)[: min(size, vocab)]] = value
+        peaked[torch.randperm(vocab, generator=gen)[: min(size, vocab // 4)]] = value
+    wide = torch.where(torch.rand(vocab, generator=gen) < 1 / 3, 0.0, -5.0)
+    wide[int(torch.randint(0, vocab, (), generator=gen))] = 3.0
     few = torch.full((vocab,), -float("inf"))
     few[torch.randperm(vocab, generator=gen)[:3]] = torch.tensor([1.0, 0.5, 0.5])
-    return torch.stack([ints, sparse, peaked, -peaked, few])
+    return torch.stack([ints, sparse, peaked, -peaked, wide, few])
 
 
-def root_draws(logits: torch.Tensor, uniform: torch.Tensor, **kw) -> torch.Tensor:
+def root_draws(logits: torch.Tensor, uniform: torch.Tensor, batch: int = 1024, **kw) -> torch.Tensor:
     """The token walk_sample draws at the root of a one-node tree from one row of logits [V] (on its device), for
-    each uniform [M]: the bonus tokens [M] of M one-node rows, on the CPU."""
+    each uniform [M]: the bonus tokens [M] of M one-node rows, on the CPU, ``batch`` rows a call."""
     from ddtree_ext import ops, reference
 
-    m = uniform.shape[0]
-    tree = reference.tree_from_parents(
-        torch.full((m, 1), -1, dtype=torch.int32), torch.zeros(m, 1, dtype=torch.int64), torch.zeros(m, dtype=torch.int64)
-    )
-    tree = ops.Tree(*(t.to(logits.device) for t in tree))
-    out = ops.walk_sample(tree, logits.expand(m, 1, -1), uniform.reshape(m, 1).contiguous().to(logits.device), **kw)
-    return out.next_token.cpu()
+    tokens = []
+    for part in uniform.split(batch):
+        m = part.shape[0]
+        tree = reference.tree_from_parents(
+            torch.full((m, 1), -1, dtype=torch.int32), torch.zeros(m, 1, dtype=torch.int64),
+            torch.zeros(m, dtype=torch.int64),
+        )
+        tree = ops.Tree(*(t.to(logits.device) for t in tree))
+        out = ops.walk_sample(tree, logits.expand(m, 1, -1), part.reshape(m, 1).contiguous().to(logits.device), **kw)
+        tokens.append(out.next_token.cpu())
+    return torch.cat(tokens)
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:

@@ -695,13 +695,15 @@ def test_walk_sample_full_vocab():
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize(
-    "top_k,top_p", [(5, 1.0), (7, 1.0), (8, 0.9), (20, 0.95), (31, 0.5), (64, 1.0), (64, 0.8), (100, 0.9), (0, 0.6)]
+    "top_k,top_p",
+    [(2, 0.5), (5, 1.0), (7, 1.0), (8, 0.9), (20, 0.95), (31, 0.5), (64, 1.0), (64, 0.8), (100, 0.9), (0, 0.6)],
 )
 def test_walk_sample_ties_keep_what_hf_warpers_keep(dtype, top_k, top_p):
     """Logits tied at the top_k and top_p cuts: groups inside the kernel's list, running past it (64 tokens or
-    62000 tied at the top), a k-th of -inf. The kept set and weights are HF's warpers' (a group tied at top_p's
-    cut kept whole), probed by inverse-CDF uniforms over the whole range; the CPU op draws the same."""
-    gen = make_gen(top_k + int(top_p * 10))
+    62000 tied at the top), a k-th's group that holds most of top_p's mass, a k-th of -inf. The kept set and weights
+    are HF's warpers' (a group tied at top_p's cut kept whole), probed by inverse-CDF uniforms over the whole range;
+    the CPU op draws the same."""
+    gen = make_gen(top_k * 100 + int(top_p * 100))
     for vocab in (3000, 248320):
         rows = tied_rows(vocab, gen).to(dtype)
         kw = dict(temperature=0.8, top_k=top_k, top_p=top_p)
