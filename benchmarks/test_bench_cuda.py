@@ -255,6 +255,23 @@ def test_walk_sample(benchmark, ceilings, budget):
     bench(benchmark, ceilings, "walk_sample", f"N={n} V={VOCAB} bf16 top_k=20 top_p=0.95", calls, n * VOCAB * 2)
 
 
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 0.9), (64, 1.0), (0, 0.95)])
+def test_walk_sample_settings(benchmark, ceilings, top_k, top_p):
+    """The other draw paths at budget 64: no filter (a max pass and the draw over each row), a top_k list with top_p,
+    top_k = 64 (its list is k long, so the k-th's tie group reaches its end: every node draws over the row), top_p
+    alone (the sort path)."""
+    gen = torch.Generator().manual_seed(top_k)
+    tree = built_tree(64, gen)
+    n = 65
+    logits = [torch.randn(1, n, VOCAB, dtype=torch.bfloat16, device=DEV) * 3 for _ in range(2)]
+    uniform = torch.rand(1, 16, device=DEV)
+    walk = ops.empty_walk(1, 16, DEV)
+    calls = [lambda x=x: ops.walk_sample(tree, x, uniform, temperature=0.6, top_k=top_k, top_p=top_p, out=walk)
+             for x in logits]
+    bench(benchmark, ceilings, "walk_sample", f"N={n} V={VOCAB} bf16 top_k={top_k} top_p={top_p}", calls,
+          n * VOCAB * 2)
+
+
 # ---- commit ------------------------------------------------------------------------------------
 
 
