@@ -405,9 +405,9 @@ __device__ int64_t draw_over_row(const T* __restrict__ row, const SampleArgs& a,
 // top_k in [1, 64], step 2: one block per node. Warp 0 merges the segments' lists into the row's best
 // K_CAP (x, id) pairs. The top_k set is every x >= the k-th largest, kth. top_p then keeps the groups
 // of equal x, in descending order, whose mass above is below top_p of the set's (when the list ends
-// inside kth's group, the group may run past it and is counted over the row for that mass): the kept
-// set is every x >= a cut value. When all of it is in the list, warp 0 draws from the list; else (kth's
-// group is kept and reaches the list's end) the block draws over the row.
+// inside kth's group, the group may run past it and is counted over the row): the kept set is every
+// x >= a cut value. When all of it is in the list, warp 0 draws from the list; else (kth's group is
+// kept and runs past the list) the block draws over the row.
 template <typename T, int K_CAP>
 __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const T* __restrict__ logits, int64_t lg_sb,
                                                                            int64_t lg_sn, SampleArgs a, int segments,
@@ -438,10 +438,11 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
   const float temperature = a.temperature;
   const int k = a.top_k;
   const float kth = val[k - 1];
-  // The list ends inside kth's tie group, which may run past it. top_p needs the set's mass: count the
-  // group over the row (a block-uniform branch).
+  // The list ends inside kth's tie group, which may run past it: count the group over the row (a
+  // block-uniform branch). top_p needs the count for the set's mass; the draw, to know whether the kept set
+  // fits the list (one streaming pass, cheaper than a draw over the row).
   const bool group_past_list = val[K_CAP - 1] == kth;
-  if (group_past_list && a.top_p < 1.0) {
+  if (group_past_list) {
     int count = 0;
     cuda::for_each_in_row<T, kSampleThreads>(row, a.vocab, [&](float x, int64_t) { count += x / temperature == kth; });
     double excl;
@@ -452,13 +453,13 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
   if (threadIdx.x == 0) {
     int above_kth = k - 1;  // the list's entries [0, above_kth) are every x > kth
     while (above_kth > 0 && val[above_kth - 1] == kth) --above_kth;
+    int tied_in_list = 0;
+    for (int r = above_kth; r < K_CAP && val[r] == kth; ++r) tied_in_list += id[r] != cuda::kNoId;
+    const double tied = group_past_list ? tied_in_row : tied_in_list;
     float cut = kth;
     if (a.top_p < 1.0) {
-      // The top_k set's mass: its tokens above kth, then kth's group (counted over the row when it may run
-      // past the list).
-      int tied_in_list = 0;
-      for (int r = above_kth; r < K_CAP && val[r] == kth; ++r) ++tied_in_list;
-      double mass = (group_past_list ? tied_in_row : tied_in_list) * static_cast<double>(expf(kth - m));
+      // The top_k set's mass: its tokens above kth, then kth's group.
+      double mass = tied * static_cast<double>(expf(kth - m));
       for (int r = 0; r < above_kth; ++r) mass += expf(val[r] - m);
       // Groups of equal x in descending order (masses in double, like the CPU op): a group stays while the
       // mass above it is below top_p of the set's mass; the first always does.
@@ -472,7 +473,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
       if (r == above_kth && above < target) cut = kth;
     }
     cut_shared = cut;
-    over_row_shared = group_past_list && cut == kth;
+    over_row_shared = cut == kth && tied > tied_in_list;  // kth's group is kept and runs past the list
   }
   __syncthreads();
   const float cut = cut_shared;
@@ -484,7 +485,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
   }
   if (warp != 0) return;
   // Every kept token is in the list: warp 0 ranks them by id (each lane its entries) and lane 0 draws.
-  for (int r = lane; r < K_CAP; r += kWarp) keep[r] = val[r] >= cut;
+  for (int r = lane; r < K_CAP; r += kWarp) keep[r] = val[r] >= cut && id[r] != cuda::kNoId;  // not padding
   __syncwarp();
   for (int r = lane; r < K_CAP; r += kWarp) {
     if (!keep[r]) continue;
