@@ -258,8 +258,8 @@ def test_walk_sample(benchmark, ceilings, budget):
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 0.9), (64, 1.0), (0, 0.95)])
 def test_walk_sample_settings(benchmark, ceilings, top_k, top_p):
     """The other draw paths at budget 64: no filter (a max pass and the draw over each row), a top_k list with top_p,
-    top_k = 64 (its list is k long, so the k-th's tie group reaches its end: every node draws over the row), top_p
-    alone (the sort path)."""
+    top_k = 64 (its list is k long, so the k-th's tie group reaches its end: every node counts it over the row, and
+    draws over the row where it runs past), top_p alone (the sort path)."""
     gen = torch.Generator().manual_seed(top_k)
     tree = built_tree(64, gen)
     n = 65
