@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     gen.add_argument("--seed", type=int, default=None, help="seed of the sampling uniforms")
     gen.add_argument("--dtype", choices=DTYPES, default="auto",
                      help="weights dtype (auto: the checkpoint's; the demo: float32, or bfloat16 / float16)")
-    gen.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu (default: cuda when available)")
+    gen.add_argument("--device", default=None,
+                     help="e.g. cuda, cuda:1, cpu (default: cuda when available with --target; the demo: cpu)")
     gen.add_argument(
         "--no-chat-template", action="store_true", help="feed the prompt as raw text instead of a chat turn"
     )
@@ -94,6 +95,10 @@ def main(argv=None) -> int:
         gen.error(f"--method {args.method} needs --draft (only autoregressive runs without)")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         gen.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.device is not None:
+        problem = _device_problem(args.device)
+        if problem:
+            gen.error(f"--device {args.device}: {problem}")
     if args.tune_gemms:
         from ddtree_ext import gemm_tuning
 
@@ -102,6 +107,25 @@ def main(argv=None) -> int:
         return _demo(args) if args.target is None else _generate(args)
     except ValueError as e:  # generate()'s argument checks: a usage error, not a crash
         gen.error(str(e))
+
+
+def _device_problem(name: str) -> str:
+    """Why the models cannot run on device ``name`` ("" if they can)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return "not a device name (e.g. cpu, cuda, cuda:1)"
+    if device.type == "cpu":
+        return ""
+    if device.type != "cuda":
+        return "the models run on a CPU or a CUDA GPU"
+    if not torch.cuda.is_available():
+        return "this torch has no CUDA GPU"
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA GPU(s)"
+    return ""
 
 
 def _generate(args) -> int:

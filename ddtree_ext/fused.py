@@ -66,16 +66,18 @@ _MISSING = object()
 def swapped_attributes(swaps: Sequence[Tuple[object, str, object]]) -> Iterator[None]:
     """Sets ``owner.name = value`` for every (owner, name, value) while the context is open and puts back
     what the owner itself held before (for a module's ``forward``: an instance forward of its own, e.g.
-    an accelerate hook, or none) on exit, also when the body raised."""
-    saved: List[Tuple[object, str, object]] = []
+    an accelerate hook, or none) on exit, also when the body raised; but not over a value someone else set
+    meanwhile, which would then be lost (generate() runs one call per model at a time, so only user code can)."""
+    saved: List[Tuple[object, str, object, object]] = []
     try:
         for owner, name, value in swaps:
-            saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+            saved.append((owner, name, owner.__dict__.get(name, _MISSING), value))
             setattr(owner, name, value)
         yield
     finally:
-        for owner, name, previous in reversed(saved):
-            _put_back(owner, name, previous)
+        for owner, name, previous, value in reversed(saved):
+            if owner.__dict__.get(name, _MISSING) is value:
+                _put_back(owner, name, previous)
 
 
 def swapped_forwards(swaps: Sequence[Tuple[torch.nn.Module, Callable]]) -> contextlib.AbstractContextManager:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -187,12 +189,25 @@ def generate(
         draft methods, see :func:`_check_prompt`) beyond the target's max_position_embeddings, a draft that
         does not match the target (shapes, or the dtype or device of any of its weights), an unsupported
         target architecture, or ``cuda_graph=True`` for a target not on one CUDA device.
+
+    Calls on the same target or draft from several threads take turns (a call swaps forwards on the models'
+    modules while it runs); a call from inside a call on the same models (from a streamer, say) raises
+    RuntimeError.
     """
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine,
                    return_stats, streamer)
     eos = _eos_set(eos_token_id)
     speculative = method != "autoregressive"
     adapter = _as_adapter(target, draft if speculative else None)
+    with _one_call_per_model([adapter.text_model, adapter.lm_head, draft if speculative else None]):
+        return _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p,
+                         eos, seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph)
+
+
+def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p, eos, seed,
+              attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph):
+    """generate() after its option checks, holding the models."""
+    speculative = method != "autoregressive"
     if any(i >= adapter.vocab_size for i in eos):
         raise ValueError(f"generate: eos_token_id must lie in [0, {adapter.vocab_size}), got {sorted(eos)}")
     if top_k is not None:
@@ -220,8 +235,6 @@ def generate(
     acceptor = _Acceptor(temperature, top_k, top_p, seed, prompt_len + max_new_tokens + max_accept + 1, device)
     clock = _StageClock(device, enabled=return_stats)
     out_tokens: List[int] = []
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
 
     def emit(tokens: List[int]) -> bool:
         """Appends the round's tokens (cut at EOS and at max_new_tokens); True when generation is done."""
@@ -251,6 +264,8 @@ def generate(
             adapter, draft, state, draft_cache, acceptor, method=method, budget=budget, max_accept=max_accept,
             draft_top_k=top_k_draft, spine=use_spine, spine_len=spine_len, use_graphs=use_graphs,
         )
+        if streamer is not None:  # after the last argument check (new_state's): a refused call streams nothing
+            streamer.put(input_ids.cpu())
         with clock("prefill"):
             logits, context = adapter.prefill(input_ids, state)
             # The first new token: the target's at the last prompt position (a root-only tree there).
@@ -308,6 +323,42 @@ def generate(
 
     ids = torch.cat([input_ids, torch.tensor([out_tokens], dtype=torch.long, device=device)], dim=1)
     return (ids, stats) if return_stats else ids
+
+
+_MODELS_IN_USE_GUARD = threading.Lock()
+_MODELS_IN_USE: "weakref.WeakKeyDictionary[torch.nn.Module, Tuple[threading.Lock, List[Optional[int]]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@contextlib.contextmanager
+def _one_call_per_model(models: Sequence[Optional[torch.nn.Module]]):
+    """Holds each model's lock for the length of a generate() call. A call swaps the forwards of the models' modules
+    for its prefill, verify and draft (fused.swapped_attributes): two calls on one model at once, from two threads,
+    would run and put back each other's swaps and leave some on the model. Another thread waits its turn; the same
+    thread calling again from inside a call (from a streamer, say) is refused."""
+    me = threading.get_ident()
+    entries = []
+    with _MODELS_IN_USE_GUARD:
+        for model in sorted({id(m): m for m in models if m is not None}.values(), key=id):  # one order: no deadlock
+            entry = _MODELS_IN_USE.setdefault(model, (threading.Lock(), [None]))
+            if entry[1][0] == me:
+                raise RuntimeError(
+                    f"generate: a call is already running on this {type(model).__name__} in this thread (generate() "
+                    f"called from inside generate(), e.g. from a streamer)"
+                )
+            entries.append(entry)
+    held = []
+    try:
+        for lock, owner in entries:
+            lock.acquire()
+            owner[0] = me
+            held.append((lock, owner))
+        yield
+    finally:
+        for lock, owner in reversed(held):
+            owner[0] = None
+            lock.release()
 
 
 def _use_graphs(cuda_graph: Optional[bool], adapter: "TargetAdapter") -> bool:
@@ -486,6 +537,13 @@ def _as_adapter(target, draft) -> "TargetAdapter":
         try:
             return TargetAdapter(target, taps)
         except ValueError as e:
+            if taps:  # the draft's taps may be what the target cannot give: then the draft's check says so
+                try:
+                    untapped = TargetAdapter(target, [])
+                except ValueError:
+                    untapped = None
+                if untapped is not None:
+                    _check_draft(draft, untapped)
             raise ValueError(f"generate: target: {e}") from e
     if draft is not None and list(target.tap_layer_ids) != taps:
         raise ValueError(
@@ -529,6 +587,9 @@ def _check_prompt(
         raise ValueError(f"generate: input_ids must hold integer token ids, got {input_ids.dtype}")
     if input_ids.dim() != 2:
         raise ValueError(f"generate: input_ids must have shape [batch, T], got {list(input_ids.shape)}")
+    for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            raise ValueError(f"generate: {name} is on the meta device: it must hold values (CPU or GPU)")
     if input_ids.shape[0] != 1:
         raise ValueError(f"generate: input_ids: batch size > 1 is not supported yet (got {input_ids.shape[0]})")
     prompt_len = input_ids.shape[1]

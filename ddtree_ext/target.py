@@ -233,13 +233,7 @@ class TargetAdapter:
         self.gdn_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _LINEAR_ATTENTION]
         self._check_gdn_layers("TargetAdapter")
 
-        attn_impl = self.config._attn_implementation
-        if attn_impl not in _TREE_MASK_IMPLEMENTATIONS:
-            raise ValueError(
-                f"TargetAdapter: model: attention implementation {attn_impl!r} cannot take a tree mask; load the model "
-                f"with attn_implementation in {_TREE_MASK_IMPLEMENTATIONS}"
-            )
-        self._mask_dtype = torch.bool if attn_impl == "sdpa" else self.embed_tokens.weight.dtype
+        self._check_attention("TargetAdapter")
 
         self.tap_layer_ids = [int(i) for i in tap_layer_ids]
         bad = [i for i in self.tap_layer_ids if not 0 <= i < self.num_layers]
@@ -298,6 +292,22 @@ class TargetAdapter:
 
     # ---- state -----------------------------------------------------------------------------------
 
+    def _check_attention(self, where: str) -> None:
+        attn_impl = self.config._attn_implementation
+        if attn_impl not in _TREE_MASK_IMPLEMENTATIONS:
+            raise ValueError(
+                f"{where}: model: attention implementation {attn_impl!r} cannot take a tree mask; load the model "
+                f"with attn_implementation in {_TREE_MASK_IMPLEMENTATIONS}"
+            )
+
+    @property
+    def _mask_dtype(self) -> torch.dtype:
+        """The tree mask's dtype for the model's attention implementation now: sdpa takes a bool mask, eager an
+        additive one in the model's dtype."""
+        if self.config._attn_implementation == "sdpa":
+            return torch.bool
+        return self.embed_tokens.weight.dtype
+
     def new_state(self, batch_size: int = 1, *, capacity: int) -> TargetState:
         """Static buffers for one generation of up to ``capacity`` cache slots (prompt + new tokens +
         one verify block), prefix_len [B] = 0. Memory: capacity x the K/V bytes per token, plus the
@@ -307,7 +317,9 @@ class TargetAdapter:
             raise ValueError(f"TargetAdapter.new_state: batch_size must be 1, got {batch_size}")
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"TargetAdapter.new_state: capacity must be an int >= 1, got {capacity!r}")
+        # Again here: a model's dtype and attention implementation can change after the adapter is made.
         self._check_gdn_layers("TargetAdapter.new_state")
+        self._check_attention("TargetAdapter.new_state")
         dtype = self.embed_tokens.weight.dtype
         devices = self.layer_devices
         if any(d.type == "meta" for d in [self.device, *devices]):

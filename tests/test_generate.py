@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import threading
 from collections import Counter
 
 import pytest
@@ -435,6 +436,18 @@ def test_streamer_receives_prompt_then_new_tokens():
     assert len(streamer.puts) > 2
 
 
+def test_a_call_refused_by_new_state_streams_nothing():
+    """new_state's checks (here: a hybrid moved to float64 after its adapter was made) come before the prompt goes
+    to the streamer, so a refused call leaves the streamer untouched rather than given a prompt and never ended."""
+    target = make_tiny_target("qwen3_5", seed=3)
+    adapter = TargetAdapter(target)
+    target.to(torch.float64)
+    streamer = RecordingStreamer()
+    with pytest.raises(ValueError, match="TargetAdapter.new_state"):
+        generate(adapter, None, prompt(5, target.config.vocab_size), 8, method="autoregressive", streamer=streamer)
+    assert streamer.puts == [] and streamer.ended == 0
+
+
 def test_text_streamer_prints_the_new_text(capsys):
     from transformers import TextStreamer
 
@@ -595,11 +608,16 @@ BAD_INPUTS = [
     ("input_ids", dict(input_ids=torch.zeros(1, 4))),
     ("input_ids", dict(input_ids=torch.zeros(4, dtype=torch.long))),
     ("input_ids", dict(input_ids=torch.full((1, 4), 256))),
+    ("input_ids is on the meta device", dict(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"))),
+    ("attention_mask is on the meta device", dict(attention_mask=torch.ones(1, 4, device="meta"))),
     ("batch size > 1 is not supported yet", dict(input_ids=torch.zeros(2, 4, dtype=torch.long))),
     ("attention_mask", dict(attention_mask=torch.tensor([[0, 1, 1, 1]]))),
     ("attention_mask", dict(attention_mask=torch.ones(1, 5))),
     ("draft", dict(draft=None)),
     ("draft", dict(draft=_draft_of_another_target)),
+    # taps the 4-layer target lacks: the draft's check names them (it named the target and its adapter's taps)
+    (r"generate: draft does not match the target: .*target_layer_ids: \[5\] out of range",
+     dict(draft=lambda: make_tiny_draft(pair(RANDOM, HYBRID)[0], seed=1, target_layer_ids=[0, 5]))),
     ("draft: weights are torch.float64 on cpu, expected the target's torch.float32 on cpu",
      dict(draft=lambda: make_tiny_draft(pair(RANDOM, HYBRID)[0], seed=1).double())),
     ("draft: weights are torch.float32 on meta, expected the target's torch.float32 on cpu",
@@ -695,6 +713,80 @@ def test_a_ready_target_adapter_is_reused():
         assert_same_tokens(out, hf_greedy(AGREEING, HYBRID, 11, 40))
 
 
+def test_a_ready_target_adapter_follows_the_attention_implementation():
+    """An adapter made under sdpa, the model then switched to eager (which takes an additive mask, not a bool one):
+    the verify builds the mask eager takes, and the output is still the target's own."""
+    target = make_tiny_target("qwen3", seed=3)
+    draft = make_tiny_draft(target, seed=1)
+    adapter = TargetAdapter(target, draft.target_layer_ids)
+    target.set_attn_implementation("eager")
+    ids = prompt(2, target.config.vocab_size)
+    assert_same_tokens(generate(adapter, draft, ids, 40), tiny.hf_greedy(target, ids, 40))
+    target.config._attn_implementation = "flash_attention_2"  # cannot take a tree mask
+    with pytest.raises(ValueError, match="TargetAdapter.new_state: model: attention implementation"):
+        generate(adapter, draft, ids, 4)
+
+
+def test_calls_on_one_model_from_two_threads_take_turns():
+    """generate() swaps forwards on the models' modules while it runs: a second thread's call on the same pair waits
+    until the first returns (before, each put back the other's swaps and left some on the model, which then failed).
+    Both outputs are the target's own, and no module keeps a swapped forward."""
+    target, draft = pair(AGREEING, HYBRID)
+    ids = pair_prompt(AGREEING, HYBRID, 41)
+    a_inside, release_a = threading.Event(), threading.Event()
+    forwards = []  # the thread of every target forward
+
+    def hold_first_call(module, args):
+        forwards.append(threading.current_thread().name)
+        if threading.current_thread().name == "A" and not a_inside.is_set():
+            a_inside.set()
+            release_a.wait(timeout=60)
+
+    hook = target.model.norm.register_forward_pre_hook(hold_first_call)
+    outputs = {}
+
+    def run():
+        outputs[threading.current_thread().name] = generate(target, draft, ids, 30)
+
+    try:
+        first = threading.Thread(target=run, name="A")
+        first.start()
+        assert a_inside.wait(timeout=60)
+        second = threading.Thread(target=run, name="B")
+        second.start()
+        second.join(timeout=1.0)
+        assert second.is_alive() and "B" not in forwards  # B waits while A is inside its call
+        release_a.set()
+        first.join(timeout=120)
+        second.join(timeout=120)
+    finally:
+        release_a.set()
+        hook.remove()
+    assert forwards.index("B") > len(forwards) - 1 - forwards[::-1].index("A")  # every B forward after A's last
+    for name in "AB":
+        assert_same_tokens(outputs[name], hf_greedy(AGREEING, HYBRID, 41, 30))
+    for model in (target, draft):
+        assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == []
+
+
+def test_generate_from_inside_generate_is_refused():
+    """A streamer that calls generate() on the same models from inside the call gets a clear error (waiting would
+    never end); the models are left as they were."""
+    target, draft = pair(AGREEING, HYBRID)
+    ids = pair_prompt(AGREEING, HYBRID, 43)
+
+    class ReenteringStreamer:
+        def put(self, value):
+            generate(target, draft, ids, 2)
+
+        def end(self):
+            pass
+
+    with pytest.raises(RuntimeError, match="already running on this"):
+        generate(target, draft, ids, 4, streamer=ReenteringStreamer())
+    assert_same_tokens(generate(target, draft, ids, 20), hf_greedy(AGREEING, HYBRID, 43, 20))
+
+
 # ---- stats and the CLI -------------------------------------------------------------------------
 
 
@@ -770,7 +862,9 @@ def test_cli_demo_takes_sampling_and_length_options(capsys):
     [(["--budget", "0"], "tree_budget"), (["--draft", "some/draft"], "--draft needs --target"),
      (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
      (["--method", "dflash"], "--method needs --target"), (["--prompt", "hi"], "--prompt needs --target"),
-     (["--target", "some/target", "--method", "ddtree"], "--method ddtree needs --draft")],
+     (["--target", "some/target", "--method", "ddtree"], "--method ddtree needs --draft"),
+     (["--device", "foo"], "--device foo: not a device name"),
+     (["--device", "meta"], "--device meta: the models run on a CPU or a CUDA GPU")],
 )
 def test_cli_usage_errors(capsys, argv, message):
     from ddtree_ext.__main__ import main
