@@ -20,6 +20,7 @@ import contextlib
 import math
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -159,7 +160,8 @@ def generate(
             top_p cut is kept whole, where HF keeps whichever part its sort ranks higher.
         eos_token_id: an id or a list of ids; generation stops after the first one emitted (the EOS
             is included in the output). None (the default) never stops early: the target's
-            generation_config is not consulted.
+            generation_config is not consulted, here or for logits processing (a UserWarning names the settings
+            of it that HF's greedy generate would apply, e.g. repetition_penalty).
         seed: seeds the uniforms of sampling (reproducible output); None draws the seed from
             torch's global generator, so ``torch.manual_seed`` also makes a run reproducible. The uniforms come
             from torch's CPU generator, which keeps 32 bits of a seed: seeds equal modulo 2**32 draw alike.
@@ -199,6 +201,7 @@ def generate(
     eos = _eos_set(eos_token_id)
     speculative = method != "autoregressive"
     adapter = _as_adapter(target, draft if speculative else None)
+    _warn_unapplied_processing(adapter.model)
     with _one_call_per_model([adapter.text_model, adapter.lm_head, draft if speculative else None]):
         return _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p,
                          eos, seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph)
@@ -323,6 +326,31 @@ def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, te
 
     ids = torch.cat([input_ids, torch.tensor([out_tokens], dtype=torch.long, device=device)], dim=1)
     return (ids, stats) if return_stats else ids
+
+
+# generation_config fields with which HF's greedy generate picks other tokens than the argmax, and the values with
+# which it does not.
+_GREEDY_PROCESSING_OFF = {
+    "repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,),
+    "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "sequence_bias": (None,),
+    "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+}
+
+
+def _warn_unapplied_processing(model) -> None:
+    """A UserWarning when the target's generation_config asks HF's generate for logits processing that changes
+    greedy tokens (a repetition penalty, say): generate() applies none, so its output is HF's with them off."""
+    config = getattr(model, "generation_config", None)
+    found = {name: getattr(config, name, None) for name in _GREEDY_PROCESSING_OFF}
+    found = {name: value for name, value in found.items() if value not in _GREEDY_PROCESSING_OFF[name]}
+    if found:
+        settings = ", ".join(f"{name}={value!r}" for name, value in found.items())
+        warnings.warn(
+            f"generate: the target's generation_config sets {settings}, which Hugging Face's generate applies and "
+            f"this one does not: the output is HF's with them off",
+            UserWarning, stacklevel=3,
+        )
 
 
 _MODELS_IN_USE_GUARD = threading.Lock()

@@ -231,6 +231,11 @@ class TargetAdapter:
         self.is_hybrid = _LINEAR_ATTENTION in self.layer_types
         self.attention_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _FULL_ATTENTION]
         self.gdn_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _LINEAR_ATTENTION]
+        if not self.attention_layer_ids:
+            raise ValueError(
+                f"TargetAdapter: model: no {_FULL_ATTENTION!r} layer (layer_types {self.layer_types}); transformers' "
+                f"hybrid cache needs at least one"
+            )
         self._check_gdn_layers("TargetAdapter")
 
         self._check_attention("TargetAdapter")

@@ -727,6 +727,24 @@ def test_a_ready_target_adapter_follows_the_attention_implementation():
         generate(adapter, draft, ids, 4)
 
 
+def test_generation_config_processing_is_named_in_a_warning():
+    """generate() applies no logits processing from the target's generation_config; where HF's greedy generate would
+    (a repetition penalty here), a warning says so. A stock generation_config gives none."""
+    import warnings
+
+    target, draft = pair(RANDOM, HYBRID)
+    target = copy.deepcopy(target)
+    ids = pair_prompt(RANDOM, HYBRID, 47)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(target, draft, ids, 2)
+    target.generation_config.repetition_penalty = 1.5
+    target.generation_config.suppress_tokens = [3]
+    with pytest.warns(UserWarning, match=r"repetition_penalty=1.5, suppress_tokens=\[3\].*the output is HF's with"):
+        out = generate(target, draft, ids, 20)
+    assert_same_tokens(out, hf_greedy(RANDOM, HYBRID, 47, 20))
+
+
 def test_calls_on_one_model_from_two_threads_take_turns():
     """generate() swaps forwards on the models' modules while it runs: a second thread's call on the same pair waits
     until the first returns (before, each put back the other's swaps and left some on the model, which then failed).

@@ -269,6 +269,13 @@ def test_attention_implementation_without_tree_mask_is_refused():
         TargetAdapter(model)
 
 
+def test_a_hybrid_with_no_attention_layer_is_refused():
+    """transformers' hybrid cache needs a full-attention layer (HF's own generate fails deep in its mask code)."""
+    model = make_tiny_target("qwen3_5", seed=0, layer_types=("linear_attention",) * 4)
+    with pytest.raises(ValueError, match="TargetAdapter: model: no 'full_attention' layer"):
+        TargetAdapter(model)
+
+
 def test_batch_above_one_is_refused(hybrid):
     with pytest.raises(ValueError, match="batch_size"):
         TargetAdapter(hybrid).new_state(2, capacity=CAPACITY)
