@@ -122,7 +122,7 @@ def _device_problem(name: str) -> str:
     if device.type != "cuda":
         return "the models run on a CPU or a CUDA GPU"
     if not torch.cuda.is_available():
-        return "this torch has no CUDA GPU"
+        return "no CUDA GPU is available to this torch"
     if device.index is not None and device.index >= torch.cuda.device_count():
         return f"this machine has {torch.cuda.device_count()} CUDA GPU(s)"
     return ""

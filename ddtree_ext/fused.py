@@ -76,7 +76,7 @@ def swapped_attributes(swaps: Sequence[Tuple[object, str, object]]) -> Iterator[
         yield
     finally:
         for owner, name, previous, value in reversed(saved):
-            if owner.__dict__.get(name, _MISSING) is value:
+            if getattr(owner, name, _MISSING) is value:  # getattr: a Module value lives in _modules
                 _put_back(owner, name, previous)
 
 

@@ -192,9 +192,8 @@ def generate(
         does not match the target (shapes, or the dtype or device of any of its weights), an unsupported
         target architecture, or ``cuda_graph=True`` for a target not on one CUDA device.
 
-    Calls on the same target or draft from several threads take turns (a call swaps forwards on the models'
-    modules while it runs); a call from inside a call on the same models (from a streamer, say) raises
-    RuntimeError.
+    Calls on the same target or draft (or layers of one) from several threads take turns: a call swaps forwards
+    on the models' modules while it runs. A call from inside a call in the same thread (from a streamer) runs.
     """
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine,
                    return_stats, streamer)
@@ -202,7 +201,9 @@ def generate(
     speculative = method != "autoregressive"
     adapter = _as_adapter(target, draft if speculative else None)
     _warn_unapplied_processing(adapter.model)
-    with _one_call_per_model([adapter.text_model, adapter.lm_head, draft if speculative else None]):
+    # Every decoder layer too: two models may share layers under different roots.
+    held = [adapter.text_model, *adapter.text_model.layers, adapter.lm_head, draft if speculative else None]
+    with _one_call_per_model(held):
         return _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p,
                          eos, seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph)
 
@@ -328,13 +329,16 @@ def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, te
     return (ids, stats) if return_stats else ids
 
 
-# generation_config fields with which HF's greedy generate picks other tokens than the argmax, and the values with
-# which it does not.
+# generation_config fields with which HF's greedy generate (transformers 5.x: _get_logits_processor, which passes
+# a decoder-only model's prompt as the "encoder" input, and beam or contrastive search) picks other tokens than the
+# argmax, and the values with which it does not.
 _GREEDY_PROCESSING_OFF = {
-    "repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,),
-    "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "sequence_bias": (None,),
-    "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "min_length": (None, 0),
-    "min_new_tokens": (None, 0),
+    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,), "sequence_bias": (None,), "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,), "min_length": (None, 0), "min_new_tokens": (None, 0),
+    "exponential_decay_length_penalty": (None,), "guidance_scale": (None, 1.0), "watermarking_config": (None,),
+    "num_beams": (None, 1), "penalty_alpha": (None,),
 }
 
 
@@ -343,7 +347,11 @@ def _warn_unapplied_processing(model) -> None:
     greedy tokens (a repetition penalty, say): generate() applies none, so its output is HF's with them off."""
     config = getattr(model, "generation_config", None)
     found = {name: getattr(config, name, None) for name in _GREEDY_PROCESSING_OFF}
-    found = {name: value for name, value in found.items() if value not in _GREEDY_PROCESSING_OFF[name]}
+    found = {
+        name: value for name, value in found.items()
+        if not (isinstance(value, (list, tuple, dict)) and not value)  # an empty list or dict does nothing
+        and not any(value is off or (off is not None and value == off) for off in _GREEDY_PROCESSING_OFF[name])
+    }
     if found:
         settings = ", ".join(f"{name}={value!r}" for name, value in found.items())
         warnings.warn(
@@ -353,40 +361,24 @@ def _warn_unapplied_processing(model) -> None:
         )
 
 
-_MODELS_IN_USE_GUARD = threading.Lock()
-_MODELS_IN_USE: "weakref.WeakKeyDictionary[torch.nn.Module, Tuple[threading.Lock, List[Optional[int]]]]" = (
-    weakref.WeakKeyDictionary()
-)
+_MODEL_LOCKS_GUARD = threading.Lock()
+_MODEL_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
 def _one_call_per_model(models: Sequence[Optional[torch.nn.Module]]):
-    """Holds each model's lock for the length of a generate() call. A call swaps the forwards of the models' modules
-    for its prefill, verify and draft (fused.swapped_attributes): two calls on one model at once, from two threads,
-    would run and put back each other's swaps and leave some on the model. Another thread waits its turn; the same
-    thread calling again from inside a call (from a streamer, say) is refused."""
-    me = threading.get_ident()
-    entries = []
-    with _MODELS_IN_USE_GUARD:
-        for model in sorted({id(m): m for m in models if m is not None}.values(), key=id):  # one order: no deadlock
-            entry = _MODELS_IN_USE.setdefault(model, (threading.Lock(), [None]))
-            if entry[1][0] == me:
-                raise RuntimeError(
-                    f"generate: a call is already running on this {type(model).__name__} in this thread (generate() "
-                    f"called from inside generate(), e.g. from a streamer)"
-                )
-            entries.append(entry)
-    held = []
-    try:
-        for lock, owner in entries:
-            lock.acquire()
-            owner[0] = me
-            held.append((lock, owner))
+    """Holds each module's lock for the length of a generate() call. A call swaps the forwards of the models' modules
+    for its prefill, verify and draft (fused.swapped_attributes), and on a GPU captures graphs: two calls on one model
+    at once, from two threads, would run and put back each other's swaps and leave some on the model. Another thread
+    waits its turn. The locks are re-entrant: a call from inside a call in the same thread (from a streamer, between
+    rounds, where no swap is open) runs."""
+    with _MODEL_LOCKS_GUARD:
+        unique = sorted({id(m): m for m in models if m is not None}.values(), key=id)  # one order: no deadlock
+        locks = [_MODEL_LOCKS.setdefault(m, threading.RLock()) for m in unique]
+    with contextlib.ExitStack() as held:
+        for lock in locks:
+            held.enter_context(lock)
         yield
-    finally:
-        for lock, owner in reversed(held):
-            owner[0] = None
-            lock.release()
 
 
 def _use_graphs(cuda_graph: Optional[bool], adapter: "TargetAdapter") -> bool:

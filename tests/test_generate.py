@@ -735,9 +735,16 @@ def test_generation_config_processing_is_named_in_a_warning():
     target, draft = pair(RANDOM, HYBRID)
     target = copy.deepcopy(target)
     ids = pair_prompt(RANDOM, HYBRID, 47)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         generate(target, draft, ids, 2)
+    assert not [w for w in caught if "generation_config" in str(w.message)]
+    target.generation_config.suppress_tokens = []  # empty: no effect, no warning
+    target.generation_config.encoder_repetition_penalty = 1.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(target, draft, ids, 2)
+    assert not [w for w in caught if "generation_config" in str(w.message)]
     target.generation_config.repetition_penalty = 1.5
     target.generation_config.suppress_tokens = [3]
     with pytest.warns(UserWarning, match=r"repetition_penalty=1.5, suppress_tokens=\[3\].*the output is HF's with"):
@@ -748,31 +755,33 @@ def test_generation_config_processing_is_named_in_a_warning():
 def test_calls_on_one_model_from_two_threads_take_turns():
     """generate() swaps forwards on the models' modules while it runs: a second thread's call on the same pair waits
     until the first returns (before, each put back the other's swaps and left some on the model, which then failed).
-    Both outputs are the target's own, and no module keeps a swapped forward."""
+    The first call is held inside a verify, with its tree forwards swapped in. Both outputs are the target's own, and
+    no module keeps a swapped forward."""
     target, draft = pair(AGREEING, HYBRID)
     ids = pair_prompt(AGREEING, HYBRID, 41)
-    a_inside, release_a = threading.Event(), threading.Event()
+    gdn = target.model.layers[0].linear_attn
+    a_in_verify, release_a = threading.Event(), threading.Event()
     forwards = []  # the thread of every target forward
 
-    def hold_first_call(module, args):
+    def hold_first_verify(module, args):
         forwards.append(threading.current_thread().name)
-        if threading.current_thread().name == "A" and not a_inside.is_set():
-            a_inside.set()
+        if threading.current_thread().name == "A" and "forward" in gdn.__dict__ and not a_in_verify.is_set():
+            a_in_verify.set()
             release_a.wait(timeout=60)
 
-    hook = target.model.norm.register_forward_pre_hook(hold_first_call)
+    hook = target.model.norm.register_forward_pre_hook(hold_first_verify)
     outputs = {}
 
     def run():
         outputs[threading.current_thread().name] = generate(target, draft, ids, 30)
 
     try:
-        first = threading.Thread(target=run, name="A")
+        first = threading.Thread(target=run, name="A", daemon=True)
         first.start()
-        assert a_inside.wait(timeout=60)
-        second = threading.Thread(target=run, name="B")
+        assert a_in_verify.wait(timeout=60)
+        second = threading.Thread(target=run, name="B", daemon=True)
         second.start()
-        second.join(timeout=1.0)
+        second.join(timeout=2.0)
         assert second.is_alive() and "B" not in forwards  # B waits while A is inside its call
         release_a.set()
         first.join(timeout=120)
@@ -780,6 +789,7 @@ def test_calls_on_one_model_from_two_threads_take_turns():
     finally:
         release_a.set()
         hook.remove()
+    assert not first.is_alive() and not second.is_alive()
     assert forwards.index("B") > len(forwards) - 1 - forwards[::-1].index("A")  # every B forward after A's last
     for name in "AB":
         assert_same_tokens(outputs[name], hf_greedy(AGREEING, HYBRID, 41, 30))
@@ -787,22 +797,29 @@ def test_calls_on_one_model_from_two_threads_take_turns():
         assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == []
 
 
-def test_generate_from_inside_generate_is_refused():
-    """A streamer that calls generate() on the same models from inside the call gets a clear error (waiting would
-    never end); the models are left as they were."""
+def test_generate_from_inside_generate_runs():
+    """A streamer that calls generate() on the same models from inside the call (between rounds, where no swap is
+    open): the locks are re-entrant, and both calls give the target's own output."""
     target, draft = pair(AGREEING, HYBRID)
-    ids = pair_prompt(AGREEING, HYBRID, 43)
+    ids, other = pair_prompt(AGREEING, HYBRID, 43), pair_prompt(AGREEING, HYBRID, 44)
+    inner = []
 
     class ReenteringStreamer:
+        def __init__(self):
+            self.puts = 0
+
         def put(self, value):
-            generate(target, draft, ids, 2)
+            self.puts += 1
+            if self.puts == 3:
+                inner.append(generate(target, draft, other, 12))
 
         def end(self):
             pass
 
-    with pytest.raises(RuntimeError, match="already running on this"):
-        generate(target, draft, ids, 4, streamer=ReenteringStreamer())
-    assert_same_tokens(generate(target, draft, ids, 20), hf_greedy(AGREEING, HYBRID, 43, 20))
+    out = generate(target, draft, ids, 30, streamer=ReenteringStreamer())
+    assert len(inner) == 1
+    assert_same_tokens(out, hf_greedy(AGREEING, HYBRID, 43, 30))
+    assert_same_tokens(inner[0], hf_greedy(AGREEING, HYBRID, 44, 12))
 
 
 # ---- stats and the CLI -------------------------------------------------------------------------
