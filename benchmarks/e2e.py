@@ -608,10 +608,10 @@ def main(argv=None) -> None:
     parser.add_argument("--no-fused-gdn-conv", action="store_true",
                         help="run a GDN layer's conv and delta rule as two ops (tree_conv1d, tree_gated_delta_rule) "
                              "instead of ops.gdn_conv_delta_rule (ddtree_ext.target.fuse_gdn_conv), for A/B runs")
-    parser.add_argument("--launch-order-edges", action="store_true",
-                        help="move a captured round's programmatic edges to their upstream kernel's launch-order port "
-                             "(ddtree_ext.round.launch_order_edges, off by default: our kernels would then launch while "
-                             "the GEMM ahead of them runs), for A/B runs")
+    parser.add_argument("--no-launch-order-edges", action="store_true",
+                        help="leave a captured round's programmatic edges where capture put them instead of moving them "
+                             "to their upstream kernel's launch-order port (ddtree_ext.round.launch_order_edges, on by "
+                             "default: our kernels launch while the GEMM ahead of them runs), for A/B runs")
     parser.add_argument("--no-stacked-projections", action="store_true",
                         help="keep each projection's weight apart (else ddtree_ext.stack_projections stacks those that "
                              "read the same input, one GEMM for each group), for A/B runs")
@@ -630,7 +630,7 @@ def main(argv=None) -> None:
     fused.fuse_attention_heads = not args.no_fused_attention
     fused.fuse_kv_store = not args.no_fused_kv_store
     target_module.fuse_gdn_conv = not args.no_fused_gdn_conv
-    round_module.launch_order_edges = args.launch_order_edges
+    round_module.launch_order_edges = not args.no_launch_order_edges
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
     if bool(args.target) != bool(args.draft):

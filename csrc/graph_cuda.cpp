@@ -18,8 +18,8 @@
 // done (its own edges are plain). Sound for any dependent that, before its griddepcontrol.wait, writes nothing and
 // reads nothing the kernel ahead of it writes, which every kernel here guarantees (most only prefetch into L2, which
 // loads no register; gdn_tree_main reads its inputs early, behind gdn_tree_prep, which writes none of them), the same
-// condition as with the programmatic port. tests/test_cuda.py -k launch_order checks the waiting on a GPU; it has
-// not run yet (no device was lent when this was written), which is why ddtree_ext.round.launch_order_edges is off.
+// condition as with the programmatic port. tests/test_cuda.py -k launch_order checks the waiting on a GPU (passed on
+// the H200, 2026-12-05, as did tests/test_generate_cuda.py's exact rounds with the edges moved).
 #include <cuda_runtime_api.h>
 
 #include <c10/cuda/CUDAException.h>

@@ -36,11 +36,12 @@ from ddtree_ext.fused import Fork, side_stream
 EAGER_ROUNDS_BEFORE_CAPTURE = 2
 
 # Whether a captured round's programmatic edges move to their upstream kernel's launch-order port before the graph is
-# instantiated (:func:`_instantiate`): a kernel of ours after a projection would then launch while the GEMM still
-# runs, and wait for it on the device. Off: not yet run on a GPU (no device was lent when it was written), neither its
-# test (tests/test_cuda.py -k launch_order) nor its timing; ``benchmarks/e2e.py --launch-order-edges`` turns it on for
-# that A/B run.
-launch_order_edges = False
+# instantiated (:func:`_instantiate`): a kernel of ours after a projection then launches while the GEMM still runs,
+# and waits for it on the device. On: the GPU tests pass with it (tests/test_cuda.py and tests/test_generate_cuda.py
+# -k launch_order), and on the H200 it took 0.2 ms off a 27B AR step and 0.5 ms off a 27B DDTree-64 round
+# (benchmarks/results/2026-12-05-h200-launch-order-edges.md); ``benchmarks/e2e.py --no-launch-order-edges`` turns it
+# off for A/B runs.
+launch_order_edges = True
 
 # Attention reads the first kv_len cache slots, kv_len a bucket of the needed length (kv_bucket), so
 # that captured rounds are few (one set of graphs per width) and read little more than needed.
