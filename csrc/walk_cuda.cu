@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
   const float kth = val[k - 1];
   // The list ends inside kth's tie group, which may run past it: count the group over the row (a
   // block-uniform branch). top_p needs the count for the set's mass; the draw, to know whether the kept set
-  // fits the list (one streaming pass, cheaper than a draw over the row).
+  // fits the list (one pass over the row, where a draw over it makes two with a block scan per chunk).
   const bool group_past_list = val[K_CAP - 1] == kth;
   if (group_past_list) {
     int count = 0;

@@ -346,12 +346,11 @@ def _warn_unapplied_processing(model) -> None:
     """A UserWarning when the target's generation_config asks HF's generate for logits processing that changes
     greedy tokens (a repetition penalty, say): generate() applies none, so its output is HF's with them off."""
     config = getattr(model, "generation_config", None)
-    found = {name: getattr(config, name, None) for name in _GREEDY_PROCESSING_OFF}
-    found = {
-        name: value for name, value in found.items()
-        if not (isinstance(value, (list, tuple, dict)) and not value)  # an empty list or dict does nothing
-        and not any(value is off or (off is not None and value == off) for off in _GREEDY_PROCESSING_OFF[name])
-    }
+    found = {}
+    for name, off in _GREEDY_PROCESSING_OFF.items():
+        value = getattr(config, name, None)
+        if value not in off and not (isinstance(value, (list, tuple, dict)) and not value):  # empty: does nothing
+            found[name] = value
     if found:
         settings = ", ".join(f"{name}={value!r}" for name, value in found.items())
         warnings.warn(
