@@ -47,20 +47,6 @@ struct TopkSegmentSmem {
   float warp_m[kTopkWarps], warp_s[kTopkWarps];
 };
 
-// The K-th largest of the lanes' keys counted with multiplicity (0 = no value), or 0 when fewer than K
-// lanes hold one. At most K rounds of a warp max.
-template <int K>
-__device__ __forceinline__ unsigned warp_kth_largest(unsigned key) {
-  int count = 0;
-  while (true) {
-    const unsigned top = cuda::warp_max_u32(key);
-    if (top == 0) return 0;
-    count += __popc(__ballot_sync(kFullMask, key == top));
-    if (count >= K) return top;
-    if (key == top) key = 0;
-  }
-}
-
 template <typename T, int K_CAP>
 __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
     const T* __restrict__ logits, int64_t lg_sb, int64_t lg_sl, int64_t vocab, int num_depths, int segments,
@@ -139,7 +125,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
 
     // Threshold: the K_CAP-th largest lane maximum per warp (lanes holding an element of the row).
     const bool holds = with_head || in_range(0, 0);
-    const unsigned warp_t = warp_kth_largest<K_CAP>(holds ? cuda::ordered_bits(chunk_max) : 0u);
+    const unsigned warp_t = cuda::warp_kth_largest<K_CAP>(holds ? cuda::ordered_bits(chunk_max) : 0u);
     if (lane == 0) sm.warp_threshold[warp] = warp_t;
     __syncthreads();
     unsigned threshold = sm.list_id[cur][K_CAP - 1] != cuda::kNoId ? cuda::ordered_bits(sm.list_val[cur][K_CAP - 1]) : 0u;

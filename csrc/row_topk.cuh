@@ -41,6 +41,20 @@ __device__ __forceinline__ unsigned warp_max_u32(unsigned x) {
 #endif
 }
 
+// The K-th largest of the lanes' keys counted with multiplicity (0 = no value), or 0 when fewer than K
+// lanes hold one. At most K rounds of a warp max.
+template <int K>
+__device__ __forceinline__ unsigned warp_kth_largest(unsigned key) {
+  int count = 0;
+  while (true) {
+    const unsigned top = warp_max_u32(key);
+    if (top == 0) return 0;
+    count += __popc(__ballot_sync(kFullMask, key == top));
+    if (count >= K) return top;
+    if (key == top) key = 0;
+  }
+}
+
 __device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) { return a > b || (a == b && ia < ib); }
 
 // (max, sum of exp(x - max)) of a running softmax; -inf elements contribute nothing. The hardware exp
@@ -168,6 +182,7 @@ struct RowTopKSmem {
   float warp_val[kWarps][K_CAP];
   int warp_id[kWarps][K_CAP];
   float warp_m[kWarps], warp_s[kWarps];
+  unsigned warp_threshold[kWarps];
   float val[K_CAP];  // the result, best first
   int id[K_CAP];
   float m, s;        // softmax max and sum of exp(x - m) over the row
@@ -177,22 +192,44 @@ struct RowTopKSmem {
 // id_offset + i as the id of element i. Afterwards (following a barrier) sm.val / sm.id hold the best
 // min(K_CAP, n) pairs (padded with (-inf, kNoId)) and sm.m / sm.s the softmax statistics (sm.s stays 0
 // without WITH_SUM, which saves an exp per element). Must be called by all THREADS threads.
+//
+// Two passes over the row (the second mostly from L2). A sorted insert per element made the list
+// compute-bound: a warp takes the insert's K_CAP steps whenever one lane's element beats its list's
+// tail, which early in a row is nearly always (walk_sample's top-20 over 65 rows of 248320 took 325 us
+// on the H200, 42 x the time to read them). So pass 1 takes each thread's max (one element of the
+// row); each warp's (K_CAP / warps)-th largest lane max is reached by that many of its elements, so the
+// least of these over the warps is reached by K_CAP elements and no element below it is in the top
+// K_CAP. Pass 2 inserts only the elements at or above it: the same pairs, a handful of inserts (127 us for
+// those rows, 2026-12-05).
 template <typename T, int K_CAP, int THREADS, bool WITH_SUM = true, typename Transform>
 __device__ void row_softmax_topk(const T* row, int64_t n, int id_offset, Transform transform,
                                  RowTopKSmem<K_CAP, THREADS>& sm) {
   constexpr int kWarps = THREADS / kWarp;
+  static_assert(K_CAP % kWarps == 0, "every warp contributes K_CAP / kWarps elements to the threshold");
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   MaxSum ms;
-  TopList<K_CAP> top;
-  top.clear();
-  for_each_in_row<T, THREADS>(row, n, [&](float x, int64_t i) {
+  for_each_in_row<T, THREADS>(row, n, [&](float x, int64_t) {
     const float v = transform(x);
     if constexpr (WITH_SUM) {
       ms.add(v);
     } else {
       ms.m = fmaxf(ms.m, v);
     }
-    top.insert(v, id_offset + static_cast<int>(i));
+  });
+  // A lane that saw no element (or only -inf) keys -inf: at worst the threshold is -inf and pass 2 keeps
+  // everything, as one pass did. 0 (fewer than K_CAP / kWarps keys in a warp) means no threshold.
+  const unsigned warp_t = warp_kth_largest<K_CAP / kWarps>(ordered_bits(ms.m));
+  if (lane == 0) sm.warp_threshold[warp] = warp_t;
+  __syncthreads();
+  unsigned least = sm.warp_threshold[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) least = min(least, sm.warp_threshold[w]);
+  const float threshold = least == 0 ? -INFINITY : from_ordered_bits(least);
+  TopList<K_CAP> top;
+  top.clear();
+  for_each_in_row<T, THREADS>(row, n, [&](float x, int64_t i) {
+    const float v = transform(x);
+    if (v >= threshold) top.insert(v, id_offset + static_cast<int>(i));  // NaN fails both tests
   });
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) {

@@ -4,12 +4,14 @@
 // walk_sample: the token the target draws at a node depends only on that node's logits and on
 // uniform[b, depth], so every reachable node draws its token in parallel first (depths come from the
 // child links); the walk itself is then the greedy walk over those tokens. Draws:
-//   * top_k in [1, 64]: one pass over each node's row, split into segments over several blocks
-//     (row_topk.cuh), gives the row's best 8/16/32/64 (the first at least k + 4 long, else 64); one
-//     block per node merges the segments and finds top_k's and top_p's cut values from them (a group
-//     tied with the k-th that runs past the list is counted over the row), then draws from the list,
-//     or over the row when the kept set runs past the list;
-//   * no top_k, no top_p: a max pass, then chunked prefix sums in ascending id order;
+//   * top_k in [1, 64]: two passes over each node's row (a threshold, then the list), split into
+//     segments over several blocks (row_topk.cuh), give the row's best 8/16/32/64 (the first at least
+//     k + 4 long, else 64); one block per node merges the segments and finds top_k's and top_p's cut
+//     values from them (a group tied with the k-th that runs past the list is counted over the row),
+//     then draws from the list, or marks the node to draw over its row when the kept set runs past it;
+//   * no top_k, no top_p: the rows' maxima by segments, then the draw over the row;
+//   * the draw over a row: every chunk's total in parallel, then per node a scan over the totals and one
+//     chunk rescanned;
 //   * anything else (top_p over the whole vocabulary, top_k > 64): the same rule through a sort of
 //     every node's row in ATen on the device (exact, heavier).
 // Like the CPU op, weights are float32 exp(x - max x) and masses are summed in double, in a different
@@ -250,8 +252,6 @@ __global__ void __launch_bounds__(kDepthThreads) tree_depth_kernel(TreeLinks tre
 
 constexpr int kSampleThreads = 256;
 constexpr int kSampleMaxTopK = 64;
-constexpr int kSampleChunkPerThread = 8;
-constexpr int kSampleChunk = kSampleThreads * kSampleChunkPerThread;
 
 struct SampleArgs {
   const int32_t* depth;    // [B, N] contiguous workspace
@@ -323,98 +323,279 @@ __device__ __forceinline__ double block_scan(double x, double* warp_totals, doub
   return incl;
 }
 
-// Draws by inverse CDF in ascending id order over the tokens of a row that keep(x) keeps, x = logit /
-// temperature, weights exp(x - m), sums in double: per-chunk totals, the chunk holding uniform * total,
-// that chunk rescanned. Every thread of the block calls it; the result is valid in thread 0. With no
-// crossing (non-finite logits) it is the largest kept id (the last id if none is kept); with a crossing
-// the chunk total saw but no element did (a rounding gap between the two sums), the chunk's largest kept
-// id. Once per block: its shared scalars are set up without a barrier before them.
+// ---- the draw over a whole row ----------------------------------------------------------------
+// By inverse CDF in ascending id order over the kept tokens of a row (every token, or every x >= a cut
+// value), x = logit / temperature, weights exp(x - m) (m the row's max x), sums in double. A row is cut
+// into chunks of kDrawChunk ids, one warp's (8 consecutive ids a lane); three kernels:
+//   1. the row's max x by segments (the top-k path has it from its lists already);
+//   2. every chunk's total, a warp a chunk over all chunks of all drawing nodes at once;
+//   3. per node, a block scan over the chunk totals finds the chunk holding uniform * total, and one warp
+//      rescans that chunk with the same lane sums and warp scan as kernel 2 (the same bits).
+// (One block per node walking its row chunk by chunk, a round trip and two barriers a chunk, took
+// 592 us for 65 rows of 248320 on the H200; these three kernels, 67 us.)
+constexpr int kDrawPerLane = 8;
+constexpr int kDrawChunk = kWarp * kDrawPerLane;
+constexpr int kDrawBlocksPerSM = 8;  // resident blocks of kSampleThreads a multiprocessor takes, to hide latency
+
+// Which tokens a draw over the row keeps: all of them, or those with x >= the node's cut value.
+struct DrawRowArgs {
+  const float* part_max;   // [B, N, segments]: the segments' max x
+  int segments;
+  float* cut;              // [B, N] (FILTERED): the smallest kept x
+  int8_t* over_row;        // [B, N] (FILTERED): 1 where the node draws over its row (the top-k path decides)
+  double* chunk_total;     // [B, N, chunks]
+  int* chunk_last;         // [B, N, chunks]: the chunk's largest kept id, -1 for none
+  int64_t chunks;
+};
+
+// The row's max x: the largest of its segments' (exact in any order).
+__device__ __forceinline__ float row_max_of_parts(const DrawRowArgs& d, int64_t slot) {
+  float m = -INFINITY;
+  for (int s = 0; s < d.segments; ++s) m = fmaxf(m, d.part_max[slot * d.segments + s]);
+  return m;
+}
+
+// Lane l of a warp sums the kept weights of ids c0 + 8 l .. c0 + 8 l + 7 in ascending order (run[e]: its
+// running sum through the e-th, bit e of `kept` set when the e-th is kept); returns the lane's inclusive
+// prefix over the warp (lane 31's is the chunk's total) and its exclusive prefix in `excl`; `last` becomes the
+// lane's largest kept id (unchanged if none).
 template <typename T, typename Keep>
-__device__ int64_t draw_over_row(const T* __restrict__ row, const SampleArgs& a, float m, float u, Keep keep,
-                                 double* chunk_total, double* warp_totals) {
-  __shared__ int chosen_chunk, chosen_id, last_kept, last_in_chunk;
-  __shared__ double chosen_before, threshold_shared;
-  const float temperature = a.temperature;
-  if (threadIdx.x == 0) {
-    last_kept = -1;
-    last_in_chunk = -1;
-    chosen_id = cuda::kNoId;
-  }
-  // Thread t of a chunk owns ids [c0 + 8 t, c0 + 8 t + 8): its running sums, then the block scan.
-  auto thread_sum = [&](int64_t c0, double (&run)[kSampleChunkPerThread], int& last) {
-    double s = 0;
+__device__ __forceinline__ double warp_chunk_scan(const T* __restrict__ row, int64_t c0, int64_t vocab, float m,
+                                                  float temperature, Keep keep, double (&run)[kDrawPerLane],
+                                                  unsigned& kept, int& last, double& excl) {
+  const int lane = threadIdx.x % kWarp;
+  double s = 0;
+  kept = 0;
 #pragma unroll
-    for (int e = 0; e < kSampleChunkPerThread; ++e) {
-      const int64_t j = c0 + threadIdx.x * kSampleChunkPerThread + e;
-      const float x = j < a.vocab ? cuda::to_float(row[j]) / temperature : 0.f;
-      if (j < a.vocab && keep(x)) {
-        s += expf(x - m);
-        last = static_cast<int>(j);
-      }
-      run[e] = s;
+  for (int e = 0; e < kDrawPerLane; ++e) {
+    const int64_t j = c0 + lane * kDrawPerLane + e;
+    const float x = j < vocab ? cuda::to_float(row[j]) / temperature : 0.f;
+    if (j < vocab && keep(x)) {
+      s += expf(x - m);
+      last = static_cast<int>(j);
+      kept |= 1u << e;
     }
-    return s;
-  };
-  const int chunks = static_cast<int>((a.vocab + kSampleChunk - 1) / kSampleChunk);
-  int my_last = -1;
-  for (int c = 0; c < chunks; ++c) {
-    double run[kSampleChunkPerThread], excl;
-    const double incl = block_scan(thread_sum(static_cast<int64_t>(c) * kSampleChunk, run, my_last), warp_totals, excl);
-    if (threadIdx.x == kSampleThreads - 1) chunk_total[c] = incl;
+    run[e] = s;
   }
+  double incl = s;
+#pragma unroll
+  for (int off = 1; off < kWarp; off <<= 1) {
+    const double y = __shfl_up_sync(kFullMask, incl, off);
+    if (lane >= off) incl += y;
+  }
+  const double prev = __shfl_up_sync(kFullMask, incl, 1);
+  excl = lane == 0 ? 0.0 : prev;
+  return incl;
+}
+
+// The draw's keep rule for a node (block- and warp-uniform).
+template <bool FILTERED>
+struct KeepRule {
+  float cut;
+  __device__ __forceinline__ bool operator()(float x) const { return !FILTERED || x >= cut; }
+};
+
+// Whether node `slot` draws over its row: FILTERED, where the top-k path said so; else every node a walk
+// reaches (depth in [0, max_accept)).
+template <bool FILTERED>
+__device__ __forceinline__ bool draws_over_row(const SampleArgs& a, const DrawRowArgs& d, int64_t slot) {
+  if constexpr (FILTERED) {
+    return d.over_row[slot] != 0;
+  } else {
+    const int depth = a.depth[slot];
+    return depth >= 0 && depth < a.max_accept;
+  }
+}
+
+// No filter, kernel 1: one block per (node, segment) of the reachable nodes, the segment's max x.
+template <typename T>
+__global__ void __launch_bounds__(kSampleThreads) sample_row_max_kernel(const T* __restrict__ logits, int64_t lg_sb,
+                                                                        int64_t lg_sn, SampleArgs a, int segments,
+                                                                        int64_t seg_len, float* __restrict__ part_max) {
+  __shared__ float warp_max[kSampleThreads / kWarp];
+  const int i = blockIdx.x / segments, seg = blockIdx.x % segments, b = blockIdx.y;
+  const int64_t slot = static_cast<int64_t>(b) * a.num_nodes + i;
+  const int d = a.depth[slot];
+  if (d < 0 || d >= a.max_accept) return;
+  const int64_t start = seg * seg_len;
+  const int64_t len = start + seg_len < a.vocab ? seg_len : a.vocab - start;
+  const float temperature = a.temperature;
+  float m = -INFINITY;
+  cuda::for_each_in_row<T, kSampleThreads>(logits + b * lg_sb + i * lg_sn + start, len,
+                                           [&](float x, int64_t) { m = fmaxf(m, x / temperature); });
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off));
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kSampleThreads / kWarp; ++w) m = fmaxf(m, warp_max[w]);
+    part_max[slot * segments + seg] = m;
+  }
+}
+
+// Kernel 2: blockIdx.y is the node, its warps take the chunks blockIdx.x, + gridDim.x, ... (one per warp a
+// step); nodes that do not draw over their rows leave at once.
+template <typename T, bool FILTERED>
+__global__ void __launch_bounds__(kSampleThreads) sample_chunk_totals_kernel(const T* __restrict__ logits,
+                                                                             int64_t lg_sb, int64_t lg_sn,
+                                                                             SampleArgs a, DrawRowArgs d) {
+  const int64_t slot = blockIdx.y;
+  if (!draws_over_row<FILTERED>(a, d, slot)) return;
+  const int b = static_cast<int>(slot / a.num_nodes), i = static_cast<int>(slot % a.num_nodes);
+  const T* row = logits + b * lg_sb + i * lg_sn;
+  const float m = row_max_of_parts(d, slot);
+  const KeepRule<FILTERED> keep{FILTERED ? d.cut[slot] : 0.f};
+  constexpr int kWarps = kSampleThreads / kWarp;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + warp; c < d.chunks;
+       c += static_cast<int64_t>(gridDim.x) * kWarps) {
+    double run[kDrawPerLane], excl;
+    unsigned kept;
+    int last = -1;
+    const double incl =
+        warp_chunk_scan(row, c * kDrawChunk, a.vocab, m, a.temperature, keep, run, kept, last, excl);
+#pragma unroll
+    for (int off = kWarp / 2; off > 0; off >>= 1) last = max(last, __shfl_xor_sync(kFullMask, last, off));
+    if (lane == kWarp - 1) {
+      d.chunk_total[slot * d.chunks + c] = incl;
+      d.chunk_last[slot * d.chunks + c] = last;
+    }
+  }
+}
+
+// Kernel 3: one block per node. Thread t sums the totals of its run of consecutive chunks, a block scan
+// places the runs; the first chunk whose cumulative total passes uniform * total is rescanned by warp 0.
+// With no crossing (non-finite logits) the token is the row's largest kept id (the last id if none is
+// kept); with a crossing the chunk total saw but no element did (a rounding gap between the two sums),
+// the chunk's largest kept id.
+template <typename T, bool FILTERED>
+__global__ void __launch_bounds__(kSampleThreads) sample_row_select_kernel(const T* __restrict__ logits,
+                                                                           int64_t lg_sb, int64_t lg_sn,
+                                                                           SampleArgs a, DrawRowArgs d) {
+  __shared__ double warp_totals[kSampleThreads / kWarp];
+  __shared__ double total_shared, before_shared;
+  __shared__ int chosen_chunk, last_kept;
+  const int i = blockIdx.x, b = blockIdx.y;
+  const int64_t slot = static_cast<int64_t>(b) * a.num_nodes + i;
+  if (!draws_over_row<FILTERED>(a, d, slot)) {
+    if (!FILTERED && threadIdx.x == 0) a.token[slot] = -1;  // unreached (the top-k path wrote its own tokens)
+    return;
+  }
+  const float u = a.uniform[b * a.un_sb + a.depth[slot] * a.un_sd];
+  if (threadIdx.x == 0) {
+    chosen_chunk = INT_MAX;
+    last_kept = -1;
+  }
+  const double* total_of = d.chunk_total + slot * d.chunks;
+  const int* last_of = d.chunk_last + slot * d.chunks;
+  const int64_t per_thread = (d.chunks + kSampleThreads - 1) / kSampleThreads;
+  const int64_t begin = min(d.chunks, threadIdx.x * per_thread), end = min(d.chunks, begin + per_thread);
+  double mine = 0;
+  int my_last = -1;
+  for (int64_t c = begin; c < end; ++c) {
+    mine += total_of[c];
+    my_last = max(my_last, last_of[c]);
+  }
+  double excl;
+  const double incl = block_scan(mine, warp_totals, excl);  // its barriers also order the stores above
+  if (threadIdx.x == kSampleThreads - 1) total_shared = incl;
   if (my_last >= 0) atomicMax(&last_kept, my_last);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    double total = 0;
-    for (int c = 0; c < chunks; ++c) total += chunk_total[c];
-    const double threshold = static_cast<double>(u) * total;
-    double before = 0;
-    int chosen = -1;
-    for (int c = 0; c < chunks && chosen < 0; ++c) {
-      if (before + chunk_total[c] > threshold) {
-        chosen = c;
-      } else {
-        before += chunk_total[c];
-      }
-    }
-    chosen_chunk = chosen;
-    chosen_before = before;
-    threshold_shared = threshold;
-  }
-  __syncthreads();
-  const int chosen = chosen_chunk;
-  if (chosen < 0) return last_kept >= 0 ? last_kept : a.vocab - 1;
-  const int64_t c0 = static_cast<int64_t>(chosen) * kSampleChunk;
-  double run[kSampleChunkPerThread], excl;
-  int my_last_in_chunk = -1;
-  block_scan(thread_sum(c0, run, my_last_in_chunk), warp_totals, excl);
-  const double before = chosen_before + excl, threshold = threshold_shared;
-#pragma unroll
-  for (int e = 0; e < kSampleChunkPerThread; ++e) {
-    const int64_t j = c0 + threadIdx.x * kSampleChunkPerThread + e;
-    if (j < a.vocab && before + run[e] > threshold) {
-      atomicMin(&chosen_id, static_cast<int>(j));
+  const double threshold = static_cast<double>(u) * total_shared;
+  double before = excl;
+  int64_t crossing = -1;
+  for (int64_t c = begin; c < end; ++c) {
+    if (total_of[c] > 0 && before + total_of[c] > threshold) {  // never a chunk with nothing to draw
+      crossing = c;
       break;
     }
+    before += total_of[c];
   }
-  if (my_last_in_chunk >= 0) atomicMax(&last_in_chunk, my_last_in_chunk);
+  if (crossing >= 0) atomicMin(&chosen_chunk, static_cast<int>(crossing));
   __syncthreads();
-  return chosen_id != cuda::kNoId ? chosen_id : last_in_chunk;
+  if (crossing >= 0 && crossing == chosen_chunk) before_shared = before;  // the chunk's owner
+  __syncthreads();
+  if (threadIdx.x >= kWarp) return;
+  int64_t token;
+  if (chosen_chunk == INT_MAX) {
+    token = last_kept >= 0 ? last_kept : a.vocab - 1;
+  } else {
+    const T* row = logits + b * lg_sb + i * lg_sn;
+    const KeepRule<FILTERED> keep{FILTERED ? d.cut[slot] : 0.f};
+    double run[kDrawPerLane], lane_excl;
+    unsigned kept;
+    int last = -1;
+    warp_chunk_scan(row, static_cast<int64_t>(chosen_chunk) * kDrawChunk, a.vocab, row_max_of_parts(d, slot),
+                    a.temperature, keep, run, kept, last, lane_excl);
+    const double lane_before = before_shared + lane_excl;
+    // The first kept token whose cumulative weight passes the threshold (a differently associated sum may
+    // pass it at an unkept one: never drawn).
+    int hit = kDrawPerLane;
+#pragma unroll
+    for (int e = kDrawPerLane - 1; e >= 0; --e) hit = (kept >> e & 1u) && lane_before + run[e] > threshold ? e : hit;
+    const unsigned lanes_hit = __ballot_sync(kFullMask, hit < kDrawPerLane);
+#pragma unroll
+    for (int off = kWarp / 2; off > 0; off >>= 1) last = max(last, __shfl_xor_sync(kFullMask, last, off));
+    const int first_lane = __ffs(lanes_hit) - 1;
+    const int first_hit = __shfl_sync(kFullMask, hit, first_lane < 0 ? 0 : first_lane);
+    token = lanes_hit != 0 ? static_cast<int64_t>(chosen_chunk) * kDrawChunk + first_lane * kDrawPerLane + first_hit
+                           : last;
+  }
+  if (threadIdx.x == 0) a.token[slot] = token;
 }
+
+// Launches kernels 2 and 3 (kernel 1's maxima are in d.part_max).
+template <typename T, bool FILTERED>
+void launch_draw_over_row(const at::Tensor& logits, const SampleArgs& a, DrawRowArgs d, int64_t bsz,
+                          cudaStream_t stream) {
+  const int64_t nodes = bsz * a.num_nodes;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  // Enough blocks over the nodes to fill the GPU kDrawBlocksPerSM deep, at most one chunk a warp.
+  const int64_t per_node = std::max<int64_t>(
+      1, std::min(cuda::ceil_div(kDrawBlocksPerSM * sms, nodes), cuda::ceil_div(d.chunks, kSampleThreads / kWarp)));
+  sample_chunk_totals_kernel<T, FILTERED>
+      <<<dim3(static_cast<unsigned>(per_node), static_cast<unsigned>(nodes)), kSampleThreads, 0, stream>>>(
+          logits.data_ptr<T>(), logits.stride(0), logits.stride(1), a, d);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  sample_row_select_kernel<T, FILTERED>
+      <<<dim3(static_cast<unsigned>(a.num_nodes), static_cast<unsigned>(bsz)), kSampleThreads, 0, stream>>>(
+          logits.data_ptr<T>(), logits.stride(0), logits.stride(1), a, d);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Workspaces of a draw over the row for B x N nodes (shape-dependent, never data-dependent: fine under
+// CUDA graph capture).
+struct DrawRowWorkspace {
+  at::Tensor chunk_total, chunk_last, cut, over_row;
+
+  DrawRowWorkspace(const at::Tensor& logits, int64_t bsz, int64_t n) {
+    const int64_t chunks = cuda::ceil_div(logits.size(2), int64_t{kDrawChunk});
+    chunk_total = at::empty({bsz, n, chunks}, logits.options().dtype(at::kDouble));
+    chunk_last = at::empty({bsz, n, chunks}, logits.options().dtype(at::kInt));
+    cut = at::empty({bsz, n}, logits.options().dtype(at::kFloat));
+    over_row = at::empty({bsz, n}, logits.options().dtype(at::kChar));
+  }
+
+  DrawRowArgs args(const at::Tensor& part_max) {
+    return DrawRowArgs{part_max.data_ptr<float>(), static_cast<int>(part_max.size(2)), cut.data_ptr<float>(),
+                       over_row.data_ptr<int8_t>(),  chunk_total.data_ptr<double>(),    chunk_last.data_ptr<int>(),
+                       chunk_total.size(2)};
+  }
+};
 
 // top_k in [1, 64], step 2: one block per node. Warp 0 merges the segments' lists into the row's best
 // K_CAP (x, id) pairs. The top_k set is every x >= the k-th largest, kth. top_p then keeps the groups
 // of equal x, in descending order, whose mass above is below top_p of the set's (when the list ends
 // inside kth's group, the group may run past it and is counted over the row): the kept set is every
 // x >= a cut value. When all of it is in the list, warp 0 draws from the list; else (kth's group is
-// kept and runs past the list) the block draws over the row.
+// kept and runs past the list) the node is marked to draw over its row (d.over_row, d.cut), which the
+// kernels after this one do.
 template <typename T, int K_CAP>
 __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const T* __restrict__ logits, int64_t lg_sb,
-                                                                           int64_t lg_sn, SampleArgs a, int segments,
+                                                                           int64_t lg_sn, SampleArgs a, DrawRowArgs d,
                                                                            const float* __restrict__ part_val,
-                                                                           const int* __restrict__ part_id,
-                                                                           const float* __restrict__ part_max) {
-  extern __shared__ double chunk_total[];  // [ceil(V / kSampleChunk)], for a draw over the row
+                                                                           const int* __restrict__ part_id) {
   __shared__ double warp_totals[kSampleThreads / kWarp];
   __shared__ float val[K_CAP];
   __shared__ int id[K_CAP];
@@ -425,14 +606,17 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
   __shared__ float cut_shared;
   __shared__ bool over_row_shared;
   const int i = blockIdx.x, b = blockIdx.y, lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t slot = static_cast<int64_t>(b) * a.num_nodes + i;
   float u;
-  if (!sample_target(a, b, i, u)) return;
-  const int64_t first = (static_cast<int64_t>(b) * a.num_nodes + i) * segments;
-  if (warp == 0) {
-    cuda::warp_merge_lists(part_val + first * K_CAP, part_id + first * K_CAP, K_CAP, segments, K_CAP, val, id);
+  if (!sample_target(a, b, i, u)) {
+    if (threadIdx.x == 0) d.over_row[slot] = 0;
+    return;
   }
-  float m = -INFINITY;  // the row's max x, the reference point of every weight (as on the CPU)
-  for (int s = 0; s < segments; ++s) m = fmaxf(m, part_max[first + s]);
+  const int64_t first = slot * d.segments;
+  if (warp == 0) {
+    cuda::warp_merge_lists(part_val + first * K_CAP, part_id + first * K_CAP, K_CAP, d.segments, K_CAP, val, id);
+  }
+  const float m = row_max_of_parts(d, slot);  // the reference point of every weight (as on the CPU)
   __syncthreads();
   const T* row = logits + b * lg_sb + i * lg_sn;
   const float temperature = a.temperature;
@@ -473,17 +657,14 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
       if (r == above_kth && above < target) cut = kth;
     }
     cut_shared = cut;
-    over_row_shared = cut == kth && tied > tied_in_list;  // kth's group is kept and runs past the list
+    const bool over_row = cut == kth && tied > tied_in_list;  // kth's group is kept and runs past the list
+    over_row_shared = over_row;
+    d.over_row[slot] = over_row;
+    d.cut[slot] = cut;
   }
   __syncthreads();
   const float cut = cut_shared;
-  if (over_row_shared) {
-    const int64_t token =
-        draw_over_row(row, a, m, u, [cut](float x) { return x >= cut; }, chunk_total, warp_totals);
-    if (threadIdx.x == 0) a.token[static_cast<int64_t>(b) * a.num_nodes + i] = token;
-    return;
-  }
-  if (warp != 0) return;
+  if (over_row_shared || warp != 0) return;
   // Every kept token is in the list: warp 0 ranks them by id (each lane its entries) and lane 0 draws.
   for (int r = lane; r < K_CAP; r += kWarp) keep[r] = val[r] >= cut && id[r] != cuda::kNoId;  // not padding
   __syncwarp();
@@ -512,7 +693,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
       break;
     }
   }
-  a.token[static_cast<int64_t>(b) * a.num_nodes + i] = token;
+  a.token[slot] = token;
 }
 
 template <typename T, int K_CAP>
@@ -524,43 +705,34 @@ void launch_sample_top_k(const at::Tensor& logits, const SampleArgs& args, int64
   const at::Tensor part_val = at::empty({bsz, n, segments, K_CAP}, f32);
   const at::Tensor part_id = at::empty({bsz, n, segments, K_CAP}, logits.options().dtype(at::kInt));
   const at::Tensor part_max = at::empty({bsz, n, segments}, f32);
+  DrawRowWorkspace over_row(logits, bsz, n);
+  const DrawRowArgs d = over_row.args(part_max);
   sample_top_k_segment_kernel<T, K_CAP>
       <<<dim3(static_cast<unsigned>(n * segments), static_cast<unsigned>(bsz)), kSampleThreads, 0, stream>>>(
           logits.data_ptr<T>(), logits.stride(0), logits.stride(1), args, static_cast<int>(segments), seg_len,
           part_val.data_ptr<float>(), part_id.data_ptr<int>(), part_max.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   sample_top_k_draw_kernel<T, K_CAP>
-      <<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(bsz)), kSampleThreads,
-         sizeof(double) * cuda::ceil_div(args.vocab, kSampleChunk), stream>>>(
-          logits.data_ptr<T>(), logits.stride(0), logits.stride(1), args, static_cast<int>(segments),
-          part_val.data_ptr<float>(), part_id.data_ptr<int>(), part_max.data_ptr<float>());
+      <<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(bsz)), kSampleThreads, 0, stream>>>(
+          logits.data_ptr<T>(), logits.stride(0), logits.stride(1), args, d, part_val.data_ptr<float>(),
+          part_id.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_draw_over_row<T, /*FILTERED=*/true>(logits, args, d, bsz, stream);
 }
 
-// No top_k, no top_p: a max pass, then the draw over the row.
+// No top_k, no top_p: the rows' maxima by segments, then the draw over every reachable node's row.
 template <typename T>
-__global__ void __launch_bounds__(kSampleThreads) sample_full_kernel(const T* __restrict__ logits, int64_t lg_sb,
-                                                                     int64_t lg_sn, SampleArgs a) {
-  extern __shared__ double chunk_total[];  // [ceil(V / kSampleChunk)]
-  __shared__ double warp_totals[kSampleThreads / kWarp];
-  __shared__ float warp_max[kSampleThreads / kWarp];
-  const int i = blockIdx.x, b = blockIdx.y;
-  float u;
-  if (!sample_target(a, b, i, u)) return;
-  const T* row = logits + b * lg_sb + i * lg_sn;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const float temperature = a.temperature;
-
-  float m = -INFINITY;
-  for (int64_t j = threadIdx.x; j < a.vocab; j += kSampleThreads) m = fmaxf(m, cuda::to_float(row[j]) / temperature);
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off));
-  if (lane == 0) warp_max[warp] = m;
-  __syncthreads();
-  m = warp_max[0];
-  for (int w = 1; w < kSampleThreads / kWarp; ++w) m = fmaxf(m, warp_max[w]);
-  const int64_t token = draw_over_row(row, a, m, u, [](float) { return true; }, chunk_total, warp_totals);
-  if (threadIdx.x == 0) a.token[static_cast<int64_t>(b) * a.num_nodes + i] = token;
+void launch_sample_full(const at::Tensor& logits, const SampleArgs& args, int64_t bsz, cudaStream_t stream) {
+  const int64_t n = args.num_nodes;
+  const auto [segments, seg_len] = cuda::split_rows(bsz * n, args.vocab);
+  const at::Tensor part_max = at::empty({bsz, n, segments}, logits.options().dtype(at::kFloat));
+  DrawRowWorkspace over_row(logits, bsz, n);
+  sample_row_max_kernel<T>
+      <<<dim3(static_cast<unsigned>(n * segments), static_cast<unsigned>(bsz)), kSampleThreads, 0, stream>>>(
+          logits.data_ptr<T>(), logits.stride(0), logits.stride(1), args, static_cast<int>(segments), seg_len,
+          part_max.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_draw_over_row<T, /*FILTERED=*/false>(logits, args, over_row.args(part_max), bsz, stream);
 }
 
 // The CPU op's rule, batched over every node through ATen on the device: weights exp(x - max x); the top_k
@@ -662,10 +834,7 @@ void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
   } else {
     DDTREE_CUDA_DISPATCH_FLOAT(logits.scalar_type(), op, [&] {
       if (k_on == 0) {
-        sample_full_kernel<scalar_t><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(bsz)), kSampleThreads,
-                                       sizeof(double) * cuda::ceil_div(vocab, kSampleChunk), stream>>>(
-            logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), args);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_sample_full<scalar_t>(logits, args, bsz, stream);
       } else if (k_on <= 8 - 4) {  // a list 4 longer than k: kth's tie group seldom runs past it
         launch_sample_top_k<scalar_t, 8>(logits, args, bsz, stream);
       } else if (k_on <= 16 - 4) {

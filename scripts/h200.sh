@@ -7,7 +7,7 @@
 #   no registry, so download its pure-Python wheels here (pip download --no-deps -d .whl flash-linear-attention
 #   fla-core einops), carry .whl, and there: pip install --no-index --no-deps --target DIR .whl/*.whl.
 #   (default: build test sanitize bench e2e, in order; gputest = only the GPU test files, for quick runs (PYTEST_K: a
-#   -k expression to run fewer); ab = e2e.py with E2E_ARGS and with E2E_ARGS plus AB_ARGS, side by side in ab.md
+#   -k expression to run fewer; BENCH_K, the same for bench); ab = e2e.py with E2E_ARGS and with E2E_ARGS plus AB_ARGS, side by side in ab.md
 #   (AB_ORDER="a b b a" repeats the sides);
 #   gdn = the GDN and commit CUDA tests, then the tree GDN op's per-layer timing at 27B shapes, for A/B runs;
 #   linear = the projection kernel's CUDA tests, memcheck over them, and its benchmarks against F.linear)
@@ -78,7 +78,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cu
       ;;
     bench)
       : > "$OUT/bench.log"
-      run bench.log "$PY" -m pytest benchmarks --benchmark-only --benchmark-json "$OUT/bench.json" -q
+      run bench.log "$PY" -m pytest benchmarks --benchmark-only --benchmark-json "$OUT/bench.json" -q ${BENCH_K:+-k "$BENCH_K"}
       run bench.log "$PY" scripts/summarize_bench.py "$OUT/bench.json" --out "$OUT/bench.md"
       [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
       ;;

@@ -696,7 +696,8 @@ def test_walk_sample_full_vocab():
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize(
     "top_k,top_p",
-    [(2, 0.5), (5, 1.0), (7, 1.0), (8, 0.9), (20, 0.95), (31, 0.5), (64, 1.0), (64, 0.8), (100, 0.9), (0, 0.6)],
+    [(2, 0.5), (5, 1.0), (7, 1.0), (8, 0.9), (20, 0.95), (31, 0.5), (64, 1.0), (64, 0.8), (100, 0.9), (0, 0.6),
+     (0, 1.0)],
 )
 def test_walk_sample_ties_keep_what_hf_warpers_keep(dtype, top_k, top_p):
     """Logits tied at the top_k and top_p cuts: groups inside the kernel's list, running past it (64 tokens or
