@@ -2,7 +2,7 @@
 # Build, test, sanitize and benchmark ddtree_ext's CUDA kernels on a GPU machine (made for the H200:
 # torch with CUDA 13, nvcc, compute-sanitizer; no package registry needed).
 #
-#   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] [TORCH_CUDA_ARCH_LIST=9.0a] scripts/h200.sh [build] [test] [gputest] [gdn] [linear] [sanitize] [bench] [e2e] [ab]
+#   OUT=/some/dir [FLA_PATH=/dir/with/fla] [E2E_ARGS="--preset 4b"] [TORCH_CUDA_ARCH_LIST=9.0a] scripts/h200.sh [build] [test] [gputest] [gdn] [linear] [walk] [sanitize] [bench] [e2e] [ab]
 #   FLA_PATH: a folder with flash-linear-attention installed, for the `test` stage's chain comparisons; the machine has
 #   no registry, so download its pure-Python wheels here (pip download --no-deps -d .whl flash-linear-attention
 #   fla-core einops), carry .whl, and there: pip install --no-index --no-deps --target DIR .whl/*.whl.
@@ -10,7 +10,8 @@
 #   -k expression to run fewer; BENCH_K, the same for bench); ab = e2e.py with E2E_ARGS and with E2E_ARGS plus AB_ARGS, side by side in ab.md
 #   (AB_ORDER="a b b a" repeats the sides);
 #   gdn = the GDN and commit CUDA tests, then the tree GDN op's per-layer timing at 27B shapes, for A/B runs;
-#   linear = the projection kernel's CUDA tests, memcheck over them, and its benchmarks against F.linear)
+#   linear = the projection kernel's CUDA tests, memcheck over them, and its benchmarks against F.linear;
+#   walk = the walk, sampling and top-K CUDA tests, memcheck and racecheck over a few, and their benchmarks)
 #
 # Set DDTREE_COMMIT to the tree's commit: a copy of the tree may carry a stale .git, and the reports name the commit.
 # The build targets 9.0a (Hopper's own instructions: the projection kernel's wgmma); 9.0 builds its mma.sync path.
@@ -87,6 +88,19 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cu
       run gdn.log "$PY" -m pytest tests/test_cuda.py -q -n "${PYTEST_WORKERS:-8}" -k "gated_delta or gdn or commit or all_ops"
       run gdn.log "$PY" scripts/profile_gdn.py --nodes 1 17 65 129 257 --time
       ;;
+    walk)
+      : > "$OUT/walk.log"
+      run walk.log "$PY" -m pytest tests/test_cuda.py tests/test_generate_cuda.py -q -rs -n "${PYTEST_WORKERS:-8}" \
+        -k "walk or sample or topk or all_ops or graph_replay"
+      run walk.log compute-sanitizer --tool memcheck --error-exitcode 99 "$PY" -m pytest tests/test_cuda.py -q -x \
+        -k "test_walk_sample and dtype2 and not ties and not full"
+      run walk.log compute-sanitizer --tool racecheck --error-exitcode 99 "$PY" -m pytest tests/test_cuda.py -q -x \
+        -k "test_walk_sample and dtype2 and not ties and (0.9-0-0.9 or 20)"
+      run walk.log "$PY" -m pytest benchmarks/test_bench_cuda.py -q -k "walk_sample or topk" --benchmark-only \
+        --benchmark-json "$OUT/bench_walk.json"
+      run walk.log "$PY" scripts/summarize_bench.py "$OUT/bench_walk.json" --out "$OUT/bench_walk.md"
+      [ -f "$OUT/bench_walk.md" ] && cat "$OUT/bench_walk.md"
+      ;;
     linear)
       : > "$OUT/linear.log"
       run linear.log "$PY" -m pytest tests/test_cuda.py -q -rs -n "${PYTEST_WORKERS:-8}" \
@@ -127,7 +141,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cu
       run ab.log "$PY" scripts/compare_e2e.py "${reports[@]}" --labels "$labels_csv" --out "$OUT/ab.md"
       ;;
     *)
-      echo "unknown stage: $stage (build, test, gputest, gdn, linear, sanitize, bench, e2e, ab)"
+      echo "unknown stage: $stage (build, test, gputest, gdn, linear, walk, sanitize, bench, e2e, ab)"
       status=1
       ;;
   esac
