@@ -202,14 +202,17 @@ def hf_decode_step_ms(model, prompt, steps: int) -> float:
     return median_ms(times[3:])
 
 
-def measure_generate(target, draft, prompt, *, method, budget, graphs: bool, rounds: int) -> dict:
+def measure_generate(target, draft, prompt, *, method, budget, graphs: bool, rounds: int,
+                     sampling: dict | None = None) -> dict:
     """One generate() run; medians over its replayed rounds (graphs) or its rounds after 3 (eager), in steady state
-    (the rounds of a generation but its first and last few)."""
+    (the rounds of a generation but its first and last few). sampling: temperature, top_k and top_p for a sampled
+    run (seed 0), None for greedy."""
     # Random weights accept about one token a round; the rounds in the last block_size tokens are not launched
     # ahead (one of them could end the generation), so they come on top.
     new_tokens = (rounds + 13 if graphs else rounds + 4) + draft.block_size
+    draws = dict(sampling, seed=0) if sampling else {}
     _, stats = generate(target, draft, prompt, new_tokens, method=method, tree_budget=budget, cuda_graph=graphs,
-                        return_stats=True)
+                        return_stats=True, **draws)
     # Steady state: round r launched ahead of round r - 1's read and round r + 1 ahead of r's, so that the time
     # between r - 1's result and r's holds one launch (r + 1's: a replay too, for graph rounds) and one round on the
     # device.
@@ -226,8 +229,29 @@ def measure_generate(target, draft, prompt, *, method, budget, graphs: bool, rou
         method=method, budget=budget if method == "ddtree" else stats.tree_budget, graphs=graphs,
         rounds_measured=len(picked), round_ms=median_ms([stats.round_time_s[r] for r in picked]),
         stage_ms=stages, tau=statistics.mean(stats.accept_lengths[r] for r in picked) if picked else float("nan"),
-        captures=stats.graph_captures, capture_s=stats.graph_capture_s,
+        captures=stats.graph_captures, capture_s=stats.graph_capture_s, sampling=sampling,
     )
+
+
+def parse_sampling(text: str) -> dict:
+    """--sample's value, "temperature,top_k,top_p" (top_k 0 = off, top_p 1 = off)."""
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"--sample takes temperature,top_k,top_p, got {text!r}")
+    try:
+        temperature, top_k, top_p = float(parts[0]), int(parts[1]), float(parts[2])
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--sample takes temperature,top_k,top_p, got {text!r}") from err
+    if temperature <= 0:
+        raise argparse.ArgumentTypeError(f"--sample's temperature must be > 0 (greedy rounds run anyway), got {text!r}")
+    return dict(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def sampling_label(sampling: dict | None) -> str:
+    """How a run's sampling shows in the report: empty for greedy."""
+    if not sampling:
+        return ""
+    return f" (T {sampling['temperature']:g}, top_k {sampling['top_k']}, top_p {sampling['top_p']:g})"
 
 
 # ---- the public reference implementation's round pattern ---------------------------------------
@@ -404,6 +428,16 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
             print(f"[{name}] {method} budget {run['budget']} {'graphs' if graphs else 'eager '}: "
                   f"{run['round_ms']:.2f} ms/round over {run['rounds_measured']} rounds (tau {run['tau']:.2f}); "
                   f"stages ms: {stages}", flush=True)
+    # Sampled rounds, graphs only: the autoregressive step and the tree round at budget 64 (else the largest).
+    tree_budget = 64 if 64 in args.budgets else max(args.budgets)
+    for sampling in args.sample or []:
+        for method, budget in (("autoregressive", 1), ("ddtree", tree_budget)):
+            run = measure_generate(adapter, draft, prompt, method=method, budget=budget, graphs=True,
+                                   rounds=args.rounds, sampling=sampling)
+            result["runs"].append(run)
+            print(f"[{name}] {method}{sampling_label(sampling)} budget {run['budget']} graphs: "
+                  f"{run['round_ms']:.2f} ms/round over {run['rounds_measured']} rounds; walk "
+                  f"{run['stage_ms'].get('walk', float('nan')):.3f} ms", flush=True)
 
     if family == "qwen3":
         result["reference_round_ms"] = {}
@@ -435,7 +469,8 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
 
 def _graph_run(res: dict, method: str, budget: int | None = None) -> dict | None:
     for run in res["runs"]:
-        if run["graphs"] and run["method"] == method and (budget is None or run["budget"] == budget):
+        if (run["graphs"] and run["method"] == method and (budget is None or run["budget"] == budget)
+                and not run.get("sampling")):  # the targets are greedy rounds'
             return run
     return None
 
@@ -528,7 +563,8 @@ def markdown(report: dict) -> str:
             st = run["stage_ms"]
             stages = " | ".join(f"{st[s]:.3f}" if s in st else "" for s in ("draft", "build", "verify", "walk", "commit"))
             lines.append(
-                f"| {run['method']} | {run['budget']} | {'graphs' if run['graphs'] else 'eager'} | {ms:.2f} | "
+                f"| {run['method']}{sampling_label(run.get('sampling'))} | {run['budget']} | "
+                f"{'graphs' if run['graphs'] else 'eager'} | {ms:.2f} | "
                 f"{ms / floor:.2f} | {run['tau']:.2f} | {1e3 * run['tau'] / ms:.1f} | {proj} | {stages} |"
             )
         captured = [r for r in res["runs"] if r.get("captures") and "capture_s" in r]
@@ -583,6 +619,9 @@ def main(argv=None) -> None:
                         help="new tokens (+12) per graph measurement: about that many replayed rounds with random "
                              "weights, fewer with a real draft")
     parser.add_argument("--eager-rounds", type=int, default=10, help="measured rounds per eager measurement")
+    parser.add_argument("--sample", action="append", type=parse_sampling, metavar="T,TOP_K,TOP_P",
+                        help="also time sampled rounds (graphs; the AR step and the budget-64 tree round) with this "
+                             "temperature, top_k (0 = off) and top_p (1 = off); repeatable, e.g. 0.6,20,0.95")
     parser.add_argument("--hf-steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-length", type=int, default=32768, help="the length the static caches are sized for")

@@ -78,6 +78,27 @@ def test_qwen3_8b_target_and_missing_runs(e2e):
     assert "Against the issue #5 targets" not in e2e.markdown(report([preset("4b", 5.0, runs)]))
 
 
+def test_sampled_runs_are_labelled_and_not_the_targets(e2e):
+    """--sample's rounds show their settings in the table and never stand in for the greedy rounds the targets
+    bound; --sample's value is checked when parsed."""
+    sampling = e2e.parse_sampling("0.6,20,0.95")
+    assert sampling == dict(temperature=0.6, top_k=20, top_p=0.95)
+    runs = [
+        dict(run("autoregressive", 0, 30.0), sampling=sampling),  # a slow sampled step listed first
+        run("autoregressive", 0, 11.0),
+        dict(run("ddtree", 64, 40.0, walk=5.0), sampling=e2e.parse_sampling("0.7,0,0.9")),
+    ]
+    rows = e2e.target_rows(preset("27b", 10.0, runs), gpu_memory_gb=None)
+    assert rows == ["| captured AR step <= 1.15 x floor | 1.10 x | met |"]  # no greedy budget-64 round: no row
+    md = e2e.markdown(report([preset("27b", 10.0, runs)]))
+    assert "| autoregressive (T 0.6, top_k 20, top_p 0.95) | 0 | graphs | 30.00 |" in md
+    assert "| ddtree (T 0.7, top_k 0, top_p 0.9) | 64 | graphs | 40.00 |" in md
+    assert "| autoregressive | 0 | graphs | 11.00 |" in md
+    for bad in ("0.6,20", "0,20,0.9", "hot,20,0.9"):
+        with pytest.raises(Exception, match="temperature"):
+            e2e.parse_sampling(bad)
+
+
 def bench(name, per_op_us, floor_us=1.0):
     return dict(name=name, group=None, stats=dict(median=per_op_us * 1e-6),
                 extra_info=dict(op=name, shape="s", calls_per_replay=1, per_op_us=per_op_us, floor_us=floor_us,
