@@ -199,8 +199,8 @@ struct RowTopKSmem {
 // on the H200, 42 x the time to read them). So pass 1 takes each thread's max (one element of the
 // row); each warp's (K_CAP / warps)-th largest lane max is reached by that many of its elements, so the
 // least of these over the warps is reached by K_CAP elements and no element below it is in the top
-// K_CAP. Pass 2 inserts only the elements at or above it: the same pairs, a handful of inserts (127 us for
-// those rows, 2026-12-05).
+// K_CAP. Pass 2 inserts only the elements at or above it: the same pairs, a handful of inserts (the whole
+// walk_sample then took 127 us for those rows, 2026-12-05).
 template <typename T, int K_CAP, int THREADS, bool WITH_SUM = true, typename Transform>
 __device__ void row_softmax_topk(const T* row, int64_t n, int id_offset, Transform transform,
                                  RowTopKSmem<K_CAP, THREADS>& sm) {

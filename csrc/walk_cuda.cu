@@ -332,12 +332,12 @@ __device__ __forceinline__ double block_scan(double x, double* warp_totals, doub
 //   3. per node, a block scan over the chunk totals finds the chunk holding uniform * total, and one warp
 //      rescans that chunk with the same lane sums and warp scan as kernel 2 (the same bits).
 // (One block per node walking its row chunk by chunk, a round trip and two barriers a chunk, took
-// 592 us for 65 rows of 248320 on the H200; these three kernels, 67 us.)
+// 592 us for 65 rows of 248320 on the H200; with these three kernels the whole walk_sample took 67 us.)
 constexpr int kDrawPerLane = 8;
 constexpr int kDrawChunk = kWarp * kDrawPerLane;
 constexpr int kDrawBlocksPerSM = 8;  // resident blocks of kSampleThreads a multiprocessor takes, to hide latency
 
-// Which tokens a draw over the row keeps: all of them, or those with x >= the node's cut value.
+// Per node, what a draw over its row reads (the row's max x, the cut) and its workspaces.
 struct DrawRowArgs {
   const float* part_max;   // [B, N, segments]: the segments' max x
   int segments;
@@ -624,7 +624,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
   const float kth = val[k - 1];
   // The list ends inside kth's tie group, which may run past it: count the group over the row (a
   // block-uniform branch). top_p needs the count for the set's mass; the draw, to know whether the kept set
-  // fits the list (one pass over the row, where a draw over it makes two with a block scan per chunk).
+  // fits the list, else the node draws over its row.
   const bool group_past_list = val[K_CAP - 1] == kth;
   if (group_past_list) {
     int count = 0;
