@@ -34,6 +34,7 @@ from ddtree_ext.fused import (
     Fork, LayerFusion, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, ops_apply, rope_rows, rope_table,
     rope_table_serves, rotary, stacked_outputs,
 )
+from ddtree_ext.target import MAX_TREE_NODES
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -217,8 +218,12 @@ def _validate_config(config) -> None:
     """ValueError naming the first DFlash setting that cannot work."""
     where = "DFlashDraftModel config"
     block_size = _draft_value(config, "block_size", 16)
-    if not isinstance(block_size, int) or block_size < 2:
-        raise ValueError(f"{where}: block_size must be an int >= 2, got {block_size!r}")
+    # A chain round verifies block_size nodes (its root and block_size - 1 drafted tokens) in one call.
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 2 <= block_size <= MAX_TREE_NODES:
+        raise ValueError(
+            f"{where}: block_size must be an int in 2..{MAX_TREE_NODES} (a round verifies at most "
+            f"{MAX_TREE_NODES} nodes), got {block_size!r}"
+        )
     mask_token_id = _draft_value(config, "mask_token_id")
     if not isinstance(mask_token_id, int) or mask_token_id < 0:
         raise ValueError(f"{where}: dflash_config.mask_token_id must be a non-negative int, got {mask_token_id!r}")

@@ -164,6 +164,7 @@ def test_from_pretrained_without_weights(target, tmp_path):
     "attributes,message",
     [
         (dict(block_size=1), "block_size"),
+        (dict(block_size=258), r"block_size must be an int in 2\.\.257"),
         (dict(dflash_config={"mask_token_id": 255, "target_layer_ids": []}), "target_layer_ids"),
         (dict(dflash_config={"target_layer_ids": [1]}), "mask_token_id"),
         (dict(layer_types=["sliding_attention", "linear_attention"]), "layer_types"),
