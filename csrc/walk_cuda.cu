@@ -10,13 +10,19 @@
 //     values from them (a group tied with the k-th that runs past the list is counted over the row),
 //     then draws from the list, or marks the node to draw over its row when the kept set runs past it;
 //   * no top_k, no top_p: the rows' maxima by segments, then the draw over the row;
+//   * top_p alone: the rows' maxima, top_p's cut value by a radix select over the row (three levels
+//     of mass histograms in fixed point), then the draw over the row above the cut (opt-in until a GPU
+//     run has verified it: DDTREE_TOP_P_SELECT=radix; else the sort below);
 //   * the draw over a row: every chunk's total in parallel, then per node a scan over the totals and one
 //     chunk rescanned;
-//   * anything else (top_p over the whole vocabulary, top_k > 64): the same rule through a sort of
+//   * top_k > 64 (with or without top_p), and top_p alone by default: the same rule through a sort of
 //     every node's row in ATen on the device (exact, heavier).
 // Like the CPU op, weights are float32 exp(x - max x) and masses are summed in double, in a different
 // order, so a draw can differ from the CPU op's only when uniform * total (or top_p * mass) lands
 // within double rounding (or expf's last-bit differences) of a cumulative boundary.
+#include <cstdlib>
+#include <cstring>
+
 #include "cuda_common.cuh"
 #include "ops.h"
 #include "row_topk.cuh"
@@ -304,20 +310,21 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_segment_kernel(
 
 // Inclusive prefix sum over the block in a fixed order (warp shuffles, then warp totals); also returns
 // the exclusive prefix. Deterministic, so two scans of the same values agree bit for bit.
-__device__ __forceinline__ double block_scan(double x, double* warp_totals, double& exclusive) {
+template <typename V>
+__device__ __forceinline__ V block_scan(V x, V* warp_totals, V& exclusive) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  double incl = x;
+  V incl = x;
 #pragma unroll
   for (int off = 1; off < kWarp; off <<= 1) {
-    const double y = __shfl_up_sync(kFullMask, incl, off);
+    const V y = __shfl_up_sync(kFullMask, incl, off);
     if (lane >= off) incl += y;
   }
   if (lane == kWarp - 1) warp_totals[warp] = incl;
   __syncthreads();
-  double before = 0;
+  V before = 0;
   for (int w = 0; w < warp; ++w) before += warp_totals[w];
-  const double prev_in_warp = __shfl_up_sync(kFullMask, incl, 1);
-  exclusive = before + (lane == 0 ? 0.0 : prev_in_warp);
+  const V prev_in_warp = __shfl_up_sync(kFullMask, incl, 1);
+  exclusive = before + (lane == 0 ? V{0} : prev_in_warp);
   incl = before + incl;
   __syncthreads();  // warp_totals is reused by the next scan
   return incl;
@@ -342,7 +349,7 @@ struct DrawRowArgs {
   const float* part_max;   // [B, N, segments]: the segments' max x
   int segments;
   float* cut;              // [B, N] (FILTERED): the smallest kept x
-  int8_t* over_row;        // [B, N] (FILTERED): 1 where the node draws over its row (the top-k path decides)
+  int8_t* over_row;        // [B, N] (FILTERED): 1 where the node draws over its row (the top-k or top-p path decides)
   double* chunk_total;     // [B, N, chunks]
   int* chunk_last;         // [B, N, chunks]: the chunk's largest kept id, -1 for none
   int64_t chunks;
@@ -584,6 +591,203 @@ struct DrawRowWorkspace {
   }
 };
 
+// ---- top_p alone: the cut by a radix select over the row ----------------------------------------
+// top_p keeps every x >= c, where c is the value at which the mass summed from the top first reaches
+// top_p of the row's: mass(x > c) < top_p * total <= mass(x >= c). c is found digit by digit of its
+// order-preserving 32-bit key (ordered_bits), 11, 11 and 10 bits at a time: per level, a histogram of the
+// mass by digit over the elements whose key matches the digits found so far (one block per row segment,
+// merged by global atomics), then per node a descending scan over the digits finds where the mass crosses.
+// Then the draw over the row keeps x >= c. Masses are fixed-point integers, weights exp(x - max x) rounded
+// to multiples of 2^-scale_bits: integer sums do not depend on their order, so the cut is the same on
+// every run, and no row can overflow them (scale_bits leaves the vocabulary's size of headroom in 63 bits).
+// At Qwen's vocabularies a unit is 2^-45 of the max weight: only weights below it (x more than 31 below the
+// max) count as zero, and only a top_p within about 2^-27 of 1 could want them kept. Against the CPU op
+// (double sums) the cut can differ only when top_p * total lands within that rounding of a boundary.
+// (A sort of every row, which this replaced, took 3.3 ms for 65 rows of 248320 on the H200.)
+constexpr int kRadixLevels = 3;
+constexpr int kRadixBuckets = 2048;  // digits of 11 bits (the last level's 10 use half)
+__host__ __device__ constexpr int radix_shift(int level) { return level == 0 ? 21 : level == 1 ? 10 : 0; }
+__host__ __device__ constexpr int radix_buckets(int level) { return level == 2 ? 1024 : kRadixBuckets; }
+static_assert(radix_shift(0) + 11 == 32 && radix_shift(1) + 11 == radix_shift(0) && radix_buckets(2) == 1 << radix_shift(1),
+              "the levels' digits tile the 32-bit key");
+
+// Per node, the select's progress: the key's digits found so far (levels before this one), the mass of
+// every key above the digits' range, and the mass top_p asks for.
+struct RadixCut {
+  uint32_t prefix;
+  int failed;  // no finite weight in the row (all -inf or NaN): keep every token, the draw copes
+  unsigned long long above;
+  unsigned long long target;
+};
+
+struct TopPCutArgs {
+  RadixCut* state;               // [B, N]
+  unsigned long long* hist;      // [B, N, kRadixLevels, kRadixBuckets], zeroed
+  float unit;                    // 2^scale_bits: a weight in fixed point is weight * unit, rounded
+};
+
+// Whether key `key` lies in the range the digits found before `level` leave.
+template <int LEVEL>
+__device__ __forceinline__ bool in_radix_range(uint32_t key, uint32_t prefix) {
+  if constexpr (LEVEL == 0) {
+    return true;
+  } else {
+    return (key >> radix_shift(LEVEL - 1)) == (prefix >> radix_shift(LEVEL - 1));
+  }
+}
+
+// Level LEVEL's histogram: one block per (node, row segment) of the reachable nodes, its segment's masses
+// by digit in shared memory, then added into the node's global histogram (nonzero buckets only).
+template <typename T, int LEVEL>
+__global__ void __launch_bounds__(kSampleThreads) top_p_histogram_kernel(const T* __restrict__ logits, int64_t lg_sb,
+                                                                         int64_t lg_sn, SampleArgs a, DrawRowArgs d,
+                                                                         TopPCutArgs c, int64_t seg_len) {
+  constexpr int kBuckets = radix_buckets(LEVEL);
+  __shared__ unsigned long long hist[kBuckets];
+  const int seg = blockIdx.x;
+  const int64_t slot = blockIdx.y;
+  const int depth = a.depth[slot];
+  if (depth < 0 || depth >= a.max_accept) return;  // no walk reaches this node: nothing to draw
+  if (LEVEL > 0 && c.state[slot].failed) return;
+  const uint32_t prefix = LEVEL > 0 ? c.state[slot].prefix : 0u;
+  const int b = static_cast<int>(slot / a.num_nodes), i = static_cast<int>(slot % a.num_nodes);
+  const int64_t start = seg * seg_len;
+  if (start >= a.vocab) return;
+  const int64_t len = start + seg_len < a.vocab ? seg_len : a.vocab - start;
+  for (int e = threadIdx.x; e < kBuckets; e += kSampleThreads) hist[e] = 0;
+  __syncthreads();
+  const float m = row_max_of_parts(d, slot), temperature = a.temperature, unit = c.unit;
+  cuda::for_each_in_row<T, kSampleThreads>(logits + b * lg_sb + i * lg_sn + start, len, [&](float v, int64_t) {
+    const float x = v / temperature;
+    const uint32_t key = cuda::ordered_bits(x);
+    if (!in_radix_range<LEVEL>(key, prefix)) return;
+    const float scaled = expf(x - m) * unit;  // <= 2^scale_bits (exact: unit is a power of 2); NaN for NaN x
+    if (!(scaled >= 0.5f)) return;            // rounds to zero mass, or NaN: adds nothing
+    const unsigned long long w = __float2ull_rn(scaled);
+    if (w != 0) atomicAdd(&hist[(key >> radix_shift(LEVEL)) & (kBuckets - 1)], w);
+  });
+  __syncthreads();
+  unsigned long long* out = c.hist + (slot * kRadixLevels + LEVEL) * kRadixBuckets;
+  for (int e = threadIdx.x; e < kBuckets; e += kSampleThreads) {
+    if (hist[e] != 0) atomicAdd(out + e, hist[e]);
+  }
+}
+
+// Level LEVEL's select: one block per node. Thread t owns digits kBuckets - 1 - kPer t down to
+// kBuckets - kPer (t + 1) (descending); a block scan of their sums places them, and the one bucket where
+// the mass from the top crosses the target gives the digit. At the last level the cut goes to d.cut and
+// every reachable node is marked to draw over its row.
+template <int LEVEL>
+__global__ void __launch_bounds__(kSampleThreads) top_p_select_kernel(SampleArgs a, DrawRowArgs d, TopPCutArgs c) {
+  constexpr int kBuckets = radix_buckets(LEVEL), kPer = kBuckets / kSampleThreads;
+  static_assert(kBuckets % kSampleThreads == 0, "whole buckets a thread");
+  __shared__ unsigned long long warp_totals[kSampleThreads / kWarp];
+  __shared__ unsigned long long total;
+  __shared__ int found;
+  const int64_t slot = static_cast<int64_t>(blockIdx.y) * a.num_nodes + blockIdx.x;
+  const int depth = a.depth[slot];
+  if (depth < 0 || depth >= a.max_accept) {
+    if (LEVEL == kRadixLevels - 1 && threadIdx.x == 0) {
+      d.over_row[slot] = 0;
+      a.token[slot] = -1;
+    }
+    return;
+  }
+  RadixCut& st = c.state[slot];
+  const bool failed_before = LEVEL > 0 && st.failed;
+  if (!failed_before) {
+    const unsigned long long* h = c.hist + (slot * kRadixLevels + LEVEL) * kRadixBuckets;
+    unsigned long long mine[kPer], sum = 0;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      mine[e] = h[kBuckets - 1 - (kPer * threadIdx.x + e)];
+      sum += mine[e];
+    }
+    if (threadIdx.x == 0) found = 0;
+    unsigned long long before;
+    const unsigned long long incl = block_scan(sum, warp_totals, before);  // its barriers publish `found`
+    if (threadIdx.x == kSampleThreads - 1) total = incl;
+    __syncthreads();
+    unsigned long long above, target;
+    if constexpr (LEVEL == 0) {
+      // The row's mass; top_p of it, rounded up: an integer mass reaches top_p * total iff it reaches this.
+      above = 0;
+      // (The double product can round past the total only for a top_p within 2^-53 of 1: then all is kept.)
+      target = static_cast<unsigned long long>(ceil(a.top_p * static_cast<double>(total)));
+      target = max(1ull, min(target, static_cast<unsigned long long>(total)));
+    } else {
+      above = st.above;
+      target = st.target;
+    }
+    unsigned long long cum = above + before;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      if (mine[e] != 0 && cum < target && cum + mine[e] >= target) {  // exactly one bucket: cum is monotone
+        const uint32_t digit = kBuckets - 1 - (kPer * threadIdx.x + e);
+        st.prefix = (LEVEL > 0 ? st.prefix : 0u) | digit << radix_shift(LEVEL);
+        st.above = cum;
+        st.target = target;
+        found = 1;
+      }
+      cum += mine[e];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && !found) st.failed = 1;  // no finite weight (total 0)
+    if (threadIdx.x == 0 && found && LEVEL == 0) st.failed = 0;
+    __syncthreads();
+  }
+  if (LEVEL == kRadixLevels - 1 && threadIdx.x == 0) {
+    d.cut[slot] = st.failed ? -INFINITY : cuda::from_ordered_bits(st.prefix);
+    d.over_row[slot] = 1;
+  }
+}
+
+// top_p alone: the rows' maxima, the three levels of the cut's select, then the draw over every reachable
+// node's row above its cut.
+template <typename T>
+void launch_sample_top_p(const at::Tensor& logits, const SampleArgs& args, int64_t bsz, cudaStream_t stream) {
+  const int64_t n = args.num_nodes, vocab = args.vocab, rows = bsz * n;
+  // Segments enough to keep kDrawBlocksPerSM blocks on every multiprocessor (the histogram's atomics and
+  // loads want latency hidden), at least cuda::kMinRowSegment elements each.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int64_t segments = std::max<int64_t>(1, cuda::ceil_div(kDrawBlocksPerSM * sms, std::max<int64_t>(rows, 1)));
+  segments = std::min(segments, std::max<int64_t>(1, vocab / cuda::kMinRowSegment));
+  const int64_t seg_len = cuda::ceil_div(cuda::ceil_div(vocab, segments), 8) * 8;  // 16-byte aligned starts
+  segments = cuda::ceil_div(vocab, seg_len);
+  // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture (the zeroing is a
+  // memset node).
+  const at::Tensor part_max = at::empty({bsz, n, segments}, logits.options().dtype(at::kFloat));
+  DrawRowWorkspace draw(logits, bsz, n);
+  const DrawRowArgs d = draw.args(part_max);
+  const at::Tensor state = at::empty({rows * static_cast<int64_t>(sizeof(RadixCut))}, logits.options().dtype(at::kByte));
+  const at::Tensor hist = at::zeros({bsz, n, kRadixLevels, kRadixBuckets}, logits.options().dtype(at::kLong));
+  int vocab_bits = 0;  // ceil(log2 vocab): the headroom the row's sum needs
+  while ((int64_t{1} << vocab_bits) < vocab) ++vocab_bits;
+  const TopPCutArgs c{reinterpret_cast<RadixCut*>(state.data_ptr()),
+                      reinterpret_cast<unsigned long long*>(hist.data_ptr<int64_t>()),
+                      std::ldexp(1.0f, std::min(62, 63 - vocab_bits))};
+  const T* lg = logits.data_ptr<T>();
+  const int64_t lg_sb = logits.stride(0), lg_sn = logits.stride(1);
+  sample_row_max_kernel<T><<<dim3(static_cast<unsigned>(n * segments), static_cast<unsigned>(bsz)), kSampleThreads, 0,
+                             stream>>>(lg, lg_sb, lg_sn, args, static_cast<int>(segments), seg_len,
+                                       part_max.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const dim3 hist_grid(static_cast<unsigned>(segments), static_cast<unsigned>(rows));
+  const dim3 node_grid(static_cast<unsigned>(n), static_cast<unsigned>(bsz));
+  auto level = [&](auto level_constant) {
+    constexpr int kLevel = decltype(level_constant)::value;
+    top_p_histogram_kernel<T, kLevel><<<hist_grid, kSampleThreads, 0, stream>>>(lg, lg_sb, lg_sn, args, d, c, seg_len);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    top_p_select_kernel<kLevel><<<node_grid, kSampleThreads, 0, stream>>>(args, d, c);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  level(std::integral_constant<int, 0>{});
+  level(std::integral_constant<int, 1>{});
+  level(std::integral_constant<int, 2>{});
+  static_assert(kRadixLevels == 3, "one launch pair a level");
+  launch_draw_over_row<T, /*FILTERED=*/true>(logits, args, d, bsz, stream);
+}
+
 // top_k in [1, 64], step 2: one block per node. Warp 0 merges the segments' lists into the row's best
 // K_CAP (x, id) pairs. The top_k set is every x >= the k-th largest, kth. top_p then keeps the groups
 // of equal x, in descending order, whose mass above is below top_p of the set's (when the list ends
@@ -765,6 +969,14 @@ void sample_by_sort(const at::Tensor& logits, const at::Tensor& uniform, const a
   token.copy_(at::where(hit.lt(vocab), hit, kept_max));
 }
 
+// Until a GPU run has verified it, top_p alone takes the radix select only with DDTREE_TOP_P_SELECT=radix (the
+// CUDA tests set it); the sort stays the default. Both draw by the same rule. Read at every call, so a test can
+// switch it.
+bool top_p_by_radix_select() {
+  const char* select = std::getenv("DDTREE_TOP_P_SELECT");
+  return select != nullptr && std::strcmp(select, "radix") == 0;
+}
+
 }  // namespace
 
 // ---- entry points ------------------------------------------------------------------------------
@@ -829,11 +1041,13 @@ void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
                         static_cast<int>(n), static_cast<int>(uniform.size(1)), vocab,
                         static_cast<float>(temperature), top_p, static_cast<int>(k_on),
                         token.data_ptr<int64_t>()};
-  if (k_on > kSampleMaxTopK || (k_on == 0 && p_on)) {
+  if (k_on > kSampleMaxTopK || (k_on == 0 && p_on && !top_p_by_radix_select())) {
     sample_by_sort(logits, uniform, depth, temperature, top_k, top_p, token);
   } else {
     DDTREE_CUDA_DISPATCH_FLOAT(logits.scalar_type(), op, [&] {
-      if (k_on == 0) {
+      if (k_on == 0 && p_on) {
+        launch_sample_top_p<scalar_t>(logits, args, bsz, stream);
+      } else if (k_on == 0) {
         launch_sample_full<scalar_t>(logits, args, bsz, stream);
       } else if (k_on <= 8 - 4) {  // a list 4 longer than k: kth's tie group seldom runs past it
         launch_sample_top_k<scalar_t, 8>(logits, args, bsz, stream);

@@ -37,6 +37,13 @@ def cuda_build():
         pytest.skip("ddtree_ext._C was built without CUDA kernels")
 
 
+@pytest.fixture(autouse=True)
+def top_p_select_radix(monkeypatch):
+    """Every test here draws top_p alone by the radix select, opt-in until a GPU run has verified it
+    (csrc/walk_cuda.cu); test_walk_sample_top_p_sort_and_radix_agree keeps the default, the sort, covered."""
+    monkeypatch.setenv("DDTREE_TOP_P_SELECT", "radix")
+
+
 def make_gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -652,14 +659,16 @@ def sample_case(bsz, n, vocab, gen):
     return reference.tree_from_parents(parent, token, torch.zeros(bsz, dtype=torch.long)), logits
 
 
-SAMPLE_SETTINGS = [  # (temperature, top_k, top_p): fast paths and the sort-based path
+SAMPLE_SETTINGS = [  # (temperature, top_k, top_p): every path of the CUDA op
     (1.0, 0, 1.0),
     (0.7, 5, 1.0),
     (0.7, 20, 0.9),
     (1.3, 64, 0.8),
     (0.6, 1, 1.0),
-    (0.9, 0, 0.9),  # top_p over the whole vocabulary: sort-based
-    (1.0, 100, 0.95),  # top_k above the fast path: sort-based
+    (0.9, 0, 0.9),  # top_p alone: the radix select of the cut
+    (0.7, 0, 0.3),
+    (1.0, 0, 0.999),
+    (1.0, 100, 0.95),  # top_k above the lists: sort-based
     (1.0, 10**6, 1.0),  # top_k >= vocab is off
 ]
 
@@ -688,9 +697,51 @@ def test_walk_sample_full_vocab():
     tree, logits = sample_case(1, 17, 248320, gen)
     logits = logits.to(torch.bfloat16)
     uniform = torch.rand(1, 17, generator=gen)
-    for kw in (dict(temperature=0.6, top_k=20, top_p=0.95), dict(temperature=1.0)):
+    for kw in (dict(temperature=0.6, top_k=20, top_p=0.95), dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)):
         got = ops.walk_sample(to(tree, DEV), logits.to(DEV), uniform.to(DEV), **kw)
-        assert_fields_equal(got, ops.walk_sample(tree, logits, uniform, **kw), "vs CPU op")
+        assert_fields_equal(got, ops.walk_sample(tree, logits, uniform, **kw), f"vs CPU op, {kw}")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_walk_sample_top_p_sort_and_radix_agree(dtype, monkeypatch):
+    """top_p alone, by the sort (the default) and by the radix select: the same draws as each other and the CPU op."""
+    gen = make_gen(77)
+    tree, logits = sample_case(3, 33, 3000, gen)
+    logits = logits.to(dtype)
+    for top_p in (0.05, 0.5, 0.9, 0.99):
+        uniform = torch.rand(3, 9, generator=gen)
+        kw = dict(temperature=0.9, top_p=top_p)
+        expected = ops.walk_sample(tree, logits, uniform, **kw)
+        for select in ("sort", "radix"):
+            monkeypatch.setenv("DDTREE_TOP_P_SELECT", select)
+            got = ops.walk_sample(to(tree, DEV), logits.to(DEV), uniform.to(DEV), **kw)
+            assert_fields_equal(got, expected, f"{select}, top_p {top_p}")
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (0, 0.9), (20, 0.9), (100, 0.9)])
+def test_walk_sample_garbage_rows_draw_in_range(top_k, top_p):
+    """Rows no distribution comes from (all -inf, all NaN, a NaN or a +inf among numbers, a masked tail) still
+    draw a token of the vocabulary at every node, on every path, and fault nowhere (the walk stage of
+    scripts/h200.sh runs this under memcheck)."""
+    vocab, n = 5000, 6
+    gen = make_gen(top_k + int(top_p * 10))
+    logits = torch.randn(1, n, vocab, generator=gen)
+    logits[0, 0] = -float("inf")
+    logits[0, 1] = float("nan")
+    logits[0, 2, 7] = float("nan")
+    logits[0, 3, 11] = float("inf")
+    logits[0, 4, vocab // 2 :] = -float("inf")
+    parent = torch.tensor([[-1, 0, 1, 2, 3, 4]], dtype=torch.int32)  # one chain: every node is reachable
+    tree = reference.tree_from_parents(parent, torch.zeros(1, n, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    for u in (0.0, 0.5, 0.999999):
+        uniform = torch.full((1, n), u)
+        for i in range(n):  # each row at the root of a one-node tree, then the chain over all of them
+            row = logits[0, i].to(torch.bfloat16).to(DEV)
+            token = root_draws(row, uniform[0, :1], temperature=0.8, top_k=top_k, top_p=top_p)
+            assert 0 <= int(token) < vocab, f"row {i}, u {u}: drew {int(token)}"
+        out = ops.walk_sample(to(tree, DEV), logits.to(torch.bfloat16).to(DEV), uniform.to(DEV), temperature=0.8,
+                              top_k=top_k, top_p=top_p)
+        assert 0 <= int(out.next_token) < vocab
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -1875,7 +1926,8 @@ OP_CASES = {
     "row_argmax": _case_row_argmax,
     "walk_sample_top_k": functools.partial(_case_walk_sample, 20, 0.9),
     "walk_sample_full": functools.partial(_case_walk_sample, 0, 1.0),
-    "walk_sample_sorted": functools.partial(_case_walk_sample, 0, 0.9),
+    "walk_sample_top_p": functools.partial(_case_walk_sample, 0, 0.9),
+    "walk_sample_sorted": functools.partial(_case_walk_sample, 100, 0.9),
     "commit": _case_commit,
     "layer": _case_layer,
     "gqa_attention": _case_attention,
