@@ -62,16 +62,43 @@ from ddtree_ext import gemm_tuning, ops
 _MISSING = object()
 
 
+class _ThreadSwappedForward:
+    """A module's swapped-in forward as only the thread that swapped it sees it. A call from any other thread (HF's
+    own forward on the model, from user code, while a generate() call runs on it) runs what the module held before:
+    its own instance forward if it had one, else its class's."""
+
+    __slots__ = ("forward", "module", "previous", "thread")
+
+    def __init__(self, forward: Callable, module: torch.nn.Module, previous):
+        self.forward, self.module, self.previous = forward, module, previous
+        self.thread = threading.get_ident()
+
+    @property
+    def __wrapped__(self) -> Callable:  # inspect.signature() reads the swapped-in forward's
+        return self.forward
+
+    def __call__(self, *args, **kwargs):
+        if threading.get_ident() == self.thread:
+            return self.forward(*args, **kwargs)
+        if self.previous is not _MISSING:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def swapped_attributes(swaps: Sequence[Tuple[object, str, object]]) -> Iterator[None]:
     """Sets ``owner.name = value`` for every (owner, name, value) while the context is open and puts back
     what the owner itself held before (for a module's ``forward``: an instance forward of its own, e.g.
     an accelerate hook, or none) on exit, also when the body raised; but not over a value someone else set
-    meanwhile, which would then be lost (generate() runs one call per model at a time, so only user code can)."""
+    meanwhile, which would then be lost (generate() runs one call per model at a time, so only user code can).
+    A module's ``forward`` is swapped for this thread only (:class:`_ThreadSwappedForward`)."""
     saved: List[Tuple[object, str, object, object]] = []
     try:
         for owner, name, value in swaps:
-            saved.append((owner, name, owner.__dict__.get(name, _MISSING), value))
+            previous = owner.__dict__.get(name, _MISSING)
+            if name == "forward" and isinstance(owner, torch.nn.Module):
+                value = _ThreadSwappedForward(value, owner, previous)
+            saved.append((owner, name, previous, value))
             setattr(owner, name, value)
         yield
     finally:
@@ -764,9 +791,11 @@ def _mlp_forward(mlp: torch.nn.Module, x: torch.Tensor):
 
 def _apply_rotary_pos_emb(stock: Callable, q, k, cos, sin, *args, **kwargs):
     """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` for q, k [B, H, N, D] and cos, sin [B, N, R] in their
-    dtype: one ``ops.rope`` launch each (bit for bit HF's rounding); anything else goes to ``stock``."""
+    dtype: one ``ops.rope`` launch each (bit for bit HF's rounding); anything else (or another thread's call:
+    see ``_ProcessPatches``) goes to ``stock``."""
     if (
-        args or set(kwargs) - {"unsqueeze_dim"} or kwargs.get("unsqueeze_dim", 1) != 1
+        not _PROCESS_PATCHES.held_here()
+        or args or set(kwargs) - {"unsqueeze_dim"} or kwargs.get("unsqueeze_dim", 1) != 1
         or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape
         or cos.shape[0] != q.shape[0] or cos.shape[1] != q.shape[2] or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:]
         or cos.shape[2] > q.shape[3] or cos.shape[2] % 2 or not ops_apply(q, k, cos, sin)
@@ -812,7 +841,7 @@ def _sdpa_attention_forward(stock: Callable, module, query, key, value, attentio
     shared by its heads (every verify: the tree mask); anything else goes to ``stock``."""
     groups = getattr(module, "num_key_value_groups", 1)
     if (
-        groups == 1 or torch.is_grad_enabled()
+        not _PROCESS_PATCHES.held_here() or groups == 1 or torch.is_grad_enabled()
         or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
         or dropout or is_causal or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
         or kwargs.get("output_attentions", False) or query.shape[1] != groups * key.shape[1]
@@ -828,12 +857,17 @@ class _ProcessPatches:
     """The process-wide half of every active fusion: ``apply_rotary_pos_emb`` in the modeling modules and the
     "sdpa" entry of HF's attention registry. Installed when the first fusion context opens and removed when
     the last one closes (reference counted under a lock), so contexts may close in any order, from any
-    thread, without leaving a patch behind."""
+    thread, without leaving a patch behind. The patched functions act only in threads that hold a context
+    (:meth:`held_here`); any other thread's model runs HF's code."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._count = 0
         self._restore: List[Callable[[], None]] = []
+        self._here = threading.local()  # .depth: the contexts this thread holds
+
+    def held_here(self) -> bool:
+        return getattr(self._here, "depth", 0) > 0
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -845,9 +879,11 @@ class _ProcessPatches:
                     self._put_back_all()
                     raise
             self._count += 1
+        self._here.depth = getattr(self._here, "depth", 0) + 1
         try:
             yield
         finally:
+            self._here.depth -= 1
             with self._lock:
                 self._count -= 1
                 if self._count == 0:

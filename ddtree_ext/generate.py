@@ -193,7 +193,8 @@ def generate(
         target architecture, or ``cuda_graph=True`` for a target not on one CUDA device.
 
     Calls on the same target or draft (or layers of one) from several threads take turns: a call swaps forwards
-    on the models' modules while it runs. A call from inside a call in the same thread (from a streamer) runs.
+    on the models' modules while it runs (for its own thread only: HF's forward on the model from another thread
+    meanwhile runs HF's code). A call from inside a call in the same thread (from a streamer) runs.
     """
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine,
                    return_stats, streamer)

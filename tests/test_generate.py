@@ -797,6 +797,56 @@ def test_calls_on_one_model_from_two_threads_take_turns():
         assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == []
 
 
+def test_hf_forward_from_another_thread_during_a_call_runs_hf_code():
+    """While a call holds the model (held inside a verify, with its fused and tree forwards swapped in and the
+    process-wide patches installed), HF's own forward on the same model from another thread runs HF's code: its
+    logits are those of the same forward before the call, bit for bit, and the call's output is still the target's."""
+    target, draft = pair(AGREEING, HYBRID)
+    ids = pair_prompt(AGREEING, HYBRID, 45)
+    gdn = target.model.layers[0].linear_attn
+    with torch.no_grad():
+        expected = target(ids).logits
+    a_in_verify, release_a = threading.Event(), threading.Event()
+
+    def hold_first_verify(module, args):
+        if threading.current_thread().name == "A" and "forward" in gdn.__dict__ and not a_in_verify.is_set():
+            a_in_verify.set()
+            release_a.wait(timeout=60)
+
+    hook = target.model.norm.register_forward_pre_hook(hold_first_verify)
+    outputs = {}
+
+    def run_generate():
+        outputs["A"] = generate(target, draft, ids, 30)
+
+    def run_hf_forward():
+        try:
+            with torch.no_grad():  # as a user's inference would (the fused forwards apply only without grad)
+                outputs["B"] = target(ids).logits
+        except BaseException as e:  # reported below, not lost in the thread
+            outputs["B"] = e
+
+    try:
+        first = threading.Thread(target=run_generate, name="A", daemon=True)
+        first.start()
+        assert a_in_verify.wait(timeout=60)
+        second = threading.Thread(target=run_hf_forward, name="B", daemon=True)
+        second.start()
+        second.join(timeout=120)
+        assert not second.is_alive()
+        assert "forward" in gdn.__dict__, "A's swaps were open during B's forward"
+        release_a.set()
+        first.join(timeout=120)
+    finally:
+        release_a.set()
+        hook.remove()
+    assert isinstance(outputs["B"], torch.Tensor), f"HF's forward from another thread failed: {outputs['B']!r}"
+    assert torch.equal(outputs["B"], expected)
+    assert_same_tokens(outputs["A"], hf_greedy(AGREEING, HYBRID, 45, 30))
+    for model in (target, draft):
+        assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == []
+
+
 def test_generate_from_inside_generate_runs():
     """A streamer that calls generate() on the same models from inside the call (between rounds, where no swap is
     open): the locks are re-entrant, and both calls give the target's own output."""

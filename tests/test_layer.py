@@ -9,6 +9,7 @@ model's logits, and the cases where the stock forward must stay.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -785,6 +786,11 @@ def _swapped_types(fusion):
     return sorted({type(m).__name__ for m, _ in fusion.swaps})
 
 
+def runs_swapped(module, forward) -> bool:
+    """Whether ``module``'s forward is ``forward`` swapped in (for this thread: fused._ThreadSwappedForward)."""
+    return getattr(module.__dict__.get("forward"), "forward", None) is forward
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_fusion_swaps_the_norms_and_mlps_and_restores_them(family):
     model = make_tiny_target(family, seed=0)
@@ -801,13 +807,19 @@ def test_fusion_swaps_the_norms_and_mlps_and_restores_them(family):
         assert _swapped_types(fusion) == [
             "Linear", "Qwen3_5Attention", "Qwen3_5DecoderLayer", "Qwen3_5MLP", "Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"
         ]
-    marker = lambda *a, **k: None  # an instance forward of the user's own (an accelerate hook, say)
+    marker = lambda *a, **k: "marker"  # an instance forward of the user's own (an accelerate hook, say)
     stock_rope = qwen3.apply_rotary_pos_emb
     first = fusion.swaps[0][0]
     first.forward = marker
     with torch.no_grad(), fusion.active():
-        assert all("forward" in m.__dict__ and m.forward is f for m, f in fusion.swaps)
+        assert all("forward" in m.__dict__ and runs_swapped(m, f) for m, f in fusion.swaps)
         assert qwen3.apply_rotary_pos_emb is not stock_rope  # swapped while active
+        # Another thread sees what the module held before: here the user's own forward.
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(first.forward("anything")))
+        other.start()
+        other.join()
+        assert seen == ["marker"]
     assert first.forward is marker
     assert all("forward" not in m.__dict__ for m, _ in fusion.swaps[1:])
     assert qwen3.apply_rotary_pos_emb is stock_rope
@@ -1040,7 +1052,7 @@ def test_modules_with_accelerate_hooks_keep_their_forward():
     hooked._hf_hook, hooked.forward = object(), hook_forward
     with torch.no_grad(), fusion.active():
         assert hooked.forward is hook_forward
-        assert all(m.forward is f for m, f in fusion.swaps[1:])
+        assert all(runs_swapped(m, f) for m, f in fusion.swaps[1:])
 
 
 def test_fusion_of_a_deep_copy_swaps_the_copy():
@@ -1051,7 +1063,7 @@ def test_fusion_of_a_deep_copy_swaps_the_copy():
     assert all(id(m) not in originals for m, _ in twin._fusion.swaps)
     with torch.no_grad(), twin._fusion.active():
         assert all("forward" not in m.__dict__ for m, _ in draft._fusion.swaps)
-        assert all(m.forward.args[0] is m for m, _ in twin._fusion.swaps)
+        assert all(m.forward.forward.args[0] is m for m, _ in twin._fusion.swaps)
 
 
 def test_gdn_gates_fall_back_to_hf_for_other_projections(gen):
