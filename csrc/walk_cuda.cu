@@ -20,6 +20,9 @@
 // Like the CPU op, weights are float32 exp(x - max x) and masses are summed in double, in a different
 // order, so a draw can differ from the CPU op's only when uniform * total (or top_p * mass) lands
 // within double rounding (or expf's last-bit differences) of a cumulative boundary.
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -30,6 +33,7 @@
 namespace ddtree {
 namespace {
 
+namespace cg = cooperative_groups;
 using cuda::kFullMask;
 using cuda::kWarp;
 
@@ -600,10 +604,11 @@ struct DrawRowWorkspace {
 // Then the draw over the row keeps x >= c. Masses are fixed-point integers, weights exp(x - max x) rounded
 // to multiples of 2^-scale_bits: integer sums do not depend on their order, so the cut is the same on
 // every run, and no row can overflow them (scale_bits leaves the vocabulary's size of headroom in 63 bits).
-// At Qwen's vocabularies a unit is 2^-45 of the max weight: only weights below it (x more than 31 below the
-// max) count as zero, and only a top_p within about 2^-27 of 1 could want them kept. Against the CPU op
-// (double sums) the cut can differ only when top_p * total lands within that rounding of a boundary.
-// (A sort of every row, which this replaced, took 3.3 ms for 65 rows of 248320 on the H200.)
+// At Qwen's vocabularies a unit is 2^-45 of the max weight, so the roundings, and the weights below half a
+// unit (x more than 31.9 below the max) that count as zero, move the masses by at most V 2^-46 of the max
+// weight (3.5e-9 at V = 248320): the cut can differ from the CPU op's (double sums) only when top_p * total
+// lands that close to a boundary between two values.
+// (A sort of every row, the default until this has run on a GPU, took 3.3 ms for 65 rows of 248320 on the H200.)
 constexpr int kRadixLevels = 3;
 constexpr int kRadixBuckets = 2048;  // digits of 11 bits (the last level's 10 use half)
 __host__ __device__ constexpr int radix_shift(int level) { return level == 0 ? 21 : level == 1 ? 10 : 0; }
@@ -622,7 +627,7 @@ struct RadixCut {
 
 struct TopPCutArgs {
   RadixCut* state;               // [B, N]
-  unsigned long long* hist;      // [B, N, kRadixLevels, kRadixBuckets], zeroed
+  unsigned long long* hist;      // [B, N, kRadixBuckets], zero before each level (each select zeroes what it read)
   float unit;                    // 2^scale_bits: a weight in fixed point is weight * unit, rounded
 };
 
@@ -637,7 +642,9 @@ __device__ __forceinline__ bool in_radix_range(uint32_t key, uint32_t prefix) {
 }
 
 // Level LEVEL's histogram: one block per (node, row segment) of the reachable nodes, its segment's masses
-// by digit in shared memory, then added into the node's global histogram (nonzero buckets only).
+// by digit in shared memory, then added into the node's global histogram (nonzero buckets only). The keys
+// crowd into a few dozen buckets (quarter octaves near the max), so the lanes of a warp that add to one
+// bucket sum their weights first and one of them adds the sum: an atomic per bucket a warp, not per lane.
 template <typename T, int LEVEL>
 __global__ void __launch_bounds__(kSampleThreads) top_p_histogram_kernel(const T* __restrict__ logits, int64_t lg_sb,
                                                                          int64_t lg_sn, SampleArgs a, DrawRowArgs d,
@@ -651,8 +658,7 @@ __global__ void __launch_bounds__(kSampleThreads) top_p_histogram_kernel(const T
   if (LEVEL > 0 && c.state[slot].failed) return;
   const uint32_t prefix = LEVEL > 0 ? c.state[slot].prefix : 0u;
   const int b = static_cast<int>(slot / a.num_nodes), i = static_cast<int>(slot % a.num_nodes);
-  const int64_t start = seg * seg_len;
-  if (start >= a.vocab) return;
+  const int64_t start = seg * seg_len;  // < vocab: the launch makes ceil(vocab / seg_len) segments
   const int64_t len = start + seg_len < a.vocab ? seg_len : a.vocab - start;
   for (int e = threadIdx.x; e < kBuckets; e += kSampleThreads) hist[e] = 0;
   __syncthreads();
@@ -660,14 +666,18 @@ __global__ void __launch_bounds__(kSampleThreads) top_p_histogram_kernel(const T
   cuda::for_each_in_row<T, kSampleThreads>(logits + b * lg_sb + i * lg_sn + start, len, [&](float v, int64_t) {
     const float x = v / temperature;
     const uint32_t key = cuda::ordered_bits(x);
-    if (!in_radix_range<LEVEL>(key, prefix)) return;
     const float scaled = expf(x - m) * unit;  // <= 2^scale_bits (exact: unit is a power of 2); NaN for NaN x
-    if (!(scaled >= 0.5f)) return;            // rounds to zero mass, or NaN: adds nothing
-    const unsigned long long w = __float2ull_rn(scaled);
-    if (w != 0) atomicAdd(&hist[(key >> radix_shift(LEVEL)) & (kBuckets - 1)], w);
+    // Outside the digits' range, or rounding to zero mass (or NaN): adds nothing.
+    if (!in_radix_range<LEVEL>(key, prefix) || !(scaled >= 0.5f)) return;
+    const unsigned digit = (key >> radix_shift(LEVEL)) & (kBuckets - 1);
+    const cg::coalesced_group adding = cg::coalesced_threads();
+    const cg::coalesced_group same_bucket = cg::labeled_partition(adding, digit);
+    const unsigned long long sum =
+        cg::reduce(same_bucket, static_cast<unsigned long long>(__float2ull_rn(scaled)), cg::plus<unsigned long long>());
+    if (same_bucket.thread_rank() == 0) atomicAdd(&hist[digit], sum);
   });
   __syncthreads();
-  unsigned long long* out = c.hist + (slot * kRadixLevels + LEVEL) * kRadixBuckets;
+  unsigned long long* out = c.hist + slot * kRadixBuckets;
   for (int e = threadIdx.x; e < kBuckets; e += kSampleThreads) {
     if (hist[e] != 0) atomicAdd(out + e, hist[e]);
   }
@@ -696,11 +706,12 @@ __global__ void __launch_bounds__(kSampleThreads) top_p_select_kernel(SampleArgs
   RadixCut& st = c.state[slot];
   const bool failed_before = LEVEL > 0 && st.failed;
   if (!failed_before) {
-    const unsigned long long* h = c.hist + (slot * kRadixLevels + LEVEL) * kRadixBuckets;
+    unsigned long long* h = c.hist + slot * kRadixBuckets;
     unsigned long long mine[kPer], sum = 0;
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
       mine[e] = h[kBuckets - 1 - (kPer * threadIdx.x + e)];
+      h[kBuckets - 1 - (kPer * threadIdx.x + e)] = 0;  // the next level's histogram starts from zero
       sum += mine[e];
     }
     if (threadIdx.x == 0) found = 0;
@@ -760,7 +771,7 @@ void launch_sample_top_p(const at::Tensor& logits, const SampleArgs& args, int64
   DrawRowWorkspace draw(logits, bsz, n);
   const DrawRowArgs d = draw.args(part_max);
   const at::Tensor state = at::empty({rows * static_cast<int64_t>(sizeof(RadixCut))}, logits.options().dtype(at::kByte));
-  const at::Tensor hist = at::zeros({bsz, n, kRadixLevels, kRadixBuckets}, logits.options().dtype(at::kLong));
+  const at::Tensor hist = at::zeros({bsz, n, kRadixBuckets}, logits.options().dtype(at::kLong));
   int vocab_bits = 0;  // ceil(log2 vocab): the headroom the row's sum needs
   while ((int64_t{1} << vocab_bits) < vocab) ++vocab_bits;
   const TopPCutArgs c{reinterpret_cast<RadixCut*>(state.data_ptr()),

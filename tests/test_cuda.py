@@ -7,8 +7,10 @@ and run twice to check determinism. Skipped as a whole without a CUDA device or 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 import re
 from typing import Callable, Dict, List, NamedTuple
 
@@ -678,7 +680,7 @@ SAMPLE_SETTINGS = [  # (temperature, top_k, top_p): every path of the CUDA op
 def test_walk_sample(dtype, temperature, top_k, top_p):
     # Continuous random logits: a draw differs from the CPU op's only when uniform * total falls within
     # float rounding of a cumulative boundary (see walk_cuda.cu), which these seeds do not hit.
-    gen = make_gen(top_k + 3)
+    gen = make_gen(top_k + 3 + round(top_p * 1000) + round(temperature * 10))  # each setting its own rows
     tree, logits = sample_case(3, 33, 3000, gen)
     logits = logits.to(dtype)
     max_accept = 9
@@ -691,8 +693,10 @@ def test_walk_sample(dtype, temperature, top_k, top_p):
         assert_fields_equal(got, reference.walk_sample(tree, logits, uniform, **kw), "vs reference")
 
 
-def test_walk_sample_full_vocab():
-    """Qwen3.6's vocabulary, with the usual sampling settings."""
+@pytest.mark.parametrize("select", ["radix", "sort"])
+def test_walk_sample_full_vocab(select, monkeypatch):
+    """Qwen3.6's vocabulary, with the usual sampling settings (top_p alone by either select)."""
+    monkeypatch.setenv("DDTREE_TOP_P_SELECT", select)
     gen = make_gen(21)
     tree, logits = sample_case(1, 17, 248320, gen)
     logits = logits.to(torch.bfloat16)
@@ -736,9 +740,11 @@ def test_walk_sample_garbage_rows_draw_in_range(top_k, top_p):
     for u in (0.0, 0.5, 0.999999):
         uniform = torch.full((1, n), u)
         for i in range(n):  # each row at the root of a one-node tree, then the chain over all of them
-            row = logits[0, i].to(torch.bfloat16).to(DEV)
-            token = root_draws(row, uniform[0, :1], temperature=0.8, top_k=top_k, top_p=top_p)
+            row = logits[0, i].to(torch.bfloat16)
+            token = root_draws(row.to(DEV), uniform[0, :1], temperature=0.8, top_k=top_k, top_p=top_p)
             assert 0 <= int(token) < vocab, f"row {i}, u {u}: drew {int(token)}"
+            if i == 4:  # a masked tail is a distribution: the CPU op's draw
+                assert torch.equal(token, root_draws(row, uniform[0, :1], temperature=0.8, top_k=top_k, top_p=top_p))
         out = ops.walk_sample(to(tree, DEV), logits.to(torch.bfloat16).to(DEV), uniform.to(DEV), temperature=0.8,
                               top_k=top_k, top_p=top_p)
         assert 0 <= int(out.next_token) < vocab
@@ -750,19 +756,23 @@ def test_walk_sample_garbage_rows_draw_in_range(top_k, top_p):
     [(2, 0.5), (5, 1.0), (7, 1.0), (8, 0.9), (20, 0.95), (31, 0.5), (64, 1.0), (64, 0.8), (100, 0.9), (0, 0.6),
      (0, 1.0)],
 )
-def test_walk_sample_ties_keep_what_hf_warpers_keep(dtype, top_k, top_p):
+def test_walk_sample_ties_keep_what_hf_warpers_keep(dtype, top_k, top_p, monkeypatch):
     """Logits tied at the top_k and top_p cuts: groups inside the kernel's list, running past it (64 tokens or
     62000 tied at the top), a k-th's group that holds most of top_p's mass, a k-th of -inf. The kept set and weights
     are HF's warpers' (a group tied at top_p's cut kept whole), probed by inverse-CDF uniforms over the whole range;
     the CPU op draws the same."""
     gen = make_gen(top_k * 100 + int(top_p * 100))
+    selects = ("radix", "sort") if top_k == 0 and top_p < 1 else ("radix",)  # top_p alone: both selects
     for vocab in (3000, 248320):
         rows = tied_rows(vocab, gen).to(dtype)
         kw = dict(temperature=0.8, top_k=top_k, top_p=top_p)
         for row, probs in zip(rows, warped_probs(rows, **kw)):
             uniform, want = inverse_cdf_probes(probs)
-            got = root_draws(row.to(DEV), uniform, **kw)
-            assert torch.equal(got, want), f"vocab {vocab}: {int((got != want).sum())} of {len(want)} probes differ"
+            for select in selects:
+                monkeypatch.setenv("DDTREE_TOP_P_SELECT", select)
+                got = root_draws(row.to(DEV), uniform, **kw)
+                assert torch.equal(got, want), (f"vocab {vocab}, {select}: {int((got != want).sum())} of {len(want)} "
+                                                f"probes differ")
             if vocab == 3000:
                 assert torch.equal(root_draws(row, uniform, **kw), got), "vs CPU op"
 
@@ -1824,7 +1834,21 @@ def _case_row_argmax():
     return OpCase(inputs, lambda x: [ops.row_argmax(x["x"]), ops.row_argmax(x["one"])])
 
 
-def _case_walk_sample(top_k, top_p):
+@contextlib.contextmanager
+def top_p_select(select: str):
+    """DDTREE_TOP_P_SELECT set to ``select`` inside the context (graph cases have no monkeypatch)."""
+    previous = os.environ.get("DDTREE_TOP_P_SELECT")
+    os.environ["DDTREE_TOP_P_SELECT"] = select
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["DDTREE_TOP_P_SELECT"]
+        else:
+            os.environ["DDTREE_TOP_P_SELECT"] = previous
+
+
+def _case_walk_sample(top_k, top_p, select="radix"):
     def inputs(gen):
         tree, logits = sample_case(2, 33, 3000, gen)
         return {**{f: t.to(DEV) for f, t in tree._asdict().items()}, "logits": logits.to(DEV),
@@ -1832,7 +1856,8 @@ def _case_walk_sample(top_k, top_p):
 
     def run(x):
         tree = Tree(*(x[f] for f in Tree._fields))
-        return list(ops.walk_sample(tree, x["logits"], x["uniform"], temperature=0.8, top_k=top_k, top_p=top_p))
+        with top_p_select(select):
+            return list(ops.walk_sample(tree, x["logits"], x["uniform"], temperature=0.8, top_k=top_k, top_p=top_p))
 
     return OpCase(inputs, run)
 
@@ -1927,6 +1952,7 @@ OP_CASES = {
     "walk_sample_top_k": functools.partial(_case_walk_sample, 20, 0.9),
     "walk_sample_full": functools.partial(_case_walk_sample, 0, 1.0),
     "walk_sample_top_p": functools.partial(_case_walk_sample, 0, 0.9),
+    "walk_sample_top_p_sorted": functools.partial(_case_walk_sample, 0, 0.9, "sort"),
     "walk_sample_sorted": functools.partial(_case_walk_sample, 100, 0.9),
     "commit": _case_commit,
     "layer": _case_layer,
@@ -2067,9 +2093,9 @@ def test_all_ops_small():
     assert torch.equal(ops.row_argmax(logits.to(DEV)).cpu(), ops.row_argmax(logits))
     stree, slogits = sample_case(2, 13, 500, gen)
     uniform = torch.rand(2, 5, generator=gen)
-    for kw in (dict(temperature=0.8, top_k=8, top_p=0.9), dict(temperature=1.0)):
+    for kw in (dict(temperature=0.8, top_k=8, top_p=0.9), dict(temperature=1.0), dict(temperature=0.8, top_p=0.9)):
         assert_fields_equal(ops.walk_sample(to(stree, DEV), slogits.to(DEV), uniform.to(DEV), **kw),
-                            ops.walk_sample(stree, slogits, uniform, **kw), "walk_sample")
+                            ops.walk_sample(stree, slogits, uniform, **kw), f"walk_sample {kw}")
     accepted, accept_len = random_paths(g.parent, 4, gen)
     states = [g.state]
     assert_close(commit_gdn(states, [got], accepted, accept_len, DEV)[0],
