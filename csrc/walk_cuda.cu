@@ -10,13 +10,14 @@
 //     values from them (a group tied with the k-th that runs past the list is counted over the row),
 //     then draws from the list, or marks the node to draw over its row when the kept set runs past it;
 //   * no top_k, no top_p: the rows' maxima by segments, then the draw over the row;
-//   * top_p alone: the rows' maxima, top_p's cut value by a radix select over the row (three levels
-//     of mass histograms in fixed point), then the draw over the row above the cut (opt-in until a GPU
-//     run has verified it: DDTREE_TOP_P_SELECT=radix; else the sort below);
+//   * top_p alone, or top_k > 64: the rows' maxima, the cut value by radix selects over the row (three
+//     levels of histograms: counts for top_k's k-th value, fixed-point masses for top_p's cut), then the
+//     draw over the row above the cut (opt-in until a GPU run has verified it: DDTREE_SAMPLE_SELECT=radix;
+//     else the sort below);
 //   * the draw over a row: every chunk's total in parallel, then per node a scan over the totals and one
 //     chunk rescanned;
-//   * top_k > 64 (with or without top_p), and top_p alone by default: the same rule through a sort of
-//     every node's row in ATen on the device (exact, heavier).
+//   * by default, top_p alone and top_k > 64: the same rule through a sort of every node's row in ATen on
+//     the device (exact, heavier).
 // Like the CPU op, weights are float32 exp(x - max x) and masses are summed in double, in a different
 // order, so a draw can differ from the CPU op's only when uniform * total (or top_p * mass) lands
 // within double rounding (or expf's last-bit differences) of a cumulative boundary.
@@ -595,19 +596,21 @@ struct DrawRowWorkspace {
   }
 };
 
-// ---- top_p alone: the cut by a radix select over the row ----------------------------------------
-// top_p keeps every x >= c, where c is the value at which the mass summed from the top first reaches
-// top_p of the row's: mass(x > c) < top_p * total <= mass(x >= c). c is found digit by digit of its
-// order-preserving 32-bit key (ordered_bits), 11, 11 and 10 bits at a time: per level, a histogram of the
-// mass by digit over the elements whose key matches the digits found so far (one block per row segment,
-// merged by global atomics), then per node a descending scan over the digits finds where the mass crosses.
-// Then the draw over the row keeps x >= c. Masses are fixed-point integers, weights exp(x - max x) rounded
-// to multiples of 2^-scale_bits: integer sums do not depend on their order, so the cut is the same on
-// every run, and no row can overflow them (scale_bits leaves the vocabulary's size of headroom in 63 bits).
-// At Qwen's vocabularies a unit is 2^-45 of the max weight, so the roundings, and the weights below half a
-// unit (x more than 31.9 below the max) that count as zero, move the masses by at most V 2^-46 of the max
-// weight (3.5e-9 at V = 248320): the cut can differ from the CPU op's (double sums) only when top_p * total
-// lands that close to a boundary between two values.
+// ---- the cut by radix selects over the row: top_p alone, top_k above the lists ---------------------
+// The kept set is every x >= a cut, found by one or two selects over the row's values, digit by digit of their
+// order-preserving 32-bit keys (ordered_bits), 11, 11 and 10 bits at a time:
+//   * top_k > 64: a count select finds kth, the k-th largest x: count(x > kth) < k <= count(x >= kth);
+//   * top_p: a mass select finds c, where the mass summed from the top first reaches top_p of the set's (the
+//     row, or every x >= kth after a top_k): mass(x > c) < top_p * mass(set) <= mass(x >= c), the CPU op's rule.
+// Each level of a select: a histogram by digit over the keys that match the digits found so far (one block per
+// row segment, merged by global atomics), then per node a descending scan over the digits finds where the count
+// or mass crosses its target. Then the draw over the row keeps x >= the cut.
+// Masses are fixed-point integers, weights exp(x - max x) rounded to multiples of 2^-scale_bits: integer sums do
+// not depend on their order, so the cut is the same on every run, and no row can overflow them (scale_bits
+// leaves the vocabulary's size of headroom in 63 bits). At Qwen's vocabularies a unit is 2^-45 of the max
+// weight, so the roundings, and the weights below half a unit (x more than 31.9 below the max) that count as
+// zero, move the masses by at most V 2^-46 of the max weight (3.5e-9 at V = 248320): a cut can differ from the
+// CPU op's (double sums) only when top_p * mass lands that close to a boundary between two values.
 // (A sort of every row, the default until this has run on a GPU, took 3.3 ms for 65 rows of 248320 on the H200.)
 constexpr int kRadixLevels = 3;
 constexpr int kRadixBuckets = 2048;  // digits of 11 bits (the last level's 10 use half)
@@ -616,24 +619,29 @@ __host__ __device__ constexpr int radix_buckets(int level) { return level == 2 ?
 static_assert(radix_shift(0) + 11 == 32 && radix_shift(1) + 11 == radix_shift(0) && radix_buckets(2) == 1 << radix_shift(1),
               "the levels' digits tile the 32-bit key");
 
-// Per node, the select's progress: the key's digits found so far (levels before this one), the mass of
-// every key above the digits' range, and the mass top_p asks for.
+// Per node, a select's progress: the key's digits found so far (levels before this one), the count or mass of
+// every key above the digits' range, and the count or mass asked for.
 struct RadixCut {
   uint32_t prefix;
-  int failed;  // no finite weight in the row (all -inf or NaN): keep every token, the draw copes
+  int failed;  // nothing to select (a mass select over a row with no finite weight): keep every token
   unsigned long long above;
   unsigned long long target;
 };
 
-struct TopPCutArgs {
-  RadixCut* state;               // [B, N]
-  unsigned long long* hist;      // [B, N, kRadixBuckets], zero before each level (each select zeroes what it read)
-  float unit;                    // 2^scale_bits: a weight in fixed point is weight * unit, rounded
+// One select over every node's row.
+struct RadixSelectArgs {
+  RadixCut* state;             // [B, N]: this select's
+  const RadixCut* floor;       // [B, N]: a mass select after a count select: only keys >= its kth count; or null
+  unsigned long long* hist;    // [B, N, kRadixBuckets], zero before each level (each select zeroes what it read)
+  float unit;                  // 2^scale_bits: a weight in fixed point is weight * unit, rounded
+  long long count_target;      // a count select's k
+  bool last;                   // its cut is the kept set's: the last level writes d.cut and d.over_row
 };
 
-// Whether key `key` lies in the range the digits found before `level` leave.
+// Whether key `key` lies in the range the digits found before `level` leave (and above the floor, if any).
 template <int LEVEL>
-__device__ __forceinline__ bool in_radix_range(uint32_t key, uint32_t prefix) {
+__device__ __forceinline__ bool in_radix_range(uint32_t key, uint32_t prefix, uint32_t floor_key) {
+  if (key < floor_key) return false;
   if constexpr (LEVEL == 0) {
     return true;
   } else {
@@ -641,43 +649,47 @@ __device__ __forceinline__ bool in_radix_range(uint32_t key, uint32_t prefix) {
   }
 }
 
-// Level LEVEL's histogram: one block per (node, row segment) of the reachable nodes, its segment's masses
-// by digit in shared memory, then added into the node's global histogram (nonzero buckets only). The keys
-// crowd into a few dozen buckets (quarter octaves near the max), so the lanes of a warp that add to one
-// bucket sum their weights first and one of them adds the sum: an atomic per bucket a warp, not per lane.
-template <typename T, int LEVEL>
-__global__ void __launch_bounds__(kSampleThreads) top_p_histogram_kernel(const T* __restrict__ logits, int64_t lg_sb,
+// Level LEVEL's histogram: one block per (node, row segment) of the reachable nodes, its segment's counts or
+// masses by digit in shared memory, then added into the node's global histogram (nonzero buckets only). The
+// keys crowd into a few dozen buckets (quarter octaves near the max), so the lanes of a warp that add to one
+// bucket sum first and one of them adds the sum: an atomic per bucket a warp, not per lane.
+template <typename T, int LEVEL, bool COUNT>
+__global__ void __launch_bounds__(kSampleThreads) radix_histogram_kernel(const T* __restrict__ logits, int64_t lg_sb,
                                                                          int64_t lg_sn, SampleArgs a, DrawRowArgs d,
-                                                                         TopPCutArgs c, int64_t seg_len) {
+                                                                         RadixSelectArgs s, int64_t seg_len) {
   constexpr int kBuckets = radix_buckets(LEVEL);
   __shared__ unsigned long long hist[kBuckets];
   const int seg = blockIdx.x;
   const int64_t slot = blockIdx.y;
   const int depth = a.depth[slot];
   if (depth < 0 || depth >= a.max_accept) return;  // no walk reaches this node: nothing to draw
-  if (LEVEL > 0 && c.state[slot].failed) return;
-  const uint32_t prefix = LEVEL > 0 ? c.state[slot].prefix : 0u;
+  if (LEVEL > 0 && s.state[slot].failed) return;
+  const uint32_t prefix = LEVEL > 0 ? s.state[slot].prefix : 0u;
+  const uint32_t floor_key = s.floor != nullptr ? s.floor[slot].prefix : 0u;  // a count select never fails
   const int b = static_cast<int>(slot / a.num_nodes), i = static_cast<int>(slot % a.num_nodes);
   const int64_t start = seg * seg_len;  // < vocab: the launch makes ceil(vocab / seg_len) segments
   const int64_t len = start + seg_len < a.vocab ? seg_len : a.vocab - start;
   for (int e = threadIdx.x; e < kBuckets; e += kSampleThreads) hist[e] = 0;
   __syncthreads();
-  const float m = row_max_of_parts(d, slot), temperature = a.temperature, unit = c.unit;
+  const float m = COUNT ? 0.f : row_max_of_parts(d, slot), temperature = a.temperature, unit = s.unit;
   cuda::for_each_in_row<T, kSampleThreads>(logits + b * lg_sb + i * lg_sn + start, len, [&](float v, int64_t) {
     const float x = v / temperature;
     const uint32_t key = cuda::ordered_bits(x);
-    const float scaled = expf(x - m) * unit;  // <= 2^scale_bits (exact: unit is a power of 2); NaN for NaN x
-    // Outside the digits' range, or rounding to zero mass (or NaN): adds nothing.
-    if (!in_radix_range<LEVEL>(key, prefix) || !(scaled >= 0.5f)) return;
+    unsigned long long amount = 1;  // a count select counts every element, NaN and -inf included
+    if constexpr (!COUNT) {
+      const float scaled = expf(x - m) * unit;  // <= 2^scale_bits (exact: unit is a power of 2); NaN for NaN x
+      if (!(scaled >= 0.5f)) return;            // rounds to zero mass, or NaN: adds nothing
+      amount = __float2ull_rn(scaled);
+    }
+    if (!in_radix_range<LEVEL>(key, prefix, floor_key)) return;
     const unsigned digit = (key >> radix_shift(LEVEL)) & (kBuckets - 1);
     const cg::coalesced_group adding = cg::coalesced_threads();
     const cg::coalesced_group same_bucket = cg::labeled_partition(adding, digit);
-    const unsigned long long sum =
-        cg::reduce(same_bucket, static_cast<unsigned long long>(__float2ull_rn(scaled)), cg::plus<unsigned long long>());
+    const unsigned long long sum = cg::reduce(same_bucket, amount, cg::plus<unsigned long long>());
     if (same_bucket.thread_rank() == 0) atomicAdd(&hist[digit], sum);
   });
   __syncthreads();
-  unsigned long long* out = c.hist + slot * kRadixBuckets;
+  unsigned long long* out = s.hist + slot * kRadixBuckets;
   for (int e = threadIdx.x; e < kBuckets; e += kSampleThreads) {
     if (hist[e] != 0) atomicAdd(out + e, hist[e]);
   }
@@ -685,10 +697,10 @@ __global__ void __launch_bounds__(kSampleThreads) top_p_histogram_kernel(const T
 
 // Level LEVEL's select: one block per node. Thread t owns digits kBuckets - 1 - kPer t down to
 // kBuckets - kPer (t + 1) (descending); a block scan of their sums places them, and the one bucket where
-// the mass from the top crosses the target gives the digit. At the last level the cut goes to d.cut and
-// every reachable node is marked to draw over its row.
-template <int LEVEL>
-__global__ void __launch_bounds__(kSampleThreads) top_p_select_kernel(SampleArgs a, DrawRowArgs d, TopPCutArgs c) {
+// the count or mass from the top crosses the target gives the digit. At the last level of the last select the
+// cut goes to d.cut and every reachable node is marked to draw over its row.
+template <int LEVEL, bool COUNT>
+__global__ void __launch_bounds__(kSampleThreads) radix_select_kernel(SampleArgs a, DrawRowArgs d, RadixSelectArgs s) {
   constexpr int kBuckets = radix_buckets(LEVEL), kPer = kBuckets / kSampleThreads;
   static_assert(kBuckets % kSampleThreads == 0, "whole buckets a thread");
   __shared__ unsigned long long warp_totals[kSampleThreads / kWarp];
@@ -696,17 +708,18 @@ __global__ void __launch_bounds__(kSampleThreads) top_p_select_kernel(SampleArgs
   __shared__ int found;
   const int64_t slot = static_cast<int64_t>(blockIdx.y) * a.num_nodes + blockIdx.x;
   const int depth = a.depth[slot];
+  const bool writes_cut = LEVEL == kRadixLevels - 1 && s.last;
   if (depth < 0 || depth >= a.max_accept) {
-    if (LEVEL == kRadixLevels - 1 && threadIdx.x == 0) {
+    if (writes_cut && threadIdx.x == 0) {
       d.over_row[slot] = 0;
       a.token[slot] = -1;
     }
     return;
   }
-  RadixCut& st = c.state[slot];
+  RadixCut& st = s.state[slot];
   const bool failed_before = LEVEL > 0 && st.failed;
   if (!failed_before) {
-    unsigned long long* h = c.hist + slot * kRadixBuckets;
+    unsigned long long* h = s.hist + slot * kRadixBuckets;
     unsigned long long mine[kPer], sum = 0;
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
@@ -721,10 +734,14 @@ __global__ void __launch_bounds__(kSampleThreads) top_p_select_kernel(SampleArgs
     __syncthreads();
     unsigned long long above, target;
     if constexpr (LEVEL == 0) {
-      // The row's mass; top_p of it, rounded up: an integer mass reaches top_p * total iff it reaches this.
       above = 0;
-      // (The double product can round past the total only for a top_p within 2^-53 of 1: then all is kept.)
-      target = static_cast<unsigned long long>(ceil(a.top_p * static_cast<double>(total)));
+      if constexpr (COUNT) {
+        target = static_cast<unsigned long long>(s.count_target);
+      } else {
+        // top_p of the set's mass, rounded up: an integer mass reaches top_p * total iff it reaches this. (The
+        // double product can round past the total only for a top_p within 2^-53 of 1: then all is kept.)
+        target = static_cast<unsigned long long>(ceil(a.top_p * static_cast<double>(total)));
+      }
       target = max(1ull, min(target, static_cast<unsigned long long>(total)));
     } else {
       above = st.above;
@@ -743,20 +760,20 @@ __global__ void __launch_bounds__(kSampleThreads) top_p_select_kernel(SampleArgs
       cum += mine[e];
     }
     __syncthreads();
-    if (threadIdx.x == 0 && !found) st.failed = 1;  // no finite weight (total 0)
+    if (threadIdx.x == 0 && !found) st.failed = 1;  // nothing to select (total 0)
     if (threadIdx.x == 0 && found && LEVEL == 0) st.failed = 0;
     __syncthreads();
   }
-  if (LEVEL == kRadixLevels - 1 && threadIdx.x == 0) {
+  if (writes_cut && threadIdx.x == 0) {
     d.cut[slot] = st.failed ? -INFINITY : cuda::from_ordered_bits(st.prefix);
     d.over_row[slot] = 1;
   }
 }
 
-// top_p alone: the rows' maxima, the three levels of the cut's select, then the draw over every reachable
-// node's row above its cut.
+// top_p alone, or top_k > 64 (with or without top_p): the rows' maxima, the selects' levels (a count select
+// for top_k, then a mass select for top_p), then the draw over every reachable node's row above its cut.
 template <typename T>
-void launch_sample_top_p(const at::Tensor& logits, const SampleArgs& args, int64_t bsz, cudaStream_t stream) {
+void launch_sample_radix(const at::Tensor& logits, const SampleArgs& args, int64_t bsz, cudaStream_t stream) {
   const int64_t n = args.num_nodes, vocab = args.vocab, rows = bsz * n;
   // Segments enough to keep kDrawBlocksPerSM blocks on every multiprocessor (the histogram's atomics and
   // loads want latency hidden), at least cuda::kMinRowSegment elements each.
@@ -770,13 +787,16 @@ void launch_sample_top_p(const at::Tensor& logits, const SampleArgs& args, int64
   const at::Tensor part_max = at::empty({bsz, n, segments}, logits.options().dtype(at::kFloat));
   DrawRowWorkspace draw(logits, bsz, n);
   const DrawRowArgs d = draw.args(part_max);
-  const at::Tensor state = at::empty({rows * static_cast<int64_t>(sizeof(RadixCut))}, logits.options().dtype(at::kByte));
+  const bool by_count = args.top_k > 0, by_mass = args.top_p < 1.0;
+  const at::Tensor states = at::empty({2 * rows * static_cast<int64_t>(sizeof(RadixCut))}, logits.options().dtype(at::kByte));
+  RadixCut* count_state = reinterpret_cast<RadixCut*>(states.data_ptr());
   const at::Tensor hist = at::zeros({bsz, n, kRadixBuckets}, logits.options().dtype(at::kLong));
   int vocab_bits = 0;  // ceil(log2 vocab): the headroom the row's sum needs
   while ((int64_t{1} << vocab_bits) < vocab) ++vocab_bits;
-  const TopPCutArgs c{reinterpret_cast<RadixCut*>(state.data_ptr()),
-                      reinterpret_cast<unsigned long long*>(hist.data_ptr<int64_t>()),
-                      std::ldexp(1.0f, std::min(62, 63 - vocab_bits))};
+  const RadixSelectArgs count_select{count_state, nullptr, reinterpret_cast<unsigned long long*>(hist.data_ptr<int64_t>()),
+                                     1.f, args.top_k, /*last=*/!by_mass};
+  const RadixSelectArgs mass_select{count_state + rows, by_count ? count_state : nullptr, count_select.hist,
+                                    std::ldexp(1.0f, std::min(62, 63 - vocab_bits)), 0, /*last=*/true};
   const T* lg = logits.data_ptr<T>();
   const int64_t lg_sb = logits.stride(0), lg_sn = logits.stride(1);
   sample_row_max_kernel<T><<<dim3(static_cast<unsigned>(n * segments), static_cast<unsigned>(bsz)), kSampleThreads, 0,
@@ -785,17 +805,23 @@ void launch_sample_top_p(const at::Tensor& logits, const SampleArgs& args, int64
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const dim3 hist_grid(static_cast<unsigned>(segments), static_cast<unsigned>(rows));
   const dim3 node_grid(static_cast<unsigned>(n), static_cast<unsigned>(bsz));
-  auto level = [&](auto level_constant) {
-    constexpr int kLevel = decltype(level_constant)::value;
-    top_p_histogram_kernel<T, kLevel><<<hist_grid, kSampleThreads, 0, stream>>>(lg, lg_sb, lg_sn, args, d, c, seg_len);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    top_p_select_kernel<kLevel><<<node_grid, kSampleThreads, 0, stream>>>(args, d, c);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto select = [&](auto count_constant, const RadixSelectArgs& s) {
+    constexpr bool kCount = decltype(count_constant)::value;
+    auto level = [&](auto level_constant) {
+      constexpr int kLevel = decltype(level_constant)::value;
+      radix_histogram_kernel<T, kLevel, kCount>
+          <<<hist_grid, kSampleThreads, 0, stream>>>(lg, lg_sb, lg_sn, args, d, s, seg_len);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      radix_select_kernel<kLevel, kCount><<<node_grid, kSampleThreads, 0, stream>>>(args, d, s);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    level(std::integral_constant<int, 0>{});
+    level(std::integral_constant<int, 1>{});
+    level(std::integral_constant<int, 2>{});
+    static_assert(kRadixLevels == 3, "one launch pair a level");
   };
-  level(std::integral_constant<int, 0>{});
-  level(std::integral_constant<int, 1>{});
-  level(std::integral_constant<int, 2>{});
-  static_assert(kRadixLevels == 3, "one launch pair a level");
+  if (by_count) select(std::true_type{}, count_select);
+  if (by_mass) select(std::false_type{}, mass_select);
   launch_draw_over_row<T, /*FILTERED=*/true>(logits, args, d, bsz, stream);
 }
 
@@ -980,11 +1006,11 @@ void sample_by_sort(const at::Tensor& logits, const at::Tensor& uniform, const a
   token.copy_(at::where(hit.lt(vocab), hit, kept_max));
 }
 
-// Until a GPU run has verified it, top_p alone takes the radix select only with DDTREE_TOP_P_SELECT=radix (the
-// CUDA tests set it); the sort stays the default. Both draw by the same rule. Read at every call, so a test can
-// switch it.
-bool top_p_by_radix_select() {
-  const char* select = std::getenv("DDTREE_TOP_P_SELECT");
+// Until a GPU run has verified them, top_p alone and top_k > 64 take the radix selects only with
+// DDTREE_SAMPLE_SELECT=radix (the CUDA tests set it); the sort stays the default. Both draw by the same rule. Read
+// at every call, so a test can switch it.
+bool sample_by_radix_select() {
+  const char* select = std::getenv("DDTREE_SAMPLE_SELECT");
   return select != nullptr && std::strcmp(select, "radix") == 0;
 }
 
@@ -1052,12 +1078,13 @@ void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
                         static_cast<int>(n), static_cast<int>(uniform.size(1)), vocab,
                         static_cast<float>(temperature), top_p, static_cast<int>(k_on),
                         token.data_ptr<int64_t>()};
-  if (k_on > kSampleMaxTopK || (k_on == 0 && p_on && !top_p_by_radix_select())) {
+  const bool beyond_lists = k_on > kSampleMaxTopK || (k_on == 0 && p_on);  // a radix select's, or the sort's
+  if (beyond_lists && !sample_by_radix_select()) {
     sample_by_sort(logits, uniform, depth, temperature, top_k, top_p, token);
   } else {
     DDTREE_CUDA_DISPATCH_FLOAT(logits.scalar_type(), op, [&] {
-      if (k_on == 0 && p_on) {
-        launch_sample_top_p<scalar_t>(logits, args, bsz, stream);
+      if (beyond_lists) {
+        launch_sample_radix<scalar_t>(logits, args, bsz, stream);
       } else if (k_on == 0) {
         launch_sample_full<scalar_t>(logits, args, bsz, stream);
       } else if (k_on <= 8 - 4) {  // a list 4 longer than k: kth's tie group seldom runs past it

@@ -40,10 +40,11 @@ def cuda_build():
 
 
 @pytest.fixture(autouse=True)
-def top_p_select_radix(monkeypatch):
-    """Every test here draws top_p alone by the radix select, opt-in until a GPU run has verified it
-    (csrc/walk_cuda.cu); test_walk_sample_top_p_sort_and_radix_agree keeps the default, the sort, covered."""
-    monkeypatch.setenv("DDTREE_TOP_P_SELECT", "radix")
+def sample_select_radix(monkeypatch):
+    """Every test here draws top_p alone and top_k > 64 by the radix selects, opt-in until a GPU run has verified
+    them (csrc/walk_cuda.cu); test_walk_sample_sort_and_radix_agree and a few more keep the default, the sort,
+    covered."""
+    monkeypatch.setenv("DDTREE_SAMPLE_SELECT", "radix")
 
 
 def make_gen(seed: int) -> torch.Generator:
@@ -667,10 +668,11 @@ SAMPLE_SETTINGS = [  # (temperature, top_k, top_p): every path of the CUDA op
     (0.7, 20, 0.9),
     (1.3, 64, 0.8),
     (0.6, 1, 1.0),
-    (0.9, 0, 0.9),  # top_p alone: the radix select of the cut
+    (0.9, 0, 0.9),  # top_p alone: a mass select of the cut
     (0.7, 0, 0.3),
     (1.0, 0, 0.999),
-    (1.0, 100, 0.95),  # top_k above the lists: sort-based
+    (1.0, 100, 0.95),  # top_k above the lists: a count select, then a mass select
+    (0.8, 300, 1.0),
     (1.0, 10**6, 1.0),  # top_k >= vocab is off
 ]
 
@@ -695,34 +697,36 @@ def test_walk_sample(dtype, temperature, top_k, top_p):
 
 @pytest.mark.parametrize("select", ["radix", "sort"])
 def test_walk_sample_full_vocab(select, monkeypatch):
-    """Qwen3.6's vocabulary, with the usual sampling settings (top_p alone by either select)."""
-    monkeypatch.setenv("DDTREE_TOP_P_SELECT", select)
+    """Qwen3.6's vocabulary, with the usual sampling settings (top_p alone and top_k 100 by either select)."""
+    monkeypatch.setenv("DDTREE_SAMPLE_SELECT", select)
     gen = make_gen(21)
     tree, logits = sample_case(1, 17, 248320, gen)
     logits = logits.to(torch.bfloat16)
     uniform = torch.rand(1, 17, generator=gen)
-    for kw in (dict(temperature=0.6, top_k=20, top_p=0.95), dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)):
+    for kw in (dict(temperature=0.6, top_k=20, top_p=0.95), dict(temperature=1.0), dict(temperature=0.7, top_p=0.9),
+               dict(temperature=0.8, top_k=100)):
         got = ops.walk_sample(to(tree, DEV), logits.to(DEV), uniform.to(DEV), **kw)
         assert_fields_equal(got, ops.walk_sample(tree, logits, uniform, **kw), f"vs CPU op, {kw}")
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_walk_sample_top_p_sort_and_radix_agree(dtype, monkeypatch):
-    """top_p alone, by the sort (the default) and by the radix select: the same draws as each other and the CPU op."""
+def test_walk_sample_sort_and_radix_agree(dtype, monkeypatch):
+    """top_p alone and top_k above the lists, by the sort (the default) and by the radix selects: the same draws as
+    each other and the CPU op."""
     gen = make_gen(77)
     tree, logits = sample_case(3, 33, 3000, gen)
     logits = logits.to(dtype)
-    for top_p in (0.05, 0.5, 0.9, 0.99):
+    for top_k, top_p in ((0, 0.05), (0, 0.5), (0, 0.9), (0, 0.99), (65, 1.0), (100, 0.9), (1000, 0.5), (2999, 0.95)):
         uniform = torch.rand(3, 9, generator=gen)
-        kw = dict(temperature=0.9, top_p=top_p)
+        kw = dict(temperature=0.9, top_k=top_k, top_p=top_p)
         expected = ops.walk_sample(tree, logits, uniform, **kw)
         for select in ("sort", "radix"):
-            monkeypatch.setenv("DDTREE_TOP_P_SELECT", select)
+            monkeypatch.setenv("DDTREE_SAMPLE_SELECT", select)
             got = ops.walk_sample(to(tree, DEV), logits.to(DEV), uniform.to(DEV), **kw)
-            assert_fields_equal(got, expected, f"{select}, top_p {top_p}")
+            assert_fields_equal(got, expected, f"{select}, top_k {top_k}, top_p {top_p}")
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (0, 0.9), (20, 0.9), (100, 0.9)])
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (0, 0.9), (20, 0.9), (100, 1.0), (100, 0.9)])
 def test_walk_sample_garbage_rows_draw_in_range(top_k, top_p):
     """Rows no distribution comes from (all -inf, all NaN, a NaN or a +inf among numbers, a masked tail) still
     draw a token of the vocabulary at every node, on every path, and fault nowhere (the walk stage of
@@ -762,14 +766,15 @@ def test_walk_sample_ties_keep_what_hf_warpers_keep(dtype, top_k, top_p, monkeyp
     are HF's warpers' (a group tied at top_p's cut kept whole), probed by inverse-CDF uniforms over the whole range;
     the CPU op draws the same."""
     gen = make_gen(top_k * 100 + int(top_p * 100))
-    selects = ("radix", "sort") if top_k == 0 and top_p < 1 else ("radix",)  # top_p alone: both selects
+    beyond_lists = top_k > 64 or (top_k == 0 and top_p < 1)
+    selects = ("radix", "sort") if beyond_lists else ("radix",)  # the paths that have both
     for vocab in (3000, 248320):
         rows = tied_rows(vocab, gen).to(dtype)
         kw = dict(temperature=0.8, top_k=top_k, top_p=top_p)
         for row, probs in zip(rows, warped_probs(rows, **kw)):
             uniform, want = inverse_cdf_probes(probs)
             for select in selects:
-                monkeypatch.setenv("DDTREE_TOP_P_SELECT", select)
+                monkeypatch.setenv("DDTREE_SAMPLE_SELECT", select)
                 got = root_draws(row.to(DEV), uniform, **kw)
                 assert torch.equal(got, want), (f"vocab {vocab}, {select}: {int((got != want).sum())} of {len(want)} "
                                                 f"probes differ")
@@ -1835,17 +1840,17 @@ def _case_row_argmax():
 
 
 @contextlib.contextmanager
-def top_p_select(select: str):
-    """DDTREE_TOP_P_SELECT set to ``select`` inside the context (graph cases have no monkeypatch)."""
-    previous = os.environ.get("DDTREE_TOP_P_SELECT")
-    os.environ["DDTREE_TOP_P_SELECT"] = select
+def sample_select(select: str):
+    """DDTREE_SAMPLE_SELECT set to ``select`` inside the context (graph cases have no monkeypatch)."""
+    previous = os.environ.get("DDTREE_SAMPLE_SELECT")
+    os.environ["DDTREE_SAMPLE_SELECT"] = select
     try:
         yield
     finally:
         if previous is None:
-            del os.environ["DDTREE_TOP_P_SELECT"]
+            del os.environ["DDTREE_SAMPLE_SELECT"]
         else:
-            os.environ["DDTREE_TOP_P_SELECT"] = previous
+            os.environ["DDTREE_SAMPLE_SELECT"] = previous
 
 
 def _case_walk_sample(top_k, top_p, select="radix"):
@@ -1856,7 +1861,7 @@ def _case_walk_sample(top_k, top_p, select="radix"):
 
     def run(x):
         tree = Tree(*(x[f] for f in Tree._fields))
-        with top_p_select(select):
+        with sample_select(select):
             return list(ops.walk_sample(tree, x["logits"], x["uniform"], temperature=0.8, top_k=top_k, top_p=top_p))
 
     return OpCase(inputs, run)
@@ -1952,8 +1957,8 @@ OP_CASES = {
     "walk_sample_top_k": functools.partial(_case_walk_sample, 20, 0.9),
     "walk_sample_full": functools.partial(_case_walk_sample, 0, 1.0),
     "walk_sample_top_p": functools.partial(_case_walk_sample, 0, 0.9),
-    "walk_sample_top_p_sorted": functools.partial(_case_walk_sample, 0, 0.9, "sort"),
-    "walk_sample_sorted": functools.partial(_case_walk_sample, 100, 0.9),
+    "walk_sample_top_k_beyond_lists": functools.partial(_case_walk_sample, 100, 0.9),
+    "walk_sample_sorted": functools.partial(_case_walk_sample, 100, 0.9, "sort"),
     "commit": _case_commit,
     "layer": _case_layer,
     "gqa_attention": _case_attention,
@@ -2093,7 +2098,8 @@ def test_all_ops_small():
     assert torch.equal(ops.row_argmax(logits.to(DEV)).cpu(), ops.row_argmax(logits))
     stree, slogits = sample_case(2, 13, 500, gen)
     uniform = torch.rand(2, 5, generator=gen)
-    for kw in (dict(temperature=0.8, top_k=8, top_p=0.9), dict(temperature=1.0), dict(temperature=0.8, top_p=0.9)):
+    for kw in (dict(temperature=0.8, top_k=8, top_p=0.9), dict(temperature=1.0), dict(temperature=0.8, top_p=0.9),
+               dict(temperature=0.8, top_k=100, top_p=0.9)):
         assert_fields_equal(ops.walk_sample(to(stree, DEV), slogits.to(DEV), uniform.to(DEV), **kw),
                             ops.walk_sample(stree, slogits, uniform, **kw), f"walk_sample {kw}")
     accepted, accept_len = random_paths(g.parent, 4, gen)
