@@ -623,7 +623,7 @@ static_assert(radix_shift(0) + 11 == 32 && radix_shift(1) + 11 == radix_shift(0)
 // every key above the digits' range, and the count or mass asked for.
 struct RadixCut {
   uint32_t prefix;
-  int failed;  // nothing to select (a mass select over a row with no finite weight): keep every token
+  int failed;  // nothing to select (a mass select over a set with no finite weight): keep the whole set
   unsigned long long above;
   unsigned long long target;
 };
@@ -765,7 +765,10 @@ __global__ void __launch_bounds__(kSampleThreads) radix_select_kernel(SampleArgs
     __syncthreads();
   }
   if (writes_cut && threadIdx.x == 0) {
-    d.cut[slot] = st.failed ? -INFINITY : cuda::from_ordered_bits(st.prefix);
+    // A failed mass select (no finite weight in the set: a +inf in the row) keeps the whole set: the row, or
+    // top_k's (as the CPU op does; the draw then takes the set's largest id).
+    const float keep_all = s.floor != nullptr ? cuda::from_ordered_bits(s.floor[slot].prefix) : -INFINITY;
+    d.cut[slot] = st.failed ? keep_all : cuda::from_ordered_bits(st.prefix);
     d.over_row[slot] = 1;
   }
 }

@@ -747,8 +747,9 @@ def test_walk_sample_garbage_rows_draw_in_range(top_k, top_p):
             row = logits[0, i].to(torch.bfloat16)
             token = root_draws(row.to(DEV), uniform[0, :1], temperature=0.8, top_k=top_k, top_p=top_p)
             assert 0 <= int(token) < vocab, f"row {i}, u {u}: drew {int(token)}"
-            if i == 4:  # a masked tail is a distribution: the CPU op's draw
-                assert torch.equal(token, root_draws(row, uniform[0, :1], temperature=0.8, top_k=top_k, top_p=top_p))
+            if i in (3, 4):  # a +inf among numbers (the kept set's largest id) and a masked tail: the CPU op's draw
+                assert torch.equal(token, root_draws(row, uniform[0, :1], temperature=0.8, top_k=top_k, top_p=top_p)), \
+                    f"row {i}, u {u}"
         out = ops.walk_sample(to(tree, DEV), logits.to(torch.bfloat16).to(DEV), uniform.to(DEV), temperature=0.8,
                               top_k=top_k, top_p=top_p)
         assert 0 <= int(out.next_token) < vocab
@@ -757,8 +758,8 @@ def test_walk_sample_garbage_rows_draw_in_range(top_k, top_p):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize(
     "top_k,top_p",
-    [(2, 0.5), (5, 1.0), (7, 1.0), (8, 0.9), (20, 0.95), (31, 0.5), (64, 1.0), (64, 0.8), (100, 0.9), (0, 0.6),
-     (0, 1.0)],
+    [(2, 0.5), (5, 1.0), (7, 1.0), (8, 0.9), (20, 0.95), (31, 0.5), (64, 1.0), (64, 0.8), (100, 1.0), (100, 0.9),
+     (0, 0.6), (0, 1.0)],
 )
 def test_walk_sample_ties_keep_what_hf_warpers_keep(dtype, top_k, top_p, monkeypatch):
     """Logits tied at the top_k and top_p cuts: groups inside the kernel's list, running past it (64 tokens or
@@ -1958,6 +1959,7 @@ OP_CASES = {
     "walk_sample_full": functools.partial(_case_walk_sample, 0, 1.0),
     "walk_sample_top_p": functools.partial(_case_walk_sample, 0, 0.9),
     "walk_sample_top_k_beyond_lists": functools.partial(_case_walk_sample, 100, 0.9),
+    "walk_sample_top_p_sorted": functools.partial(_case_walk_sample, 0, 0.9, "sort"),
     "walk_sample_sorted": functools.partial(_case_walk_sample, 100, 0.9, "sort"),
     "commit": _case_commit,
     "layer": _case_layer,
