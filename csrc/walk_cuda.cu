@@ -20,7 +20,8 @@
 //     the device (exact, heavier).
 // Like the CPU op, weights are float32 exp(x - max x) and masses are summed in double, in a different
 // order, so a draw can differ from the CPU op's only when uniform * total (or top_p * mass) lands
-// within double rounding (or expf's last-bit differences) of a cumulative boundary.
+// within double rounding (or expf's last-bit differences) of a cumulative boundary; the radix selects
+// sum top_p's masses in fixed point, a wider rounding (see there).
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
 
