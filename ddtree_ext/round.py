@@ -295,7 +295,10 @@ class DecodeRound:
         for _ in range(2 if timed else 1):
             graph, kept = _new_graph()
             stage_events = []
-            with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream):
+            # thread_local: CUDA work from other threads meanwhile (another model served from another thread, a
+            # loader's copies) neither fails nor invalidates the capture, as it would under the default "global";
+            # this thread's own unsafe calls still raise.
+            with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream, capture_error_mode="thread_local"):
                 main = torch.cuda.current_stream(self.device)
                 # Streams come from a small pool: the timing stream may be the capture's or Fork's side stream (side
                 # work would then wait for the records, and the records would be on the round's chain again).

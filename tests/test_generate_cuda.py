@@ -3,6 +3,7 @@ commit), eager and replayed from CUDA graphs, gives the target's own greedy outp
 the graph path gives exactly the eager path's output, greedy and sampled. Skipped without CUDA."""
 
 import functools
+import threading
 
 import pytest
 import torch
@@ -86,6 +87,38 @@ def test_stage_timing_when_the_stream_pool_repeats_a_stream(same_as, monkeypatch
     assert replayed
     for r in replayed:
         assert len(stats.round_stage_s[r]) == 5 and min(stats.round_stage_s[r].values()) > 0, stats.round_stage_s[r]
+
+
+def test_another_model_from_another_thread_during_captures():
+    """Two models from two threads on one GPU: while one thread's generate() captures and replays its rounds, another
+    thread runs HF's greedy generate on another model, over and over. Captures use capture_error_mode="thread_local"
+    (round.py), so that thread's allocations and syncs neither fail nor invalidate them (under "global" they did, in
+    vLLM and SGLang); both outputs are their models' own."""
+    target, draft = cuda_pair("qwen3_5")
+    other = cuda_pair("qwen3")[0]
+    expected = hf_greedy("qwen3_5")
+    other_expected = tiny.hf_greedy(other, PROMPT.cuda(), 40)
+    stop, errors, other_outputs = threading.Event(), [], []
+
+    def run_other():
+        try:
+            while not stop.is_set():
+                other_outputs.append(tiny.hf_greedy(other, PROMPT.cuda(), 40))
+        except BaseException as e:  # reported below, not lost in the thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run_other, daemon=True)
+    thread.start()
+    try:
+        out, stats = generate(target, draft, PROMPT.cuda(), NEW_TOKENS, method="ddtree", tree_budget=16,
+                              return_stats=True, cuda_graph=True)
+    finally:
+        stop.set()
+        thread.join(timeout=300)
+    assert not thread.is_alive() and not errors, errors
+    assert other_outputs and all(torch.equal(o, other_expected) for o in other_outputs)
+    assert torch.equal(out, expected)
+    assert stats.graph_captures >= 2
 
 
 def test_graphs_are_the_default_on_one_gpu():
