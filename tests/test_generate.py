@@ -752,6 +752,23 @@ def test_generation_config_processing_is_named_in_a_warning():
     assert_same_tokens(out, hf_greedy(RANDOM, HYBRID, 47, 20))
 
 
+def hold_thread_a_in_its_first_verify(target, forwards=None):
+    """A hook (its handle returned with two events) that holds the thread named "A" at the end of its first verify
+    forward, while the GDN tree forwards are swapped in: ``a_in_verify`` is set then, and A waits for ``release_a``.
+    ``forwards``, if given, collects the thread name of every target forward."""
+    gdn = target.model.layers[0].linear_attn
+    a_in_verify, release_a = threading.Event(), threading.Event()
+
+    def hold(module, args):
+        if forwards is not None:
+            forwards.append(threading.current_thread().name)
+        if threading.current_thread().name == "A" and "forward" in gdn.__dict__ and not a_in_verify.is_set():
+            a_in_verify.set()
+            release_a.wait(timeout=60)
+
+    return a_in_verify, release_a, target.model.norm.register_forward_pre_hook(hold)
+
+
 def test_calls_on_one_model_from_two_threads_take_turns():
     """generate() swaps forwards on the models' modules while it runs: a second thread's call on the same pair waits
     until the first returns (before, each put back the other's swaps and left some on the model, which then failed).
@@ -759,17 +776,8 @@ def test_calls_on_one_model_from_two_threads_take_turns():
     no module keeps a swapped forward."""
     target, draft = pair(AGREEING, HYBRID)
     ids = pair_prompt(AGREEING, HYBRID, 41)
-    gdn = target.model.layers[0].linear_attn
-    a_in_verify, release_a = threading.Event(), threading.Event()
     forwards = []  # the thread of every target forward
-
-    def hold_first_verify(module, args):
-        forwards.append(threading.current_thread().name)
-        if threading.current_thread().name == "A" and "forward" in gdn.__dict__ and not a_in_verify.is_set():
-            a_in_verify.set()
-            release_a.wait(timeout=60)
-
-    hook = target.model.norm.register_forward_pre_hook(hold_first_verify)
+    a_in_verify, release_a, hook = hold_thread_a_in_its_first_verify(target, forwards)
     outputs = {}
 
     def run():
@@ -806,14 +814,7 @@ def test_hf_forward_from_another_thread_during_a_call_runs_hf_code():
     gdn = target.model.layers[0].linear_attn
     with torch.no_grad():
         expected = target(ids).logits
-    a_in_verify, release_a = threading.Event(), threading.Event()
-
-    def hold_first_verify(module, args):
-        if threading.current_thread().name == "A" and "forward" in gdn.__dict__ and not a_in_verify.is_set():
-            a_in_verify.set()
-            release_a.wait(timeout=60)
-
-    hook = target.model.norm.register_forward_pre_hook(hold_first_verify)
+    a_in_verify, release_a, hook = hold_thread_a_in_its_first_verify(target)
     outputs = {}
 
     def run_generate():
