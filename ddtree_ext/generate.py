@@ -199,11 +199,12 @@ def generate(
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine,
                    return_stats, streamer)
     eos = _eos_set(eos_token_id)
-    speculative = method != "autoregressive"
-    adapter = _as_adapter(target, draft if speculative else None)
+    if method == "autoregressive":
+        draft = None  # a draft passed along is not used, so not checked or held either
+    adapter = _as_adapter(target, draft)
     _warn_unapplied_processing(adapter.model)
     # Every decoder layer too: two models may share layers under different roots.
-    held = [adapter.text_model, *adapter.text_model.layers, adapter.lm_head, draft if speculative else None]
+    held = [adapter.text_model, *adapter.text_model.layers, adapter.lm_head, draft]
     with _one_call_per_model(held):
         return _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p,
                          eos, seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph)
@@ -211,8 +212,8 @@ def generate(
 
 def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p, eos, seed,
               attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph):
-    """generate() after its option checks, holding the models."""
-    speculative = method != "autoregressive"
+    """generate() after its option checks, holding the models (draft is None for method="autoregressive")."""
+    speculative = draft is not None
     if any(i >= adapter.vocab_size for i in eos):
         raise ValueError(f"generate: eos_token_id must lie in [0, {adapter.vocab_size}), got {sorted(eos)}")
     if top_k is not None:
