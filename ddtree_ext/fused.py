@@ -864,13 +864,16 @@ class _ProcessPatches:
         self._lock = threading.Lock()
         self._count = 0
         self._restore: List[Callable[[], None]] = []
-        self._here = threading.local()  # .depth: the contexts this thread holds
+        self._depth: Dict[int, int] = {}  # thread ident -> the contexts that thread opened and holds
 
     def held_here(self) -> bool:
-        return getattr(self._here, "depth", 0) > 0
+        return threading.get_ident() in self._depth
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
+        # Keyed by the opening thread, not a threading.local: a context closed from another thread must still
+        # count down its own thread's depth and the patches' reference count.
+        opener = threading.get_ident()
         with self._lock:
             if self._count == 0:
                 try:
@@ -879,12 +882,15 @@ class _ProcessPatches:
                     self._put_back_all()
                     raise
             self._count += 1
-        self._here.depth = getattr(self._here, "depth", 0) + 1
+            self._depth[opener] = self._depth.get(opener, 0) + 1
         try:
             yield
         finally:
-            self._here.depth -= 1
             with self._lock:
+                if self._depth[opener] == 1:
+                    del self._depth[opener]
+                else:
+                    self._depth[opener] -= 1
                 self._count -= 1
                 if self._count == 0:
                     self._put_back_all()

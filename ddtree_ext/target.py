@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -171,13 +172,17 @@ def record_layer_outputs(
     by layer index (HF ``hidden_states[i + 1]`` for all but the last layer) while the context is open.
 
     The one implementation of the taps: the adapter and the tiny drafts' training data both use it.
-    A layer returning a tuple (older transformers) records its first element.
+    A layer returning a tuple (older transformers) records its first element. Only forwards in the thread that
+    opened the context record: hooks run for every caller, and another thread's forward on the same model
+    meanwhile (HF's own, see generate's thread notes) would otherwise replace this thread's taps.
     """
     recorded: Dict[int, torch.Tensor] = {}
+    owner = threading.get_ident()
 
     def hook_for(layer_id):
         def hook(module, args, output):
-            recorded[layer_id] = output[0] if isinstance(output, tuple) else output
+            if threading.get_ident() == owner:
+                recorded[layer_id] = output[0] if isinstance(output, tuple) else output
 
         return hook
 

@@ -806,24 +806,28 @@ def test_calls_on_one_model_from_two_threads_take_turns():
 
 
 def test_hf_forward_from_another_thread_during_a_call_runs_hf_code():
-    """While a call holds the model (held inside a verify, with its fused and tree forwards swapped in and the
-    process-wide patches installed), HF's own forward on the same model from another thread runs HF's code: its
-    logits are those of the same forward before the call, bit for bit, and the call's output is still the target's."""
+    """While a call holds the model (held inside a verify, with its fused and tree forwards swapped in, the
+    process-wide patches installed and its layer taps hooked), HF's own forward on the same model from another
+    thread runs HF's code: its logits are those of the same forward before the call, bit for bit. And it leaves the
+    call alone: the call's tokens and accept lengths are those of the same call undisturbed (before, the other
+    thread's layer outputs replaced the call's taps, so its draft read them and accepted differently)."""
     target, draft = pair(AGREEING, HYBRID)
     ids = pair_prompt(AGREEING, HYBRID, 45)
+    other = ids[:, :7]  # another length than the verify's, as a second user's prompt would be
     gdn = target.model.layers[0].linear_attn
     with torch.no_grad():
-        expected = target(ids).logits
+        expected = target(other).logits
+    undisturbed, undisturbed_stats = generate(target, draft, ids, 30, return_stats=True)
     a_in_verify, release_a, hook = hold_thread_a_in_its_first_verify(target)
     outputs = {}
 
     def run_generate():
-        outputs["A"] = generate(target, draft, ids, 30)
+        outputs["A"] = generate(target, draft, ids, 30, return_stats=True)
 
     def run_hf_forward():
         try:
             with torch.no_grad():  # as a user's inference would (the fused forwards apply only without grad)
-                outputs["B"] = target(ids).logits
+                outputs["B"] = target(other).logits
         except BaseException as e:  # reported below, not lost in the thread
             outputs["B"] = e
 
@@ -843,9 +847,40 @@ def test_hf_forward_from_another_thread_during_a_call_runs_hf_code():
         hook.remove()
     assert isinstance(outputs["B"], torch.Tensor), f"HF's forward from another thread failed: {outputs['B']!r}"
     assert torch.equal(outputs["B"], expected)
-    assert_same_tokens(outputs["A"], hf_greedy(AGREEING, HYBRID, 45, 30))
+    tokens, stats = outputs["A"]
+    assert_same_tokens(tokens, hf_greedy(AGREEING, HYBRID, 45, 30))
+    assert torch.equal(tokens, undisturbed)
+    assert stats.accept_lengths == undisturbed_stats.accept_lengths
     for model in (target, draft):
         assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == []
+
+
+def test_process_patches_closed_from_another_thread_count_down():
+    """A fusion context's process-wide patches (RoPE, sdpa) opened in one thread and closed from another: the
+    opening thread no longer counts as holding them and the last close puts them back (before, the close raised in
+    the other thread and left the patches installed for good)."""
+    from ddtree_ext import fused
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    stock = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    context = fused._PROCESS_PATCHES.held()
+    context.__enter__()
+    assert fused._PROCESS_PATCHES.held_here() and ALL_ATTENTION_FUNCTIONS["sdpa"] is not stock
+    errors = []
+
+    def close():
+        try:
+            assert not fused._PROCESS_PATCHES.held_here()
+            context.__exit__(None, None, None)
+        except BaseException as e:
+            errors.append(e)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join(timeout=60)
+    assert errors == []
+    assert not fused._PROCESS_PATCHES.held_here()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is stock
 
 
 def test_generate_from_inside_generate_runs():
