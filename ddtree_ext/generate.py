@@ -170,7 +170,8 @@ def generate(
             the new tokens of every round, then ``end()``.
         return_stats: also return a :class:`GenerationStats`.
         spine: DDTree only: force the draft's top-1 chain into the tree before best-first.
-        draft_top_k: DDTree only: candidates per depth the tree is built from (1..vocab).
+        draft_top_k: DDTree only: candidates per depth the tree is built from (at least 1; more than the
+            vocabulary takes the whole vocabulary).
         cuda_graph: replay each round from CUDA graphs (captured per attention width, see
             :mod:`ddtree_ext.round`); None (default) = on when the whole target sits on one CUDA
             device, False = run every stage eagerly (same buffers, same kernels, same output),
