@@ -718,7 +718,10 @@ __global__ void __launch_bounds__(kSampleThreads) radix_select_kernel(SampleArgs
     return;
   }
   RadixCut& st = s.state[slot];
+  // Every thread reads the levels before's progress here, before the scan's barriers: the thread that finds the
+  // digit overwrites it below, and a thread still to read it then would start from the new values.
   const bool failed_before = LEVEL > 0 && st.failed;
+  const RadixCut before_level = LEVEL > 0 && !failed_before ? st : RadixCut{0u, 0, 0ull, 0ull};
   if (!failed_before) {
     unsigned long long* h = s.hist + slot * kRadixBuckets;
     unsigned long long mine[kPer], sum = 0;
@@ -745,15 +748,15 @@ __global__ void __launch_bounds__(kSampleThreads) radix_select_kernel(SampleArgs
       }
       target = max(1ull, min(target, static_cast<unsigned long long>(total)));
     } else {
-      above = st.above;
-      target = st.target;
+      above = before_level.above;
+      target = before_level.target;
     }
     unsigned long long cum = above + before;
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
       if (mine[e] != 0 && cum < target && cum + mine[e] >= target) {  // exactly one bucket: cum is monotone
         const uint32_t digit = kBuckets - 1 - (kPer * threadIdx.x + e);
-        st.prefix = (LEVEL > 0 ? st.prefix : 0u) | digit << radix_shift(LEVEL);
+        st.prefix = before_level.prefix | digit << radix_shift(LEVEL);
         st.above = cum;
         st.target = target;
         found = 1;
@@ -923,13 +926,14 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
   __syncwarp();
   if (lane != 0) return;
   // Inverse CDF in ascending id order: the first kept token whose cumulative weight exceeds
-  // uniform * total, else the largest kept id (the list's first entry is always kept).
+  // uniform * total, else the largest kept id. The list's first entry is kept unless the list holds no token
+  // at all (a row of NaNs, which no list takes): then the row's last id, as the CPU op draws there.
   int count = 0;
   for (int r = 0; r < K_CAP; ++r) count += keep[r];
   double total = 0;
   for (int r = 0; r < count; ++r) total += weight_by_id[r];
   const double threshold = static_cast<double>(u) * total;
-  int64_t token = id_by_id[count - 1];
+  int64_t token = count > 0 ? id_by_id[count - 1] : a.vocab - 1;
   double cum = 0;
   for (int r = 0; r < count; ++r) {
     cum += weight_by_id[r];
