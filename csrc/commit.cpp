@@ -333,6 +333,8 @@ void check_gather_rows(const at::Tensor& src, const at::Tensor& accepted, const 
   DDTREE_CHECK_SAME_DEVICE(op, accepted, out);
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, src);
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, out);
+  // In place, the CUDA kernel's blocks would read rows that others overwrite (no order between them).
+  DDTREE_CHECK(op, !may_overlap(src, out), "out must not overlap src");
 }
 
 void gather_rows_cpu(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,

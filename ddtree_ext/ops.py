@@ -832,7 +832,7 @@ def gather_rows(
     src: torch.Tensor, accepted: torch.Tensor, accept_len: torch.Tensor, *, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """Rows of ``src`` [B, N, F] along the accepted path -> out [B, D, F] with out[b, d] =
-    src[b, accepted[b, d]] for d < accept_len[b] and zeros after."""
+    src[b, accepted[b, d]] for d < accept_len[b] and zeros after. ``out`` must not overlap ``src``."""
     if out is None:
         _check_dim("gather_rows", "src", src, 3, "[B, N, F]")
         _check_dim("gather_rows", "accepted", accepted, 2, "[B, D]")

@@ -327,6 +327,9 @@ GATHER_BAD = {
     "out_dtype": ("out", lambda s, o: (s, o.double())),
     "src_batch": ("src", lambda s, o: (s[:2], o)),
     "src_last_dim_strided": ("src", lambda s, o: (s.mT.contiguous().mT, o)),
+    # src all NaN, so a write into out (a view of it) would show
+    "out_overlaps_src": ("out must not overlap src",
+                         lambda s, o: (lambda p: (p, p[:, :4]))(torch.full_like(s, torch.nan))),
 }
 
 
