@@ -255,17 +255,12 @@ def test_walk_sample(benchmark, ceilings, budget):
     bench(benchmark, ceilings, "walk_sample", f"N={n} V={VOCAB} bf16 top_k=20 top_p=0.95", calls, n * VOCAB * 2)
 
 
-@pytest.mark.parametrize(
-    "top_k,top_p,select",
-    [(0, 1.0, "sort"), (50, 0.9, "sort"), (64, 1.0, "sort"), (0, 0.95, "sort"), (0, 0.95, "radix"), (100, 0.95, "sort"),
-     (100, 0.95, "radix")],
-)
-def test_walk_sample_settings(benchmark, ceilings, monkeypatch, top_k, top_p, select):
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 0.9), (64, 1.0), (0, 0.95), (100, 0.95)])
+def test_walk_sample_settings(benchmark, ceilings, top_k, top_p):
     """The other draw paths at budget 64: no filter (a max pass and the draw over each row), a top_k list with top_p,
     top_k = 64 (its list is k long, so the k-th's tie group reaches its end: every node counts it over the row, and
-    draws over the row where it runs past), and top_p alone and top_k above the lists, each by the sort (the
-    default) and by the radix selects (DDTREE_SAMPLE_SELECT=radix, see csrc/walk_cuda.cu)."""
-    monkeypatch.setenv("DDTREE_SAMPLE_SELECT", select)
+    draws over the row where it runs past), and top_p alone and top_k above the lists (the radix selects, see
+    csrc/walk_cuda.cu)."""
     gen = torch.Generator().manual_seed(top_k)
     tree = built_tree(64, gen)
     n = 65
@@ -274,9 +269,7 @@ def test_walk_sample_settings(benchmark, ceilings, monkeypatch, top_k, top_p, se
     walk = ops.empty_walk(1, 16, DEV)
     calls = [lambda x=x: ops.walk_sample(tree, x, uniform, temperature=0.6, top_k=top_k, top_p=top_p, out=walk)
              for x in logits]
-    path = f" ({select})" if top_k > 64 or (top_k == 0 and top_p < 1.0) else ""
-    bench(benchmark, ceilings, "walk_sample", f"N={n} V={VOCAB} bf16 top_k={top_k} top_p={top_p}{path}", calls,
-          n * VOCAB * 2)
+    bench(benchmark, ceilings, "walk_sample", f"N={n} V={VOCAB} bf16 top_k={top_k} top_p={top_p}", calls, n * VOCAB * 2)
 
 
 # ---- commit ------------------------------------------------------------------------------------

@@ -12,21 +12,15 @@
 //   * no top_k, no top_p: the rows' maxima by segments, then the draw over the row;
 //   * top_p alone, or top_k > 64: the rows' maxima, the cut value by radix selects over the row (three
 //     levels of histograms: counts for top_k's k-th value, fixed-point masses for top_p's cut), then the
-//     draw over the row above the cut (opt-in until a GPU run has verified it: DDTREE_SAMPLE_SELECT=radix;
-//     else the sort below);
+//     draw over the row above the cut;
 //   * the draw over a row: every chunk's total in parallel, then per node a scan over the totals and one
 //     chunk rescanned;
-//   * by default, top_p alone and top_k > 64: the same rule through a sort of every node's row in ATen on
-//     the device (exact, heavier).
 // Like the CPU op, weights are float32 exp(x - max x) and masses are summed in double, in a different
 // order, so a draw can differ from the CPU op's only when uniform * total (or top_p * mass) lands
 // within double rounding (or expf's last-bit differences) of a cumulative boundary; the radix selects
 // sum top_p's masses in fixed point, a wider rounding (see there).
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
-
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda_common.cuh"
 #include "ops.h"
@@ -612,7 +606,7 @@ struct DrawRowWorkspace {
 // weight, so the roundings, and the weights below half a unit (x more than 31.9 below the max) that count as
 // zero, move the masses by at most V 2^-46 of the max weight (3.5e-9 at V = 248320): a cut can differ from the
 // CPU op's (double sums) only when top_p * mass lands that close to a boundary between two values.
-// (A sort of every row, the default until this has run on a GPU, took 3.3 ms for 65 rows of 248320 on the H200.)
+// (A sort of every row, which this replaced, took 3.3 ms for 65 rows of 248320 on the H200.)
 constexpr int kRadixLevels = 3;
 constexpr int kRadixBuckets = 2048;  // digits of 11 bits (the last level's 10 use half)
 __host__ __device__ constexpr int radix_shift(int level) { return level == 0 ? 21 : level == 1 ? 10 : 0; }
@@ -984,44 +978,6 @@ void launch_sample_full(const at::Tensor& logits, const SampleArgs& args, int64_
   launch_draw_over_row<T, /*FILTERED=*/false>(logits, args, over_row.args(part_max), bsz, stream);
 }
 
-// The CPU op's rule, batched over every node through ATen on the device: weights exp(x - max x); the top_k
-// set (every x at or above the k-th largest); top_p's cut value from a descending sort and double masses;
-// the inverse CDF by a double cumulative sum and a search.
-void sample_by_sort(const at::Tensor& logits, const at::Tensor& uniform, const at::Tensor& depth, double temperature,
-                    int64_t top_k, double top_p, at::Tensor& token) {
-  const int64_t vocab = logits.size(2);
-  // Divided by a device tensor: ATen divides by a host scalar as a multiply by its reciprocal, a bit off
-  // x / temperature (which the other paths compute), and a bit can make or break a tie the cuts keep whole.
-  const at::Tensor x = logits.to(at::kFloat).div(at::full({}, static_cast<float>(temperature), logits.options().dtype(at::kFloat)));
-  const at::Tensor weight = (x - std::get<0>(x.max(-1, /*keepdim=*/true))).exp();
-  const at::Tensor u = uniform.gather(1, depth.clamp(0, uniform.size(1) - 1).to(at::kLong));  // [B, N]
-  const at::Tensor rank = at::arange(vocab, x.options().dtype(at::kLong));
-  at::Tensor keep = at::ones_like(x, x.options().dtype(at::kBool));
-  if (top_k > 0 && top_k < vocab) keep = x.ge(std::get<0>(x.topk(top_k, -1)).narrow(-1, top_k - 1, 1));
-  if (top_p < 1.0) {
-    const auto [sorted_x, order] = at::sort(x, /*stable=*/false, /*dim=*/-1, /*descending=*/true);
-    const at::Tensor keep_sorted = keep.gather(-1, order);
-    const at::Tensor mass = weight.gather(-1, order).to(at::kDouble).mul(keep_sorted);
-    const at::Tensor above = mass.cumsum(-1).sub(mass);
-    const at::Tensor in_prefix = keep_sorted.logical_and(above.lt(mass.sum(-1, /*keepdim=*/true).mul(top_p)));
-    // The last token kept in rank order; its value keeps its ties too.
-    keep = keep.logical_and(x.ge(sorted_x.masked_fill(in_prefix.logical_not(), INFINITY).amin(-1, true)));
-  }
-  const at::Tensor cum = weight.to(at::kDouble).mul(keep).cumsum(-1);
-  const at::Tensor threshold = u.to(at::kDouble).unsqueeze(-1).mul(cum.narrow(-1, vocab - 1, 1));
-  const at::Tensor hit = at::searchsorted(cum, threshold, /*out_int32=*/false, /*right=*/true).squeeze(-1);
-  const at::Tensor kept_max = keep.mul(rank).amax(-1);
-  token.copy_(at::where(hit.lt(vocab), hit, kept_max));
-}
-
-// Until a GPU run has verified them, top_p alone and top_k > 64 take the radix selects only with
-// DDTREE_SAMPLE_SELECT=radix (the CUDA tests set it); the sort stays the default. Both draw by the same rule. Read
-// at every call, so a test can switch it.
-bool sample_by_radix_select() {
-  const char* select = std::getenv("DDTREE_SAMPLE_SELECT");
-  return select != nullptr && std::strcmp(select, "radix") == 0;
-}
-
 }  // namespace
 
 // ---- entry points ------------------------------------------------------------------------------
@@ -1086,26 +1042,22 @@ void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
                         static_cast<int>(n), static_cast<int>(uniform.size(1)), vocab,
                         static_cast<float>(temperature), top_p, static_cast<int>(k_on),
                         token.data_ptr<int64_t>()};
-  const bool beyond_lists = k_on > kSampleMaxTopK || (k_on == 0 && p_on);  // a radix select's, or the sort's
-  if (beyond_lists && !sample_by_radix_select()) {
-    sample_by_sort(logits, uniform, depth, temperature, top_k, top_p, token);
-  } else {
-    DDTREE_CUDA_DISPATCH_FLOAT(logits.scalar_type(), op, [&] {
-      if (beyond_lists) {
-        launch_sample_radix<scalar_t>(logits, args, bsz, stream);
-      } else if (k_on == 0) {
-        launch_sample_full<scalar_t>(logits, args, bsz, stream);
-      } else if (k_on <= 8 - 4) {  // a list 4 longer than k: kth's tie group seldom runs past it
-        launch_sample_top_k<scalar_t, 8>(logits, args, bsz, stream);
-      } else if (k_on <= 16 - 4) {
-        launch_sample_top_k<scalar_t, 16>(logits, args, bsz, stream);
-      } else if (k_on <= 32 - 4) {
-        launch_sample_top_k<scalar_t, 32>(logits, args, bsz, stream);
-      } else {
-        launch_sample_top_k<scalar_t, 64>(logits, args, bsz, stream);
-      }
-    });
-  }
+  const bool beyond_lists = k_on > kSampleMaxTopK || (k_on == 0 && p_on);
+  DDTREE_CUDA_DISPATCH_FLOAT(logits.scalar_type(), op, [&] {
+    if (beyond_lists) {
+      launch_sample_radix<scalar_t>(logits, args, bsz, stream);
+    } else if (k_on == 0) {
+      launch_sample_full<scalar_t>(logits, args, bsz, stream);
+    } else if (k_on <= 8 - 4) {  // a list 4 longer than k: kth's tie group seldom runs past it
+      launch_sample_top_k<scalar_t, 8>(logits, args, bsz, stream);
+    } else if (k_on <= 16 - 4) {
+      launch_sample_top_k<scalar_t, 16>(logits, args, bsz, stream);
+    } else if (k_on <= 32 - 4) {
+      launch_sample_top_k<scalar_t, 32>(logits, args, bsz, stream);
+    } else {
+      launch_sample_top_k<scalar_t, 64>(logits, args, bsz, stream);
+    }
+  });
   launch_walk(tree, token, walk_out_of(accepted, accept_len, next_token), bsz);
 }
 

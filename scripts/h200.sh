@@ -95,7 +95,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cu
       run walk.log compute-sanitizer --tool memcheck --error-exitcode 99 "$PY" -m pytest tests/test_cuda.py -q -x \
         -k "(test_walk_sample and dtype2 and not ties and not full) or garbage"
       run walk.log compute-sanitizer --tool racecheck --error-exitcode 99 "$PY" -m pytest tests/test_cuda.py -q -x \
-        -k "test_walk_sample and dtype2 and not ties and (0.9-0-0.9 or 20 or 1.0-100-0.95 or 0.8-300)"
+        -k "test_walk_sample and dtype2 and not ties and (0.9-0-0.9 or 20 or 1.0-100-0.95 or 0.8-300 or radix)"
       run walk.log "$PY" -m pytest benchmarks/test_bench_cuda.py -q -k "walk_sample or topk" --benchmark-only \
         --benchmark-json "$OUT/bench_walk.json"
       run walk.log "$PY" scripts/summarize_bench.py "$OUT/bench_walk.json" --out "$OUT/bench_walk.md"

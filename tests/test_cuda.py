@@ -7,7 +7,6 @@ and run twice to check determinism. Skipped as a whole without a CUDA device or 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -37,14 +36,6 @@ def cuda_build():
         pytest.skip(f"ddtree_ext._C is not built: {e}")
     if not info["cuda"]:
         pytest.skip("ddtree_ext._C was built without CUDA kernels")
-
-
-@pytest.fixture(autouse=True)
-def sample_select_radix(monkeypatch):
-    """Every test here draws top_p alone and top_k > 64 by the radix selects, opt-in until a GPU run has verified
-    them (csrc/walk_cuda.cu); test_walk_sample_sort_and_radix_agree and a few more keep the default, the sort,
-    covered."""
-    monkeypatch.setenv("DDTREE_SAMPLE_SELECT", "radix")
 
 
 def make_gen(seed: int) -> torch.Generator:
@@ -695,10 +686,8 @@ def test_walk_sample(dtype, temperature, top_k, top_p):
         assert_fields_equal(got, reference.walk_sample(tree, logits, uniform, **kw), "vs reference")
 
 
-@pytest.mark.parametrize("select", ["radix", "sort"])
-def test_walk_sample_full_vocab(select, monkeypatch):
-    """Qwen3.6's vocabulary, with the usual sampling settings (top_p alone and top_k 100 by either select)."""
-    monkeypatch.setenv("DDTREE_SAMPLE_SELECT", select)
+def test_walk_sample_full_vocab():
+    """Qwen3.6's vocabulary, with the usual sampling settings (top_p alone and top_k 100: the radix selects)."""
     gen = make_gen(21)
     tree, logits = sample_case(1, 17, 248320, gen)
     logits = logits.to(torch.bfloat16)
@@ -710,20 +699,16 @@ def test_walk_sample_full_vocab(select, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_walk_sample_sort_and_radix_agree(dtype, monkeypatch):
-    """top_p alone and top_k above the lists, by the sort (the default) and by the radix selects: the same draws as
-    each other and the CPU op."""
+def test_walk_sample_radix_selects_draw_as_the_cpu_op(dtype):
+    """top_p alone and top_k above the lists (the radix selects) over many cuts: the CPU op's draws."""
     gen = make_gen(77)
     tree, logits = sample_case(3, 33, 3000, gen)
     logits = logits.to(dtype)
     for top_k, top_p in ((0, 0.05), (0, 0.5), (0, 0.9), (0, 0.99), (65, 1.0), (100, 0.9), (1000, 0.5), (2999, 0.95)):
         uniform = torch.rand(3, 9, generator=gen)
         kw = dict(temperature=0.9, top_k=top_k, top_p=top_p)
-        expected = ops.walk_sample(tree, logits, uniform, **kw)
-        for select in ("sort", "radix"):
-            monkeypatch.setenv("DDTREE_SAMPLE_SELECT", select)
-            got = ops.walk_sample(to(tree, DEV), logits.to(DEV), uniform.to(DEV), **kw)
-            assert_fields_equal(got, expected, f"{select}, top_k {top_k}, top_p {top_p}")
+        got = ops.walk_sample(to(tree, DEV), logits.to(DEV), uniform.to(DEV), **kw)
+        assert_fields_equal(got, ops.walk_sample(tree, logits, uniform, **kw), f"top_k {top_k}, top_p {top_p}")
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (0, 0.9), (20, 0.9), (100, 1.0), (100, 0.9)])
@@ -762,24 +747,19 @@ def test_walk_sample_garbage_rows_draw_in_range(top_k, top_p):
     [(2, 0.5), (5, 1.0), (7, 1.0), (8, 0.9), (20, 0.95), (31, 0.5), (64, 1.0), (64, 0.8), (100, 1.0), (100, 0.9),
      (0, 0.6), (0, 1.0)],
 )
-def test_walk_sample_ties_keep_what_hf_warpers_keep(dtype, top_k, top_p, monkeypatch):
+def test_walk_sample_ties_keep_what_hf_warpers_keep(dtype, top_k, top_p):
     """Logits tied at the top_k and top_p cuts: groups inside the kernel's list, running past it (64 tokens or
     62000 tied at the top), a k-th's group that holds most of top_p's mass, a k-th of -inf. The kept set and weights
     are HF's warpers' (a group tied at top_p's cut kept whole), probed by inverse-CDF uniforms over the whole range;
     the CPU op draws the same."""
     gen = make_gen(top_k * 100 + int(top_p * 100))
-    beyond_lists = top_k > 64 or (top_k == 0 and top_p < 1)
-    selects = ("radix", "sort") if beyond_lists else ("radix",)  # the paths that have both
     for vocab in (3000, 248320):
         rows = tied_rows(vocab, gen).to(dtype)
         kw = dict(temperature=0.8, top_k=top_k, top_p=top_p)
         for row, probs in zip(rows, warped_probs(rows, **kw)):
             uniform, want = inverse_cdf_probes(probs)
-            for select in selects:
-                monkeypatch.setenv("DDTREE_SAMPLE_SELECT", select)
-                got = root_draws(row.to(DEV), uniform, **kw)
-                assert torch.equal(got, want), (f"vocab {vocab}, {select}: {int((got != want).sum())} of {len(want)} "
-                                                f"probes differ")
+            got = root_draws(row.to(DEV), uniform, **kw)
+            assert torch.equal(got, want), f"vocab {vocab}: {int((got != want).sum())} of {len(want)} probes differ"
             if vocab == 3000:
                 assert torch.equal(root_draws(row, uniform, **kw), got), "vs CPU op"
 
@@ -1841,21 +1821,7 @@ def _case_row_argmax():
     return OpCase(inputs, lambda x: [ops.row_argmax(x["x"]), ops.row_argmax(x["one"])])
 
 
-@contextlib.contextmanager
-def sample_select(select: str):
-    """DDTREE_SAMPLE_SELECT set to ``select`` inside the context (graph cases have no monkeypatch)."""
-    previous = os.environ.get("DDTREE_SAMPLE_SELECT")
-    os.environ["DDTREE_SAMPLE_SELECT"] = select
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["DDTREE_SAMPLE_SELECT"]
-        else:
-            os.environ["DDTREE_SAMPLE_SELECT"] = previous
-
-
-def _case_walk_sample(top_k, top_p, select="radix"):
+def _case_walk_sample(top_k, top_p):
     def inputs(gen):
         tree, logits = sample_case(2, 33, 3000, gen)
         return {**{f: t.to(DEV) for f, t in tree._asdict().items()}, "logits": logits.to(DEV),
@@ -1863,8 +1829,7 @@ def _case_walk_sample(top_k, top_p, select="radix"):
 
     def run(x):
         tree = Tree(*(x[f] for f in Tree._fields))
-        with sample_select(select):
-            return list(ops.walk_sample(tree, x["logits"], x["uniform"], temperature=0.8, top_k=top_k, top_p=top_p))
+        return list(ops.walk_sample(tree, x["logits"], x["uniform"], temperature=0.8, top_k=top_k, top_p=top_p))
 
     return OpCase(inputs, run)
 
@@ -1960,8 +1925,6 @@ OP_CASES = {
     "walk_sample_full": functools.partial(_case_walk_sample, 0, 1.0),
     "walk_sample_top_p": functools.partial(_case_walk_sample, 0, 0.9),
     "walk_sample_top_k_beyond_lists": functools.partial(_case_walk_sample, 100, 0.9),
-    "walk_sample_top_p_sorted": functools.partial(_case_walk_sample, 0, 0.9, "sort"),
-    "walk_sample_sorted": functools.partial(_case_walk_sample, 100, 0.9, "sort"),
     "commit": _case_commit,
     "layer": _case_layer,
     "gqa_attention": _case_attention,
