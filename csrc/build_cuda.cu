@@ -25,7 +25,8 @@ using cuda::kWarp;
 // finds its rank by counting the candidates ranked before it. Order: higher value first, then lower id
 // (a total order, so the result does not depend on the order of the gathering). Chunks whose
 // candidates do not fit (many equal values at the threshold) take per-thread sorted lists instead.
-// NaN logits never enter the top K (as before); they make the row's sum NaN.
+// NaN logits rank above every number (rank_key: the CPU op's torch.sort order, lower id first among NaNs),
+// so the K ids are real ids of the row whatever it holds; a NaN makes the row's sum, and so every logp, NaN.
 
 constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / kWarp;
@@ -104,10 +105,14 @@ __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
 
     // Softmax statistics: one rescale per chunk, then a plain sum (padding is -inf and adds 0).
     float chunk_max = head_value;
+    bool chunk_nan = isnan(head_value);  // fmaxf skips NaN; the threshold must not
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) chunk_max = fmaxf(chunk_max, v[p][e]);
+      for (int e = 0; e < kVec; ++e) {
+        chunk_max = fmaxf(chunk_max, v[p][e]);
+        chunk_nan |= isnan(v[p][e]);
+      }
     }
     if (chunk_max > ms.m) {
       ms.s = ms.m == -INFINITY ? 0.f : ms.s * __expf(ms.m - chunk_max);
@@ -123,16 +128,17 @@ __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
       ms.s += sum;
     }
 
-    // Threshold: the K_CAP-th largest lane maximum per warp (lanes holding an element of the row).
+    // Threshold: the K_CAP-th largest lane maximum (by rank key) per warp (lanes holding an element of the row).
     const bool holds = with_head || in_range(0, 0);
-    const unsigned warp_t = cuda::warp_kth_largest<K_CAP>(holds ? cuda::ordered_bits(chunk_max) : 0u);
+    const unsigned lane_key = chunk_nan ? cuda::rank_key(NAN) : cuda::rank_key(chunk_max);
+    const unsigned warp_t = cuda::warp_kth_largest<K_CAP>(holds ? lane_key : 0u);
     if (lane == 0) sm.warp_threshold[warp] = warp_t;
     __syncthreads();
-    unsigned threshold = sm.list_id[cur][K_CAP - 1] != cuda::kNoId ? cuda::ordered_bits(sm.list_val[cur][K_CAP - 1]) : 0u;
+    unsigned threshold = sm.list_id[cur][K_CAP - 1] != cuda::kNoId ? cuda::rank_key(sm.list_val[cur][K_CAP - 1]) : 0u;
 #pragma unroll
     for (int w = 0; w < kTopkWarps; ++w) threshold = max(threshold, sm.warp_threshold[w]);
     auto gather = [&](float x, int id) {
-      if (x == x && cuda::ordered_bits(x) >= threshold) {
+      if (cuda::rank_key(x) >= threshold) {
         const int at = atomicAdd(&sm.cand_count, 1);
         if (at < kTopkCandidates) {
           sm.cand_val[at] = x;
@@ -180,14 +186,14 @@ __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
       // (The chunk is read again, from L2: keeping it in registers past the gathering costs spills.)
       cuda::TopList<K_CAP> top;
       top.clear();
-      if (with_head && cuda::ordered_bits(head_value) >= threshold) top.insert(head_value, tid);
+      if (with_head && cuda::rank_key(head_value) >= threshold) top.insert(head_value, tid);
       float again[kPacks][kVec];
       load_chunk(again);
 #pragma unroll
       for (int p = 0; p < kPacks; ++p) {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          if (in_range(p, e) && cuda::ordered_bits(again[p][e]) >= threshold) top.insert(again[p][e], id_of(p, e));
+          if (in_range(p, e) && cuda::rank_key(again[p][e]) >= threshold) top.insert(again[p][e], id_of(p, e));
         }
       }
       for (int r = 0; r < K_CAP; ++r) {
@@ -241,7 +247,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
 }
 
 // One warp per row: the segments' statistics by a fixed butterfly; the best k pairs by k rounds of a
-// warp max over the segments' list heads, keyed [value as ordered bits | ~id] (higher value, then lower
+// warp max over the segments' list heads, keyed [rank key | ~id] (higher value, NaN highest, then lower
 // id; a list's padding (-inf, kNoId) ranks below every real pair and an exhausted list below that).
 template <int K_CAP>
 __global__ void __launch_bounds__(kWarp) topk_merge_kernel(
@@ -267,15 +273,18 @@ __global__ void __launch_bounds__(kWarp) topk_merge_kernel(
   const float* vals = part_val + list * K_CAP;
   const int* ids = part_id + list * K_CAP;
   int pos = 0;
-  auto key_hi = [&](int at) { return live && at < K_CAP ? cuda::ordered_bits(vals[at]) : 0u; };
+  auto key_hi = [&](int at) { return live && at < K_CAP ? cuda::rank_key(vals[at]) : 0u; };
   auto key_lo = [&](int at) { return live && at < K_CAP ? ~static_cast<unsigned>(ids[at]) : 0u; };
   unsigned hi = key_hi(0), lo = key_lo(0);
   unsigned next_hi = key_hi(1), next_lo = key_lo(1);
+  // A NaN anywhere in the row heads its segment's list. The segments' sums may have skipped it (a segment
+  // of NaN and -inf alone adds nothing), so it makes every logp NaN here, as the CPU op's sum does.
+  const float row_log_norm = cuda::warp_max_u32(hi) == cuda::rank_key(NAN) ? NAN : log_norm;
   for (int r = 0; r < k; ++r) {
     const unsigned max_hi = cuda::warp_max_u32(hi);
     const unsigned max_lo = cuda::warp_max_u32(hi == max_hi ? lo : 0u);
     if (hi == max_hi && lo == max_lo) {  // one lane: (value, id) pairs are unique within a row
-      logp[b * lp_sb + l * lp_sl + r * lp_sk] = (cuda::from_ordered_bits(max_hi) - total.m) - log_norm;
+      logp[b * lp_sb + l * lp_sl + r * lp_sk] = (cuda::from_ordered_bits(max_hi) - total.m) - row_log_norm;
       tokens[b * tk_sb + l * tk_sl + r * tk_sk] = static_cast<int>(~max_lo);
       ++pos;
       hi = next_hi;

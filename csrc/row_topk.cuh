@@ -55,7 +55,16 @@ __device__ __forceinline__ unsigned warp_kth_largest(unsigned key) {
   }
 }
 
-__device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) { return a > b || (a == b && ia < ib); }
+// The ops' rank order as a key: the float order with every NaN above +inf, as torch.sort and torch.topk (and
+// so the CPU ops) rank NaN. Never 0 (the "no value" key above).
+__device__ __forceinline__ uint32_t rank_key(float f) { return isnan(f) ? 0xffffffffu : ordered_bits(f); }
+
+// Whether (a, ia) ranks before (b, ib): higher rank key first, then lower id. A strict total order over
+// (value, id) pairs with distinct ids, NaNs included.
+__device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) {
+  const uint32_t ka = rank_key(a), kb = rank_key(b);
+  return ka > kb || (ka == kb && ia < ib);
+}
 
 // (max, sum of exp(x - max)) of a running softmax; -inf elements contribute nothing. The hardware exp
 // (__expf: a few ulps, about 2e-6 relative for arguments down to -30) keeps the per-element cost low;
@@ -229,7 +238,8 @@ __device__ void row_softmax_topk(const T* row, int64_t n, int id_offset, Transfo
   top.clear();
   for_each_in_row<T, THREADS>(row, n, [&](float x, int64_t i) {
     const float v = transform(x);
-    if (v >= threshold) top.insert(v, id_offset + static_cast<int>(i));  // NaN fails both tests
+    // NaN fails the test: walk_sample's lists keep numbers only (its draws handle NaN rows apart).
+    if (v >= threshold) top.insert(v, id_offset + static_cast<int>(i));
   });
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) {

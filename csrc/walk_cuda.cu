@@ -145,7 +145,7 @@ constexpr int kArgmaxThreads = 512;
 constexpr int kArgmaxUnroll = 4;  // 16-byte packs in flight per thread
 
 __device__ __forceinline__ uint64_t argmax_key(float v, int64_t i) {
-  const uint32_t hi = isnan(v) ? 0xffffffffu : cuda::ordered_bits(v);
+  const uint32_t hi = cuda::rank_key(v);
   return (static_cast<uint64_t>(hi) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
 }
 

@@ -192,8 +192,10 @@ def topk_logprobs(logits: torch.Tensor, k: int, *, out: Optional[TopK] = None) -
     """Top-``k`` tokens per draft depth with their log-softmax values.
 
     logits [B, L, V] float32/float16/bfloat16 (last dim contiguous) -> TopK(logp [B, L, k] float32,
-    tokens [B, L, k] int64), sorted by logit descending, ties broken by the lower token id. The
-    log-softmax is over the whole vocabulary, computed in float32. Requires 1 <= k <= V.
+    tokens [B, L, k] int64), sorted by logit descending, ties broken by the lower token id, a NaN above
+    every number (``torch.sort``'s order: the tokens are always ids of the row). The log-softmax is over
+    the whole vocabulary, computed in float32; a NaN anywhere in a row makes all its ``logp`` NaN.
+    Requires 1 <= k <= V.
     """
     if out is None:
         if logits.dim() != 3:

@@ -142,6 +142,39 @@ def test_topk_logprobs_full_vocab():
         assert_close(got.logp, expected.logp, torch.float32, "logp")
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("k", [1, 8, 32, 40])
+def test_topk_logprobs_nan_ranks_first(dtype, k):
+    """NaN logits rank above every number, the lower id first (torch.sort's order, the CPU op's) and make their row's
+    logp NaN: a row with fewer than k numbers still gives k ids of the row, never the lists' padding, and the tree
+    built from them holds only ids of the vocabulary."""
+    gen = make_gen(13 + k)
+    vocab = 60001  # several segments per row
+    wide = torch.randn(1, 7, vocab + 1, generator=gen) * 3
+    logits = wide[..., 1:]  # rows start off 16-byte boundaries: element 0 is in the kernel's unaligned head
+    logits[0, 0] = float("nan")
+    logits[0, 1, [5, 700, 40000]] = float("nan")
+    logits[0, 2] = -float("inf")  # fewer numbers than k: two NaNs, one number
+    logits[0, 2, [9, 3]] = float("nan")
+    logits[0, 2, 11] = 1.0
+    logits[0, 3, vocab // 2 :] = -float("inf")  # a NaN in a part of the row that holds nothing else but -inf
+    logits[0, 3, vocab - 2] = float("nan")
+    logits[0, 4, 0] = float("nan")  # in the unaligned head
+    logits[0, 5, vocab - 1] = float("nan")  # the row's last element
+    logits = logits.to(dtype)  # row 6: numbers only
+    expected = ops.topk_logprobs(logits, k)
+    got = ops.topk_logprobs(logits.to(DEV), k)
+    assert torch.equal(got.tokens.cpu(), expected.tokens)
+    assert torch.equal(reference.topk_logprobs(logits, k).tokens, expected.tokens)
+    assert torch.equal(got.logp.isnan().cpu(), expected.logp.isnan())
+    assert got.logp[0, :6].isnan().all() and not got.logp[0, 6].isnan().any()
+    assert_close(got.logp[0, 6].cpu(), expected.logp[0, 6], torch.float32, "logp of the row without NaN")
+    tree = ops.build_tree(got.logp, got.tokens, torch.zeros(1, dtype=torch.long, device=DEV),
+                          torch.zeros(1, dtype=torch.long, device=DEV), 64)
+    real = tree.token[0, : int(tree.num_nodes[0])]
+    assert ((real >= 0) & (real < vocab)).all(), "a tree node holds an id outside the vocabulary"
+
+
 BUILD_CASES = [  # (batch, budget, depths, k)
     (1, 1, 4, 3),
     (2, 5, 3, 2),
