@@ -130,8 +130,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
 
     // Threshold: the K_CAP-th largest lane maximum (by rank key) per warp (lanes holding an element of the row).
     const bool holds = with_head || in_range(0, 0);
-    const unsigned lane_key = chunk_nan ? cuda::rank_key(NAN) : cuda::rank_key(chunk_max);
-    const unsigned warp_t = cuda::warp_kth_largest<K_CAP>(holds ? lane_key : 0u);
+    const unsigned warp_t = cuda::warp_kth_largest<K_CAP>(holds ? cuda::rank_key(chunk_nan ? NAN : chunk_max) : 0u);
     if (lane == 0) sm.warp_threshold[warp] = warp_t;
     __syncthreads();
     unsigned threshold = sm.list_id[cur][K_CAP - 1] != cuda::kNoId ? cuda::rank_key(sm.list_val[cur][K_CAP - 1]) : 0u;
@@ -269,7 +268,6 @@ __global__ void __launch_bounds__(kWarp) topk_merge_kernel(
     const float s2 = __shfl_xor_sync(kFullMask, total.s, off);
     total.merge(m2, s2);
   }
-  const float log_norm = logf(total.s);
   const float* vals = part_val + list * K_CAP;
   const int* ids = part_id + list * K_CAP;
   int pos = 0;
@@ -279,12 +277,12 @@ __global__ void __launch_bounds__(kWarp) topk_merge_kernel(
   unsigned next_hi = key_hi(1), next_lo = key_lo(1);
   // A NaN anywhere in the row heads its segment's list. The segments' sums may have skipped it (a segment
   // of NaN and -inf alone adds nothing), so it makes every logp NaN here, as the CPU op's sum does.
-  const float row_log_norm = cuda::warp_max_u32(hi) == cuda::rank_key(NAN) ? NAN : log_norm;
+  const float log_norm = cuda::warp_max_u32(hi) == cuda::rank_key(NAN) ? NAN : logf(total.s);
   for (int r = 0; r < k; ++r) {
     const unsigned max_hi = cuda::warp_max_u32(hi);
     const unsigned max_lo = cuda::warp_max_u32(hi == max_hi ? lo : 0u);
     if (hi == max_hi && lo == max_lo) {  // one lane: (value, id) pairs are unique within a row
-      logp[b * lp_sb + l * lp_sl + r * lp_sk] = (cuda::from_ordered_bits(max_hi) - total.m) - row_log_norm;
+      logp[b * lp_sb + l * lp_sl + r * lp_sk] = (cuda::from_ordered_bits(max_hi) - total.m) - log_norm;
       tokens[b * tk_sb + l * tk_sl + r * tk_sk] = static_cast<int>(~max_lo);
       ++pos;
       hi = next_hi;

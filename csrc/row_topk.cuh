@@ -18,7 +18,7 @@ namespace cuda {
 constexpr int kNoId = 0x7fffffff;
 
 // A float's bits mapped to an unsigned key with the float order (-0 and +0 share one key; NaNs sort
-// above +inf or below -inf by their sign bit: callers keep NaN out where it matters).
+// above +inf or below -inf by their sign bit: rank_key below orders them as the ops do).
 __device__ __forceinline__ uint32_t ordered_bits(float f) {
   uint32_t u = __float_as_uint(f);
   if (u == 0x80000000u) u = 0;
