@@ -19,8 +19,6 @@
 // order, so a draw can differ from the CPU op's only when uniform * total (or top_p * mass) lands
 // within double rounding (or expf's last-bit differences) of a cumulative boundary; the radix selects
 // sum top_p's masses in fixed point, a wider rounding (see there).
-#include <cooperative_groups.h>
-#include <cooperative_groups/reduce.h>
 
 #include "cuda_common.cuh"
 #include "ops.h"
@@ -29,7 +27,6 @@
 namespace ddtree {
 namespace {
 
-namespace cg = cooperative_groups;
 using cuda::kFullMask;
 using cuda::kWarp;
 
@@ -644,16 +641,44 @@ __device__ __forceinline__ bool in_radix_range(uint32_t key, uint32_t prefix, ui
   }
 }
 
+// A block's histogram keeps a bucket's sum as three 32-bit words of kPartBits-bit parts of the amounts: 32-bit
+// shared atomics are native, where a 64-bit add compiles to a compare-and-swap loop on sm_90 (which the lanes of a
+// warp adding to one bucket, and the block's warps, spin on). Each lane adds its own amount, without warp
+// aggregation: at level 0, where every key is in range, a warp's keys spread over many buckets, and aggregating
+// by bucket cost more than the atomics it saved (65 rows of 248320 on an H100, level-0 masses: 980 us with a match
+// and hardware reductions per group of lanes, 57.5 us like this; the cooperative-groups partition and 64-bit
+// atomic before took the whole select 442 us, this one 177: benchmarks/results/2026-12-05-h100-walk-sample-
+// histograms.md). The parts' sums are exact whatever the order (no word overflows, see kMaxHistSegment), so the
+// cut is the same on every run.
+constexpr int kPartBits = 17;
+// Elements a block may add: a low or middle word then sums less than 2^32. The top word takes amount >> 34 <=
+// 2^(29 - vocab_bits) (the mass select's unit leaves the vocabulary's size of headroom), at most 2^29 over the row.
+constexpr int64_t kMaxHistSegment = int64_t{1} << (32 - kPartBits);
+
+template <bool COUNT>
+__device__ __forceinline__ void add_to_bucket(unsigned* part0, unsigned* part1, unsigned* part2, unsigned digit,
+                                              unsigned long long amount) {
+  if constexpr (COUNT) {
+    atomicAdd(part0 + digit, 1u);  // every amount is 1
+  } else {
+    constexpr unsigned long long kMask = (1ull << kPartBits) - 1;
+    atomicAdd(part0 + digit, static_cast<unsigned>(amount & kMask));
+    const unsigned middle = static_cast<unsigned>(amount >> kPartBits & kMask);
+    const unsigned top = static_cast<unsigned>(amount >> (2 * kPartBits));
+    if (middle != 0) atomicAdd(part1 + digit, middle);
+    if (top != 0) atomicAdd(part2 + digit, top);
+  }
+}
+
 // Level LEVEL's histogram: one block per (node, row segment) of the reachable nodes, its segment's counts or
-// masses by digit in shared memory, then added into the node's global histogram (nonzero buckets only). The
-// keys crowd into a few dozen buckets (quarter octaves near the max), so the lanes of a warp that add to one
-// bucket sum first and one of them adds the sum: an atomic per bucket a warp, not per lane.
+// masses by digit in shared memory (add_to_bucket), then added into the node's global histogram (nonzero
+// buckets only).
 template <typename T, int LEVEL, bool COUNT>
 __global__ void __launch_bounds__(kSampleThreads) radix_histogram_kernel(const T* __restrict__ logits, int64_t lg_sb,
                                                                          int64_t lg_sn, SampleArgs a, DrawRowArgs d,
                                                                          RadixSelectArgs s, int64_t seg_len) {
   constexpr int kBuckets = radix_buckets(LEVEL);
-  __shared__ unsigned long long hist[kBuckets];
+  __shared__ unsigned part0[kBuckets], part1[kBuckets], part2[kBuckets];
   const int seg = blockIdx.x;
   const int64_t slot = blockIdx.y;
   const int depth = a.depth[slot];
@@ -664,29 +689,27 @@ __global__ void __launch_bounds__(kSampleThreads) radix_histogram_kernel(const T
   const int b = static_cast<int>(slot / a.num_nodes), i = static_cast<int>(slot % a.num_nodes);
   const int64_t start = seg * seg_len;  // < vocab: the launch makes ceil(vocab / seg_len) segments
   const int64_t len = start + seg_len < a.vocab ? seg_len : a.vocab - start;
-  for (int e = threadIdx.x; e < kBuckets; e += kSampleThreads) hist[e] = 0;
+  for (int e = threadIdx.x; e < kBuckets; e += kSampleThreads) part0[e] = part1[e] = part2[e] = 0;
   __syncthreads();
   const float m = COUNT ? 0.f : row_max_of_parts(d, slot), temperature = a.temperature, unit = s.unit;
   cuda::for_each_in_row<T, kSampleThreads>(logits + b * lg_sb + i * lg_sn + start, len, [&](float v, int64_t) {
     const float x = v / temperature;
     const uint32_t key = cuda::ordered_bits(x);
+    if (!in_radix_range<LEVEL>(key, prefix, floor_key)) return;  // first: past level 0, most keys are out
     unsigned long long amount = 1;  // a count select counts every element, NaN and -inf included
     if constexpr (!COUNT) {
       const float scaled = expf(x - m) * unit;  // <= 2^scale_bits (exact: unit is a power of 2); NaN for NaN x
       if (!(scaled >= 0.5f)) return;            // rounds to zero mass, or NaN: adds nothing
       amount = __float2ull_rn(scaled);
     }
-    if (!in_radix_range<LEVEL>(key, prefix, floor_key)) return;
-    const unsigned digit = (key >> radix_shift(LEVEL)) & (kBuckets - 1);
-    const cg::coalesced_group adding = cg::coalesced_threads();
-    const cg::coalesced_group same_bucket = cg::labeled_partition(adding, digit);
-    const unsigned long long sum = cg::reduce(same_bucket, amount, cg::plus<unsigned long long>());
-    if (same_bucket.thread_rank() == 0) atomicAdd(&hist[digit], sum);
+    add_to_bucket<COUNT>(part0, part1, part2, (key >> radix_shift(LEVEL)) & (kBuckets - 1), amount);
   });
   __syncthreads();
   unsigned long long* out = s.hist + slot * kRadixBuckets;
   for (int e = threadIdx.x; e < kBuckets; e += kSampleThreads) {
-    if (hist[e] != 0) atomicAdd(out + e, hist[e]);
+    const unsigned long long sum = part0[e] + (static_cast<unsigned long long>(part1[e]) << kPartBits) +
+                                   (static_cast<unsigned long long>(part2[e]) << (2 * kPartBits));
+    if (sum != 0) atomicAdd(out + e, sum);
   }
 }
 
@@ -781,6 +804,7 @@ void launch_sample_radix(const at::Tensor& logits, const SampleArgs& args, int64
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int64_t segments = std::max<int64_t>(1, cuda::ceil_div(kDrawBlocksPerSM * sms, std::max<int64_t>(rows, 1)));
   segments = std::min(segments, std::max<int64_t>(1, vocab / cuda::kMinRowSegment));
+  segments = std::max(segments, cuda::ceil_div(vocab, kMaxHistSegment));  // no block histogram's word overflows
   const int64_t seg_len = cuda::ceil_div(cuda::ceil_div(vocab, segments), 8) * 8;  // 16-byte aligned starts
   segments = cuda::ceil_div(vocab, seg_len);
   // Shape-dependent workspaces (never data-dependent): fine under CUDA graph capture (the zeroing is a
