@@ -30,8 +30,9 @@ using cuda::kWarp;
 // NaN logits rank above every number (rank_key: the CPU op's torch.sort order, lower id first among NaNs),
 // so the K ids are real ids of the row whatever it holds; a NaN makes the row's sum, and so every logp, NaN.
 // The block's lists and candidates hold rank keys, so a comparison is one integer compare, and the threshold test
-// is one float compare an element (rank keys of both sides of every comparison and of every element took 15 rows of
-// 248320 at K = 8 from 16.6 to 22.4 us on an H100).
+// is one float compare an element. 15 rows of 248320 at K = 8 on H100s (different machines): 16.6 us before NaN was
+// ranked, 22.4 with rank keys of both sides of every comparison and of every element, 19.8 like this
+// (benchmarks/results/2026-12-05-h100-walk-sample-histograms.md).
 
 constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / kWarp;

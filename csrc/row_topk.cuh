@@ -64,7 +64,7 @@ __device__ __forceinline__ uint32_t rank_key(float f) { return isnan(f) ? 0xffff
 constexpr uint32_t kNegInfKey = 0x007fffffu;
 
 // The lists below hold floats (numbers only: walk_sample's, whose tests drop NaN) or rank keys (the top-K's,
-// which keeps NaN). Lowest<V>: the padding's value.
+// which keeps NaN). lowest_value<V>: the padding's value.
 template <typename V>
 __device__ __forceinline__ V lowest_value() {
   if constexpr (std::is_same_v<V, float>) {
@@ -76,8 +76,9 @@ __device__ __forceinline__ V lowest_value() {
 
 // Whether (a, ia) ranks before (b, ib): the higher value (number or rank key) first, then the lower id. A strict
 // total order over pairs with distinct ids when no value is NaN. One compare of values: the sorted inserts run it
-// twice a slot, and the NaN-aware float compare (two rank keys a call) made walk_sample's top-k lists 3-5 x
-// slower (H100, 2026-12-05: 128 -> 368-636 us for 65 rows at top_k 20); rank keys order NaN instead.
+// twice a slot, and a NaN-aware float compare there (two rank keys a call, or float compares with NaN tests) made
+// walk_sample's top-k lists 3-5 x slower (H100s: 128 -> 368 and 636 us for 65 rows at top_k 20,
+// benchmarks/results/2026-12-05-h100-walk-sample-histograms.md); rank keys order NaN instead.
 template <typename V>
 __device__ __forceinline__ bool ranks_before(V a, int ia, V b, int ib) {
   return a > b || (a == b && ia < ib);
