@@ -371,6 +371,7 @@ class DFlashDraftModel(nn.Module):
         lm_head: Callable[[torch.Tensor], torch.Tensor],
         num_context: torch.Tensor | None = None,
         kv_len: int | None = None,
+        float32_logits: bool = True,
     ) -> torch.Tensor:
         """Append context rows to the cache and draft the block after the bonus token.
 
@@ -385,8 +386,11 @@ class DFlashDraftModel(nn.Module):
         kv_len: cache rows the attention reads, >= every row's cache.length + n + block_size and
             <= capacity. None reads the lengths from the device to pick it (and checks the capacity);
             give it (with num_context) for a call with no host read, e.g. under CUDA graph capture.
-        Returns float32 logits [B, block_size - 1, V] for positions cache.length + 1 ..
-        cache.length + block_size - 1. Runs with whatever grad mode the caller set.
+        float32_logits: False keeps a 16-bit LM head's logits in its dtype where the draft scales or caps none
+            (their float32 values are exactly these, converted): for a caller that only ranks them (the round's
+            top-K), without writing and reading a float32 copy of [B, block_size - 1, V].
+        Returns logits [B, block_size - 1, V] (float32, or see float32_logits) for positions
+        cache.length + 1 .. cache.length + block_size - 1. Runs with whatever grad mode the caller set.
         """
         where = "DFlashDraftModel.propose"
         if context_hidden.dim() != 3 or context_hidden.shape[1] < 1 or context_hidden.shape[2] != self.fc.in_features:
@@ -447,13 +451,15 @@ class DFlashDraftModel(nn.Module):
         prelude = _Prelude(fork, appended, block_rows, kv_slots, positions, rope, masks)
 
         with self._fusion.active():
-            logits = self._forward_block(context_hidden, bonus_token, cache, embed_tokens, lm_head, prelude, kv_len)
+            logits = self._forward_block(context_hidden, bonus_token, cache, embed_tokens, lm_head, prelude, kv_len,
+                                         float32_logits)
         # Only now the context rows count as appended: a call that raised before this line leaves the
         # cache as it was (the rows it wrote are scratch), so a retry does not append them twice.
         cache.length += appended
         return logits
 
-    def _forward_block(self, context_hidden, bonus_token, cache, embed_tokens, lm_head, prelude, kv_len) -> torch.Tensor:
+    def _forward_block(self, context_hidden, bonus_token, cache, embed_tokens, lm_head, prelude, kv_len,
+                       float32_logits=True) -> torch.Tensor:
         """The layers over the context rows and the block (propose's arguments; ``prelude``: what propose computed
         on its side stream); returns the logits."""
         batch, device, dtype = bonus_token.shape[0], self.fc.weight.device, self.fc.weight.dtype
@@ -461,13 +467,19 @@ class DFlashDraftModel(nn.Module):
         block_ids = bonus_token.new_full((batch, self.block_size), self.mask_token_id)
         block_ids[:, 0] = bonus_token
         embed_device = _callable_device(embed_tokens, device)
-        hidden = (embed_tokens(block_ids.to(embed_device)) * self.input_embedding_scale).to(device=device, dtype=dtype)
+        hidden = embed_tokens(block_ids.to(embed_device))
+        if self.input_embedding_scale != 1.0:  # a product by 1 is a copy: one launch a round for nothing
+            hidden = hidden * self.input_embedding_scale
+        hidden = hidden.to(device=device, dtype=dtype)
         normed = self.layers[0].input_layernorm(hidden)
         prelude.join()
         rope = prelude.rope if prelude.rope is not None else self.rotary_emb(hidden, prelude.positions)
         cos, sin = (t.unsqueeze(1) for t in rope)
         normed = self._run_layers(normed, hidden, context, cos, sin, cache, prelude, kv_len)
-        logits = lm_head(normed.to(_callable_device(lm_head, device))).float().to(device)
+        logits = lm_head(normed.to(_callable_device(lm_head, device)))
+        scaled = self.output_multiplier != 1.0 or self.final_logit_softcapping is not None
+        keep = not (float32_logits or scaled) and logits.dtype in (torch.float16, torch.bfloat16)
+        logits = (logits if keep else logits.float()).to(device)
         if self.output_multiplier != 1.0:
             logits = logits * self.output_multiplier
         if self.final_logit_softcapping is not None:

@@ -159,6 +159,7 @@ class DecodeRound:
                 lm_head=self.adapter.lm_head,
                 num_context=num_context,
                 kv_len=kv_len,
+                float32_logits=False,  # only ranked (topk_logprobs reads the head's dtype)
             )
 
     def _build(self) -> None:

@@ -233,6 +233,23 @@ def test_propose_shapes_and_dtypes(target):
     assert len(cache.keys) == 2 and cache.keys[0].shape == (3, 2, CAPACITY, 16)
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+def test_propose_logits_in_head_dtype(scaled):
+    """float32_logits=False: the LM head's own dtype, whose float32 values are the default call's exactly; a draft
+    that scales or caps its logits (in float32) still returns float32."""
+    target = make_tiny_target("qwen3", dtype=torch.bfloat16)
+    extra = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [0, 3], "output_multiplier": 0.4}} if scaled else {}
+    draft = make_tiny_draft(target, block_size=6, **extra)
+    context, bonus = random_context(draft, 2, 7).bfloat16(), random_bonus(2, 256)
+    with torch.no_grad():
+        default = draft.propose(context, bonus, draft.new_cache(2, capacity=CAPACITY), **propose_args(target))
+        kept = draft.propose(context, bonus, draft.new_cache(2, capacity=CAPACITY), float32_logits=False,
+                             **propose_args(target))
+    assert default.dtype == torch.float32
+    assert kept.dtype == (torch.float32 if scaled else torch.bfloat16)
+    assert torch.equal(kept.float(), default)
+
+
 @pytest.mark.parametrize(
     "context_shape,bonus,message",
     [
