@@ -31,8 +31,8 @@ from torch import nn
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    Fork, LayerFusion, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, ops_apply, rope_rows, rope_table,
-    rope_table_serves, rotary, stacked_outputs,
+    Fork, LayerFusion, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, norm_into, ops_apply, rope_rows,
+    rope_table, rope_table_serves, rotary, stacked_outputs,
 )
 from ddtree_ext.target import MAX_TREE_NODES
 
@@ -98,16 +98,19 @@ class DFlashAttention(nn.Module):
         """[B, S, hidden] -> [B, heads, S, head_dim]."""
         return proj(x).view(*x.shape[:-1], heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, block, context, cos, sin, cache_keys, cache_values, kv_slots, block_rows, kv_len, mask=None):
+    def forward(self, block, context, cos, sin, cache_keys, cache_values, kv_slots, block_rows, kv_len, mask=None,
+                rows=None):
         """block [B, S, hidden] (normed), context [B, T, hidden] (new context rows, maybe padded),
         cos/sin [B, 1, T + S, head_dim] at the rows' positions; cache_keys/values this layer's buffers;
         kv_slots [B, T + S] int64 the cache row (= position) of each context and block row, negative for a
         padding context row (not stored); block_rows [B, S] int64 the block's positions; mask this layer's
-        :meth:`mask` when the caller has it already (layers with one attention rule share it).
+        :meth:`mask` when the caller has it already (layers with one attention rule share it); rows the
+        [B, T + S, hidden] rows [context ; block] when the caller keeps them so (context and block its views),
+        else they are concatenated here.
         Writes the K/V of the context and the block, then attends over the first kv_len rows. Returns
         [B, S, hidden]."""
         ctx_len = context.shape[1]
-        kv_input = torch.cat([context, block], dim=1)
+        kv_input = torch.cat([context, block], dim=1) if rows is None else rows
         cos_all, sin_all = cos[:, 0], sin[:, 0]
         # With q/k/v stacked, one GEMM over every [context ; block] row where the context rows are no more than the
         # block's (a round's; not a prompt's): their queries are computed and dropped, a few rows more of a GEMM that
@@ -463,7 +466,18 @@ class DFlashDraftModel(nn.Module):
         """The layers over the context rows and the block (propose's arguments; ``prelude``: what propose computed
         on its side stream); returns the logits."""
         batch, device, dtype = bonus_token.shape[0], self.fc.weight.device, self.fc.weight.dtype
-        context = self.hidden_norm(self.fc(context_hidden.to(device=device, dtype=dtype)))
+        projected = self.fc(context_hidden.to(device=device, dtype=dtype))
+        ctx_len = projected.shape[1]
+        rows = None
+        if batch == 1 and not torch.is_grad_enabled():
+            # Every layer's K/V projection reads the rows [context ; block]: the norms write them into one buffer,
+            # where each layer would concatenate them (one launch a layer). Not under autograd, which keeps the
+            # first layer's input for its backward while the next norm overwrites the block's rows; at batch 1 only
+            # (the rounds'), where either part's rows are one stride apart, as the ops' outputs must be.
+            rows = projected.new_empty(batch, ctx_len + self.block_size, projected.shape[2])
+            context = norm_into(self.hidden_norm, projected, rows[:, :ctx_len])
+        else:
+            context = self.hidden_norm(projected)
         block_ids = bonus_token.new_full((batch, self.block_size), self.mask_token_id)
         block_ids[:, 0] = bonus_token
         embed_device = _callable_device(embed_tokens, device)
@@ -471,11 +485,12 @@ class DFlashDraftModel(nn.Module):
         if self.input_embedding_scale != 1.0:  # a product by 1 is a copy: one launch a round for nothing
             hidden = hidden * self.input_embedding_scale
         hidden = hidden.to(device=device, dtype=dtype)
-        normed = self.layers[0].input_layernorm(hidden)
+        first_norm = self.layers[0].input_layernorm
+        normed = first_norm(hidden) if rows is None else norm_into(first_norm, hidden, rows[:, ctx_len:])
         prelude.join()
         rope = prelude.rope if prelude.rope is not None else self.rotary_emb(hidden, prelude.positions)
         cos, sin = (t.unsqueeze(1) for t in rope)
-        normed = self._run_layers(normed, hidden, context, cos, sin, cache, prelude, kv_len)
+        normed = self._run_layers(normed, hidden, context, cos, sin, cache, prelude, kv_len, rows=rows)
         logits = lm_head(normed.to(_callable_device(lm_head, device)))
         scaled = self.output_multiplier != 1.0 or self.final_logit_softcapping is not None
         keep = not (float32_logits or scaled) and logits.dtype in (torch.float16, torch.bfloat16)
@@ -486,10 +501,11 @@ class DFlashDraftModel(nn.Module):
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
 
-    def _run_layers(self, normed, hidden, context, cos, sin, cache, prelude, kv_len) -> torch.Tensor:
+    def _run_layers(self, normed, hidden, context, cos, sin, cache, prelude, kv_len, rows=None) -> torch.Tensor:
         """The decoder layers and the final norm over the block's hidden states [B, S, hidden] (normed: their first
-        input norm; the other arguments: _forward_block's); returns the normed rows 1 .. S - 1 (row 0 is the bonus
-        token's: no logits).
+        input norm; rows: None, or the buffer [context ; normed] whose tail each layer's input norm is written to;
+        the other arguments: _forward_block's); returns the normed rows 1 .. S - 1 (row 0 is the bonus token's: no
+        logits).
 
         The layers' own forwards in turn, then the final norm, with two launches fewer per layer: each residual add
         runs fused into the norm after it (the next layer's input norm, the last one into the final norm; the same
@@ -499,10 +515,12 @@ class DFlashDraftModel(nn.Module):
             attn = layer.self_attn
             mask = prelude.masks[(attn.is_causal, attn.sliding_window)]
             out = attn(normed, context, cos, sin, cache.keys[i], cache.values[i], prelude.kv_slots, prelude.block_rows,
-                       kv_len, mask=mask)
+                       kv_len, mask=mask, rows=rows)
             normed, hidden = add_norm(layer.post_attention_layernorm, out, hidden)
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            normed, hidden = add_norm(next_norm, layer.mlp(normed), hidden)
+            last = i + 1 == len(self.layers)
+            next_norm = self.norm if last else self.layers[i + 1].input_layernorm
+            into = None if rows is None or last else rows[:, context.shape[1]:]
+            normed, hidden = add_norm(next_norm, layer.mlp(normed), hidden, out=into)
         return normed[:, 1:]
 
     @classmethod

@@ -485,31 +485,41 @@ def test_propose_matches_dense_reference(target, case):
     assert_close(actual, expected.float(), torch.float32, case)
 
 
-def _layers_one_by_one(self, normed, hidden, context, cos, sin, cache, prelude, kv_len):
-    """DFlashDraftModel._run_layers as the layers' own forwards in turn (each its own input norm and mask), then the
-    final norm."""
+def _layers_one_by_one(self, normed, hidden, context, cos, sin, cache, prelude, kv_len, rows=None):
+    """DFlashDraftModel._run_layers as the layers' own forwards in turn (each its own input norm and mask, its
+    [context ; block] rows concatenated), then the final norm."""
     for i, layer in enumerate(self.layers):
         hidden = layer(hidden, context, cos, sin, cache.keys[i], cache.values[i], prelude.kv_slots, prelude.block_rows,
                        kv_len)
     return self.norm(hidden[:, 1:])
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", ["sliding+full", "is_causal=True"])
-def test_propose_gives_its_layers_own_bits(target, case, dtype, monkeypatch):
-    """propose runs the layers with each residual add fused into the norm after it (ops.add_rms_norm) and one mask per
-    attention rule: the logits and the cache are the bits of the layers' own forwards run in turn, in both bf16 and
-    float32, over two calls (the second reads the first one's cache)."""
+def test_propose_gives_its_layers_own_bits(target, case, dtype, batch, monkeypatch):
+    """propose runs the layers with each residual add fused into the norm after it (ops.add_rms_norm), one mask per
+    attention rule and, at batch 1, the norms writing the rows [context ; block] into one buffer that every layer's
+    K/V projection reads (no concatenation a layer): the logits and the cache are the bits of the layers' own
+    forwards run in turn, in both bf16 and float32, over two calls (the second reads the first one's cache)."""
     from ddtree_ext import ops
-    from ddtree_ext.draft import DFlashDraftModel
+    from ddtree_ext.draft import DFlashAttention, DFlashDraftModel
 
     kw = {"sliding_window": 6, **ATTENTION_CASES[case]}
     draft = make_tiny_draft(target, seed=1, **kw).to(dtype)
     head = torch.nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=False).to(dtype)
     head.weight.data.copy_(target.get_output_embeddings().weight.to(dtype))
     embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.to(dtype))
-    context, bonus = random_context(draft, 2, 13, seed=2).to(dtype), random_bonus(2, 256, seed=2)
+    context, bonus = random_context(draft, batch, 13, seed=2).to(dtype), random_bonus(batch, 256, seed=2)
     calls = {"add_rms_norm": 0, "store_kv": 0}
+    rows_given = []
+    stock_attention = DFlashAttention.forward
+
+    def spied_attention(self, *args, rows=None, **kwargs):
+        rows_given.append(rows is not None)
+        return stock_attention(self, *args, rows=rows, **kwargs)
+
+    monkeypatch.setattr(DFlashAttention, "forward", spied_attention)
 
     def counted(name):
         stock = getattr(ops, name)
@@ -525,10 +535,13 @@ def test_propose_gives_its_layers_own_bits(target, case, dtype, monkeypatch):
     runs = []
     for run_layers in (DFlashDraftModel._run_layers, _layers_one_by_one):
         monkeypatch.setattr(DFlashDraftModel, "_run_layers", run_layers)
-        cache = draft.new_cache(2, capacity=CAPACITY)
+        cache = draft.new_cache(batch, capacity=CAPACITY)
         with torch.no_grad():
-            first = draft.propose(context[:, :9], random_bonus(2, 256, seed=9), cache, embed_tokens=embed, lm_head=head)
+            first = draft.propose(context[:, :9], random_bonus(batch, 256, seed=9), cache, embed_tokens=embed,
+                                  lm_head=head)
             runs.append((first, draft.propose(context[:, 9:], bonus, cache, embed_tokens=embed, lm_head=head), cache))
+    # The first run's layers (two calls): one buffer of rows at batch 1; the second run's concatenate.
+    assert rows_given == [batch == 1] * (2 * len(draft.layers)) + [False] * (2 * len(draft.layers))
     assert calls["add_rms_norm"] == 2 * 2 * len(draft.layers)  # two per layer and call, in the first run only
     assert calls["store_kv"] == 2 * 2 * len(draft.layers)  # one per layer and call (context and block), both runs
     (first_a, second_a, cache_a), (first_b, second_b, cache_b) = runs
