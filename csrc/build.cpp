@@ -114,7 +114,10 @@ void topk_logprobs_row(const scalar_t* logits, int64_t vocab, int64_t k, std::ve
       worst_first.replace_top(candidate);
     }
   }
-  const float log_sum = static_cast<float>(std::log(sum));
+  // A +inf logit makes log_softmax's sum inf - inf: NaN at every entry. The running sum above only sees that from a
+  // second +inf on (the first one restarts it at 1), so it is stated here.
+  const float log_sum = max == std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::quiet_NaN()
+                                                                      : static_cast<float>(std::log(sum));
   for (int64_t slot = k - 1; slot >= 0; --slot) {
     const Logit best = worst_first.pop();
     logp[slot * logp_stride] = (best.value - max) - log_sum;

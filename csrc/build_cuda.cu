@@ -343,8 +343,8 @@ void topk_by_sort(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens
   const auto x = raw.masked_fill(raw.isnan(), std::numeric_limits<float>::quiet_NaN()).masked_fill(raw == 0, 0.0);
   const auto order = std::get<1>(at::sort(x, /*stable=*/true, /*dim=*/-1, /*descending=*/true)).narrow(-1, 0, logp.size(2));
   tokens.copy_(order);
-  // A row holding +inf: log_softmax (the CPU op) makes every logp NaN (inf - inf in its sum), logsumexp only the
-  // infinities' (its +inf takes the numbers to -inf). The segment kernels' sums agree with log_softmax.
+  // A row holding +inf: log_softmax (the semantics; the CPU op and the segment kernels agree) makes every logp NaN
+  // (inf - inf in its sum), logsumexp only the infinities' (its +inf takes the numbers to -inf).
   const auto lse = at::logsumexp(x, -1, /*keepdim=*/true);
   logp.copy_(at::gather(x, -1, order) - lse.masked_fill(lse == std::numeric_limits<float>::infinity(),
                                                           std::numeric_limits<float>::quiet_NaN()));

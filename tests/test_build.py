@@ -83,6 +83,23 @@ def test_topk_matches_reference(vocab, k, kind, dtype):
     assert_logp_close(out.logp, expected.logp)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_topk_nonfinite_rows_match_log_softmax(dtype):
+    """Rows holding one +inf, several, +inf beside NaN, only -inf: the reference's tokens and log_softmax's NaN
+    pattern (one +inf makes every entry NaN, as two do)."""
+    logits = torch.randn(1, 5, 300, generator=seeded(11)).to(dtype)
+    logits[0, 0, 17] = float("inf")
+    logits[0, 1, [3, 250]] = float("inf")
+    logits[0, 2, 9], logits[0, 2, 40] = float("inf"), float("nan")
+    logits[0, 3] = -float("inf")  # row 4: numbers only
+    for k in (1, 8):
+        out = ops.topk_logprobs(logits, k)
+        expected = reference.topk_logprobs(logits, k)
+        assert torch.equal(out.tokens, expected.tokens)
+        assert torch.equal(out.logp.isnan(), expected.logp.isnan())
+        assert out.logp[0, :4].isnan().all() and not out.logp[0, 4].isnan().any()
+
+
 def test_topk_strided_views():
     """logits strided in B and L (last dim contiguous), outputs slices of larger buffers."""
     gen = seeded(7)

@@ -149,10 +149,10 @@ def test_topk_logprobs_nan_ranks_first(dtype, k):
     logp NaN: a row with fewer than k numbers still gives k ids of the row, never the lists' padding, and the tree
     built from them holds only ids of the vocabulary. A NaN's sign bit does not matter (CPU torch's float -> bfloat16
     conversion makes every NaN 0xffff, a negative NaN), and -0 ties +0. +inf (no NaN in its row) ranks first among
-    the numbers, lower id first."""
+    the numbers, lower id first, and makes every logp of its row NaN (log_softmax's inf - inf), one +inf as several."""
     gen = make_gen(13 + k)
     vocab = 60001  # several segments per row
-    wide = torch.randn(1, 9, vocab + 1, generator=gen) * 3
+    wide = torch.randn(1, 10, vocab + 1, generator=gen) * 3
     logits = wide[..., 1:]  # rows start off 16-byte boundaries: element 0 is in the kernel's unaligned head
     logits[0, 0] = float("nan")
     logits[0, 1, [5, 700, 40000]] = float("nan")
@@ -166,6 +166,7 @@ def test_topk_logprobs_nan_ranks_first(dtype, k):
     logits[0, 7] = -float("inf")  # zeros of both signs tie, the lower id first
     logits[0, 7, [30, 10, 20, 5]] = torch.tensor([-0.0, -0.0, 0.0, 1.0])
     logits[0, 8, [50000, 100, 30000]] = float("inf")  # +inf in three segments: the chunk sums go NaN without a NaN
+    logits[0, 9, 12345] = float("inf")  # one +inf (a single fp16 overflow, say)
     logits = logits.to(dtype)  # row 6: numbers only
     expected = ops.topk_logprobs(logits, k)
     got = ops.topk_logprobs(logits.to(DEV), k)
@@ -174,6 +175,7 @@ def test_topk_logprobs_nan_ranks_first(dtype, k):
     assert torch.equal(got.logp.isnan().cpu(), expected.logp.isnan())
     assert got.logp[0, :6].isnan().all() and not got.logp[0, 6:8].isnan().any()
     assert expected.tokens[0, 8, : min(k, 3)].tolist() == [100, 30000, 50000][:k]
+    assert expected.tokens[0, 9, 0] == 12345 and got.logp[0, 8:].isnan().all()
     assert_close(got.logp[0, 6].cpu(), expected.logp[0, 6], torch.float32, "logp of the row of numbers")
     finite = expected.logp[0, 7].isfinite()  # past the four numbers: -inf
     assert torch.equal(got.logp[0, 7].isfinite().cpu(), finite)
