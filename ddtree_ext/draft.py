@@ -31,8 +31,8 @@ from torch import nn
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    Fork, LayerFusion, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, norm_into, ops_apply, rope_rows,
-    rope_table, rope_table_serves, rotary, stacked_outputs,
+    Fork, LayerFusion, _plain_module, add_norm, fused_qk_norm_rope_store_kv, gqa_attention, norm_into, ops_apply,
+    rope_rows, rope_table, rope_table_serves, rotary, stacked_outputs,
 )
 from ddtree_ext.target import MAX_TREE_NODES
 
@@ -110,6 +110,9 @@ class DFlashAttention(nn.Module):
         Writes the K/V of the context and the block, then attends over the first kv_len rows. Returns
         [B, S, hidden]."""
         ctx_len = context.shape[1]
+        if rows is not None and rows.shape[1] != ctx_len + block.shape[1]:
+            raise ValueError(f"DFlashAttention: rows must hold the {ctx_len} context and {block.shape[1]} block rows, "
+                             f"got {rows.shape[1]}")
         kv_input = torch.cat([context, block], dim=1) if rows is None else rows
         cos_all, sin_all = cos[:, 0], sin[:, 0]
         # With q/k/v stacked, one GEMM over every [context ; block] row where the context rows are no more than the
@@ -469,11 +472,7 @@ class DFlashDraftModel(nn.Module):
         projected = self.fc(context_hidden.to(device=device, dtype=dtype))
         ctx_len = projected.shape[1]
         rows = None
-        if batch == 1 and not torch.is_grad_enabled():
-            # Every layer's K/V projection reads the rows [context ; block]: the norms write them into one buffer,
-            # where each layer would concatenate them (one launch a layer). Not under autograd, which keeps the
-            # first layer's input for its backward while the next norm overwrites the block's rows; at batch 1 only
-            # (the rounds'), where either part's rows are one stride apart, as the ops' outputs must be.
+        if self._one_rows_buffer(batch):
             rows = projected.new_empty(batch, ctx_len + self.block_size, projected.shape[2])
             context = norm_into(self.hidden_norm, projected, rows[:, :ctx_len])
         else:
@@ -500,6 +499,18 @@ class DFlashDraftModel(nn.Module):
         if self.final_logit_softcapping is not None:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
+
+    def _one_rows_buffer(self, batch: int) -> bool:
+        """Whether the norms write the rows [context ; block] that every layer's K/V projection reads into one buffer,
+        where each layer would concatenate them (one launch a layer): each layer's norm then overwrites the block's
+        rows that the layers before read. So not under autograd (which keeps those inputs for the backward), nor
+        with hooks on the attention or its projections (which see them, or may change them in place); and at batch 1
+        only (the rounds'), where either part's rows are one stride apart, as the ops' outputs must be."""
+        if batch != 1 or torch.is_grad_enabled():
+            return False
+        attentions = [layer.self_attn for layer in self.layers]
+        return all(_plain_module(module) for attn in attentions
+                   for module in (attn, attn.q_proj, attn.k_proj, attn.v_proj))
 
     def _run_layers(self, normed, hidden, context, cos, sin, cache, prelude, kv_len, rows=None) -> torch.Tensor:
         """The decoder layers and the final norm over the block's hidden states [B, S, hidden] (normed: their first

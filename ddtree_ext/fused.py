@@ -180,7 +180,8 @@ def add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor,
              out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(norm(residual + x), residual + x): ``ops.add_rms_norm`` for a recognised norm without hooks on tensors the ops
     take (same bits as the add, then the norm's fused forward), HF's two steps otherwise. ``out``: where the normed
-    rows go (rows of a bigger buffer, say), shaped like x; a new tensor if None."""
+    rows go (rows of a bigger buffer, say), shaped like x, its rows one stride apart (the op's rule) and not
+    overlapping x or residual; a new tensor if None."""
     params = _norm_params(norm) if fuse_residual_adds and _plain_module(norm) else None
     given = [] if out is None else [out]
     if params is None or x.shape != residual.shape or not ops_apply(x, residual, norm.weight, *given):
@@ -190,8 +191,9 @@ def add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor,
 
 
 def norm_into(norm: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """norm(x) written into ``out`` (rows of a bigger buffer, say; shaped like x) and returned: ``ops.rms_norm``
-    straight into it for a recognised norm without hooks on tensors the ops take, else the module and a copy."""
+    """norm(x) written into ``out`` (rows of a bigger buffer, say; shaped like x, its rows one stride apart, as the
+    op's outputs must be) and returned: ``ops.rms_norm`` straight into it for a recognised norm without hooks on
+    tensors the ops take, else the module and a copy."""
     params = _norm_params(norm) if _plain_module(norm) else None
     if params is None or not ops_apply(x, norm.weight, out):
         return out.copy_(norm(x))

@@ -233,21 +233,44 @@ def test_propose_shapes_and_dtypes(target):
     assert len(cache.keys) == 2 and cache.keys[0].shape == (3, 2, CAPACITY, 16)
 
 
-@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
-def test_propose_logits_in_head_dtype(scaled):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("scaling", [None, "output_multiplier", "final_logit_softcapping"])
+def test_propose_logits_in_head_dtype(scaling, dtype):
     """float32_logits=False: the LM head's own dtype, whose float32 values are the default call's exactly; a draft
     that scales or caps its logits (in float32) still returns float32."""
-    target = make_tiny_target("qwen3", dtype=torch.bfloat16)
-    extra = {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [0, 3], "output_multiplier": 0.4}} if scaled else {}
+    target = make_tiny_target("qwen3", dtype=dtype)
+    extra = {} if scaling is None else {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [0, 3], scaling: 0.4}}
     draft = make_tiny_draft(target, block_size=6, **extra)
-    context, bonus = random_context(draft, 2, 7).bfloat16(), random_bonus(2, 256)
+    context, bonus = random_context(draft, 1, 7).to(dtype), random_bonus(1, 256)
     with torch.no_grad():
-        default = draft.propose(context, bonus, draft.new_cache(2, capacity=CAPACITY), **propose_args(target))
-        kept = draft.propose(context, bonus, draft.new_cache(2, capacity=CAPACITY), float32_logits=False,
+        default = draft.propose(context, bonus, draft.new_cache(1, capacity=CAPACITY), **propose_args(target))
+        kept = draft.propose(context, bonus, draft.new_cache(1, capacity=CAPACITY), float32_logits=False,
                              **propose_args(target))
     assert default.dtype == torch.float32
-    assert kept.dtype == (torch.float32 if scaled else torch.bfloat16)
+    assert kept.dtype == (dtype if scaling is None else torch.float32)
     assert torch.equal(kept.float(), default)
+
+
+def test_hooked_projection_keeps_its_rows(target):
+    """At batch 1 the layers' [context ; block] rows live in one buffer that each layer's norm overwrites; a hook on
+    the attention's projections sees its input, so with one the layers concatenate their own rows: what the hook
+    kept is still the first layer's input after the call, and the logits are the same bits."""
+    draft = make_tiny_draft(target, seed=1)
+    context, bonus = random_context(draft, 1, 4, seed=2), random_bonus(1, 256, seed=2)
+    with torch.no_grad():
+        plain = draft.propose(context, bonus, draft.new_cache(1, capacity=CAPACITY), **propose_args(target))
+    kept = []
+    handle = draft.layers[0].self_attn.k_proj.register_forward_hook(
+        lambda module, args, output: kept.append((args[0], args[0].clone())))
+    with torch.no_grad():
+        try:
+            assert not draft._one_rows_buffer(1)
+            hooked = draft.propose(context, bonus, draft.new_cache(1, capacity=CAPACITY), **propose_args(target))
+        finally:
+            handle.remove()
+        assert draft._one_rows_buffer(1) and not draft._one_rows_buffer(2)
+    assert len(kept) == 1 and torch.equal(kept[0][0], kept[0][1])
+    assert torch.equal(hooked, plain)
 
 
 @pytest.mark.parametrize(
@@ -549,9 +572,10 @@ def test_propose_gives_its_layers_own_bits(target, case, dtype, batch, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(cache_a.keys + cache_a.values, cache_b.keys + cache_b.values))
 
 
+@pytest.mark.parametrize("batch", [1, 2])  # 1: the rounds' one buffer of [context ; block] rows
 @pytest.mark.parametrize("variant", ["fused-store", "store-apart", "padded-context"])
 @pytest.mark.parametrize("case", ["sliding+full", "scaled"])
-def test_stacked_draft_runs_one_gemm_and_one_norm_rope_per_layer(target, case, variant, monkeypatch):
+def test_stacked_draft_runs_one_gemm_and_one_norm_rope_per_layer(target, case, variant, batch, monkeypatch):
     """With its q/k/v stacked (``stack_projections``), a draft layer's attention over a round's context rows (no more
     than the block's) runs one GEMM over every [context ; block] row and one ``qk_norm_rope_store_kv`` launch (the
     context rows' queries computed and dropped), where the unstacked one runs three GEMMs, four norm and RoPE launches
@@ -569,30 +593,30 @@ def test_stacked_draft_runs_one_gemm_and_one_norm_rope_per_layer(target, case, v
     assert fused.stack_projections(stacked) == 2 * len(stacked.layers)
     block, layers = apart.block_size, len(apart.layers)
     assert 9 > block >= 4  # the first call's context is a prompt's, the second's a round's
-    context, bonus = random_context(apart, 2, 13, seed=2), random_bonus(2, 256, seed=2)
+    context, bonus = random_context(apart, batch, 13, seed=2), random_bonus(batch, 256, seed=2)
     calls, stores = [], []
     stock, stock_store = ops.qk_norm_rope_store_kv, ops.store_kv
     monkeypatch.setattr(ops, "qk_norm_rope_store_kv", lambda *a, **k: calls.append(a[0].shape) or stock(*a, **k))
     monkeypatch.setattr(ops, "store_kv", lambda *a, **k: stores.append(1) or stock_store(*a, **k))
     runs = []
     for draft in (apart, stacked):
-        cache = draft.new_cache(2, capacity=CAPACITY)
+        cache = draft.new_cache(batch, capacity=CAPACITY)
         with torch.no_grad():
-            draft.propose(context[:, :9], random_bonus(2, 256, seed=9), cache, **propose_args(target))
+            draft.propose(context[:, :9], random_bonus(batch, 256, seed=9), cache, **propose_args(target))
             assert not calls and len(stores) == layers  # the prompt's context: apart
             calls.clear()
             stores.clear()
             if variant == "padded-context":
-                rows = torch.randn(2, block, draft.context_hidden_size, generator=torch.Generator().manual_seed(3))
+                rows = torch.randn(batch, block, draft.context_hidden_size, generator=torch.Generator().manual_seed(3))
                 rows[:, :4] = context[:, 9:]
-                logits = draft.propose(rows, bonus, cache, num_context=torch.tensor([4, 4]), kv_len=13 + block,
+                logits = draft.propose(rows, bonus, cache, num_context=torch.tensor([4] * batch), kv_len=13 + block,
                                        **propose_args(target))
             else:
                 logits = draft.propose(context[:, 9:], bonus, cache, **propose_args(target))
         runs.append((logits, cache))
         one_launch = draft is stacked and variant != "store-apart"
         context_rows = block if variant == "padded-context" else 4
-        shape = (2, context_rows + block, draft.config.num_attention_heads, draft.config.head_dim)
+        shape = (batch, context_rows + block, draft.config.num_attention_heads, draft.config.head_dim)
         assert calls == ([shape] * layers if one_launch else [])
         assert len(stores) == (0 if one_launch else layers)
         calls.clear()
