@@ -32,7 +32,8 @@ using cuda::kWarp;
 // The block's lists and candidates hold rank keys, so a comparison is one integer compare, and the threshold test
 // is one float compare an element. 15 rows of 248320 at K = 8 on H100s (different machines): 16.6 us before NaN was
 // ranked, 22.4 with rank keys of both sides of every comparison and of every element, 19.8 like this
-// (benchmarks/results/2026-12-05-h100-walk-sample-histograms.md).
+// (benchmarks/results/2026-12-05-h100-walk-sample-histograms.md); in one call, 16.05 before and 19.79 like this, the
+// per-element NaN test not the cause (benchmarks/results/2026-12-05-h100-draft-logits-topk-inf.md).
 
 constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / kWarp;

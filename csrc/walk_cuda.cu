@@ -648,8 +648,8 @@ __device__ __forceinline__ bool in_radix_range(uint32_t key, uint32_t prefix, ui
 // by bucket cost more than the atomics it saved (65 rows of 248320, level-0 masses under Nsight Compute on two H100s:
 // 980 us with a match and hardware reductions per group of lanes, 57.5 us like this; against the cooperative-groups
 // partition and 64-bit atomic before, in one call, the whole top_p select took 177 us instead of 442:
-// benchmarks/results/2026-12-05-h100-walk-sample-histograms.md). The parts' sums are exact whatever the order (no word overflows, see kMaxHistSegment), so the
-// cut is the same on every run.
+// benchmarks/results/2026-12-05-h100-walk-sample-histograms.md). The parts' sums are exact whatever the order (no
+// word overflows, see kMaxHistSegment), so the cut is the same on every run.
 constexpr int kPartBits = 17;
 // Elements a block may add: a low or middle word then sums less than 2^32. The top word takes amount >> 34 <=
 // 2^(29 - vocab_bits) (the mass select's unit leaves the vocabulary's size of headroom), at most 2^29 over the row.
