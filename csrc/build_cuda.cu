@@ -64,6 +64,8 @@ __global__ void __launch_bounds__(kTopkThreads) topk_segment_kernel(
   constexpr int kPacks = kTopkPerThread / kVec;
   static_assert(kPacks * kVec == kTopkPerThread, "whole packs per thread");
   __shared__ TopkSegmentSmem<K_CAP> sm;
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
   const int row = blockIdx.x / segments, seg = blockIdx.x % segments;
   const int b = row / num_depths, l = row % num_depths;
@@ -265,6 +267,8 @@ __global__ void __launch_bounds__(kWarp) topk_merge_kernel(
     const float* __restrict__ part_val, const int* __restrict__ part_id, const float* __restrict__ part_stats,
     int num_depths, int segments, int k, float* __restrict__ logp, int64_t lp_sb, int64_t lp_sl, int64_t lp_sk,
     int64_t* __restrict__ tokens, int64_t tk_sb, int64_t tk_sl, int64_t tk_sk) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int lane = threadIdx.x;
   const int row = blockIdx.x, b = row / num_depths, l = row % num_depths;
   const bool live = lane < segments;
@@ -320,13 +324,13 @@ void launch_topk(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens)
   const at::Tensor part_val = at::empty({rows, segments, K_CAP}, f32);
   const at::Tensor part_id = at::empty({rows, segments, K_CAP}, logits.options().dtype(at::kInt));
   const at::Tensor part_stats = at::empty({rows, segments, 2}, f32);
-  const cudaStream_t stream = cuda::current_stream();
-  topk_segment_kernel<T, K_CAP><<<static_cast<unsigned>(rows * segments), kTopkThreads, 0, stream>>>(
+  cuda::launch_programmatic(
+      topk_segment_kernel<T, K_CAP>, dim3(static_cast<unsigned>(rows * segments)), dim3(kTopkThreads), 0,
       logits.data_ptr<T>(), logits.stride(0), logits.stride(1), vocab, static_cast<int>(depths),
       static_cast<int>(segments), static_cast<int>(chunks_per_segment), part_val.data_ptr<float>(),
       part_id.data_ptr<int>(), part_stats.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  topk_merge_kernel<K_CAP><<<static_cast<unsigned>(rows), kWarp, 0, stream>>>(
+  cuda::launch_programmatic(topk_merge_kernel<K_CAP>, dim3(static_cast<unsigned>(rows)), dim3(kWarp), 0,
       part_val.data_ptr<float>(), part_id.data_ptr<int>(), part_stats.data_ptr<float>(), static_cast<int>(depths),
       static_cast<int>(segments), static_cast<int>(logp.size(2)), logp.data_ptr<float>(), logp.stride(0),
       logp.stride(1), logp.stride(2), tokens.data_ptr<int64_t>(), tokens.stride(0), tokens.stride(1),
@@ -651,6 +655,8 @@ struct BuildArgs {
 template <int LIST_CAP>
 __global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(const BuildArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   constexpr bool kSlots = LIST_CAP == 0;
   const int n = a.budget + 1;
   const int words = (n + 63) / 64;
@@ -739,7 +745,8 @@ __global__ void __launch_bounds__(kBuildThreads) build_tree_kernel(const BuildAr
 template <int LIST_CAP>
 void launch_build_tree(const BuildArgs& args, int64_t bsz, size_t smem) {
   cuda::allow_dynamic_smem(build_tree_kernel<LIST_CAP>, smem);
-  build_tree_kernel<LIST_CAP><<<static_cast<unsigned>(bsz), kBuildThreads, smem, cuda::current_stream()>>>(args);
+  cuda::launch_programmatic(build_tree_kernel<LIST_CAP>, dim3(static_cast<unsigned>(bsz)), dim3(kBuildThreads), smem,
+                            args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -764,6 +771,8 @@ __global__ void __launch_bounds__(kMaskThreads) tree_attention_mask_kernel(
     const int64_t* __restrict__ prefix_len, int64_t pl_s, int num_nodes, T* __restrict__ mask, int64_t m_sb,
     int64_t m_sn, int64_t m_ss, int64_t kv_len) {
   extern __shared__ uint64_t anc_words[];
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int b = blockIdx.x / num_nodes, i = blockIdx.x % num_nodes;
   for (int w = threadIdx.x; w < words; w += blockDim.x) {
     anc_words[w] = static_cast<uint64_t>(ancestor_mask[b * am_sb + i * am_sn + w * am_sw]);
@@ -799,7 +808,7 @@ void launch_tree_attention_mask(const at::Tensor& ancestor_mask, const at::Tenso
   const int64_t bsz = ancestor_mask.size(0), n = ancestor_mask.size(1), words = ancestor_mask.size(2);
   const unsigned blocks = static_cast<unsigned>(bsz * n);
   if (blocks == 0 || mask.size(3) == 0) return;
-  tree_attention_mask_kernel<T><<<blocks, kMaskThreads, sizeof(uint64_t) * words, cuda::current_stream()>>>(
+  cuda::launch_programmatic(tree_attention_mask_kernel<T>, dim3(blocks), dim3(kMaskThreads), sizeof(uint64_t) * words,
       ancestor_mask.data_ptr<int64_t>(), ancestor_mask.stride(0), ancestor_mask.stride(1), ancestor_mask.stride(2),
       static_cast<int>(words), prefix_len.data_ptr<int64_t>(), prefix_len.stride(0), static_cast<int>(n),
       reinterpret_cast<T*>(mask.data_ptr()), mask.stride(0), mask.stride(2), mask.stride(3), mask.size(3));

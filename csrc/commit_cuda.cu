@@ -109,6 +109,8 @@ __global__ void __launch_bounds__(kCommitGdnThreads) commit_gdn_state_kernel(
     LayerTable<float> state, LayerTable<const float> stash_u, LayerTable<const float> stash_k,
     LayerTable<const float> stash_cumg, GdnStrides s, Path path, int row_tiles) {
   extern __shared__ __align__(16) float smem[];
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int layer = blockIdx.z, b = blockIdx.y, tid = threadIdx.x;
   const int hv = blockIdx.x / row_tiles, k0 = (blockIdx.x % row_tiles) * kCommitGdnRows;
   const int h = hv / (s.value_heads / s.heads);
@@ -230,6 +232,8 @@ template <typename T>
 __global__ void __launch_bounds__(kCommitConvThreads) commit_conv_state_kernel(LayerTable<T> conv_state,
                                                                              LayerTable<const T> x, ConvStrides s,
                                                                              Path path) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int layer = blockIdx.z, b = blockIdx.y;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kCommitConvThreads + threadIdx.x;
   if (c >= s.channels) return;
@@ -264,6 +268,8 @@ __global__ void __launch_bounds__(kCommitKvThreads) commit_kv_kernel(LayerTable<
                                                                    const int64_t* __restrict__ prefix_len,
                                                                    int64_t pl_s, Path path, int chunks) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   T* staged = reinterpret_cast<T*>(smem_raw);  // [len][chunk]
   const int tensor = blockIdx.z, b = blockIdx.y;
   const int h = blockIdx.x / chunks;
@@ -301,6 +307,8 @@ __global__ void __launch_bounds__(kGatherThreads) gather_rows_kernel(const T* __
                                                                     int64_t src_sn, int num_nodes, Path path,
                                                                     int64_t features, T* __restrict__ out,
                                                                     int64_t out_sb, int64_t out_sd) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int b = blockIdx.x / path.max_len, d = blockIdx.x % path.max_len;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kGatherThreads + threadIdx.x) * VEC;
   if (c >= features) return;
@@ -389,7 +397,7 @@ void commit_gdn_state_cuda(at::TensorList state, at::TensorList stash_u, at::Ten
         for (int64_t l = first; l < first + count; ++l) packed = packed && cuda::is_aligned(state[l].data_ptr(), 16);
         auto launch = [&](auto kernel) {
           cuda::allow_dynamic_smem(kernel, smem);
-          kernel<<<grid, kCommitGdnThreads, smem, cuda::current_stream()>>>(
+          cuda::launch_programmatic(kernel, grid, dim3(kCommitGdnThreads), smem,
               table_of<float>(state, first, count), table_of<const float>(stash_u, first, count),
               table_of<const float>(stash_k, first, count), table_of<const float>(stash_cumg, first, count), s,
               path_of(accepted, accept_len), row_tiles);
@@ -422,7 +430,7 @@ void commit_conv_state_cuda(at::TensorList conv_state, at::TensorList x, const a
         // A pure copy: moved as words of the element size (x has conv_state's dtype).
         dispatch_element_size(cs, [&](auto word) {
           using T = decltype(word);
-          commit_conv_state_kernel<T><<<grid, kCommitConvThreads, 0, cuda::current_stream()>>>(
+          cuda::launch_programmatic(commit_conv_state_kernel<T>, grid, dim3(kCommitConvThreads), 0,
               table_of<T>(conv_state, first, count), table_of<const T>(x, first, count), s,
               path_of(accepted, accept_len));
           C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -465,9 +473,9 @@ void commit_kv_cuda(at::TensorList cache, const at::Tensor& prefix_len, const at
                             static_cast<unsigned>(count));
             auto kernel = commit_kv_kernel<T, kVec>;
             cuda::allow_dynamic_smem(kernel, smem);
-            kernel<<<grid, kCommitKvThreads, smem, cuda::current_stream()>>>(
-                table_of<T>(cache, first, count), s, prefix_len.data_ptr<int64_t>(), prefix_len.stride(0),
-                path_of(accepted, accept_len), chunks);
+            cuda::launch_programmatic(kernel, grid, dim3(kCommitKvThreads), smem, table_of<T>(cache, first, count), s,
+                                      prefix_len.data_ptr<int64_t>(), prefix_len.stride(0),
+                                      path_of(accepted, accept_len), chunks);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           });
         });
@@ -489,7 +497,7 @@ void gather_rows_cuda(const at::Tensor& src, const at::Tensor& accepted, const a
                         constexpr int kVec = decltype(vec_c)::value;
                         const dim3 grid(static_cast<unsigned>(bsz * max_len),
                                         static_cast<unsigned>(cuda::ceil_div(features, kGatherThreads * kVec)));
-                        gather_rows_kernel<T, kVec><<<grid, kGatherThreads, 0, cuda::current_stream()>>>(
+                        cuda::launch_programmatic(gather_rows_kernel<T, kVec>, grid, dim3(kGatherThreads), 0,
                             reinterpret_cast<const T*>(src.data_ptr()), src.stride(0), src.stride(1),
                             static_cast<int>(n), path_of(accepted, accept_len), features,
                             reinterpret_cast<T*>(out.data_ptr()), out.stride(0), out.stride(1));

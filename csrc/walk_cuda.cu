@@ -73,6 +73,8 @@ WalkOut walk_out_of(at::Tensor& accepted, at::Tensor& accept_len, at::Tensor& ne
 __global__ void __launch_bounds__(kWalkThreads) walk_tree_kernel(TreeLinks tree, const int64_t* __restrict__ target,
                                                                  int64_t tg_sb, int64_t tg_sn, WalkOut out) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int n = tree.num_nodes;
   int64_t* token = reinterpret_cast<int64_t*>(smem_raw);  // [N]
   int64_t* want = token + n;                               // [N] the target's token at each node
@@ -124,8 +126,8 @@ void launch_walk(const TreeLinks& tree, const at::Tensor& target, const WalkOut&
   TORCH_CHECK_VALUE(smem <= cuda::max_dynamic_smem(), "walk: trees of ", n,
                     " nodes need more shared memory than this GPU offers");
   cuda::allow_dynamic_smem(walk_tree_kernel, smem);
-  walk_tree_kernel<<<static_cast<unsigned>(bsz), kWalkThreads, smem, cuda::current_stream()>>>(
-      tree, target.data_ptr<int64_t>(), target.stride(0), target.stride(1), out);
+  cuda::launch_programmatic(walk_tree_kernel, dim3(static_cast<unsigned>(bsz)), dim3(kWalkThreads), smem, tree,
+                            target.data_ptr<int64_t>(), target.stride(0), target.stride(1), out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -157,6 +159,8 @@ __global__ void __launch_bounds__(kArgmaxThreads) row_argmax_segment_kernel(
     uint64_t* __restrict__ part, int64_t* __restrict__ out) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   __shared__ uint64_t warp_key[kArgmaxThreads / kWarp];
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int64_t row = blockIdx.x / segments;
   const int seg = blockIdx.x % segments;
   const int64_t start = seg * seg_len;
@@ -214,6 +218,8 @@ __global__ void __launch_bounds__(kArgmaxThreads) row_argmax_segment_kernel(
 // One warp per row over its segments' keys (at most 32).
 __global__ void __launch_bounds__(kWarp * 8) row_argmax_merge_kernel(const uint64_t* __restrict__ part, int64_t rows,
                                                                     int segments, int64_t* __restrict__ out) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();  // launched as a programmatic dependent: nothing read or written before
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= rows) return;
@@ -1012,19 +1018,18 @@ void row_argmax_cuda(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), n = x.size(1);
   if (rows == 0) return;
   const auto [segments, seg_len] = cuda::split_rows(rows, n);
-  const cudaStream_t stream = cuda::current_stream();
   // A shape-dependent workspace (never data-dependent): fine under CUDA graph capture.
   const at::Tensor part = at::empty({segments > 1 ? rows * segments : 0}, x.options().dtype(at::kLong));
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "row_argmax", [&] {
-    row_argmax_segment_kernel<scalar_t><<<static_cast<unsigned>(rows * segments), kArgmaxThreads, 0, stream>>>(
-        x.data_ptr<scalar_t>(), x.stride(0), n, static_cast<int>(segments), seg_len,
+    cuda::launch_programmatic(row_argmax_segment_kernel<scalar_t>, dim3(static_cast<unsigned>(rows * segments)),
+        dim3(kArgmaxThreads), 0, x.data_ptr<scalar_t>(), x.stride(0), n, static_cast<int>(segments), seg_len,
         reinterpret_cast<uint64_t*>(part.data_ptr<int64_t>()), out.data_ptr<int64_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (segments > 1) {
-    row_argmax_merge_kernel<<<static_cast<unsigned>(cuda::ceil_div(rows, int64_t{8})), kWarp * 8, 0, stream>>>(
-        reinterpret_cast<const uint64_t*>(part.data_ptr<int64_t>()), rows, static_cast<int>(segments),
-        out.data_ptr<int64_t>());
+    cuda::launch_programmatic(row_argmax_merge_kernel, dim3(static_cast<unsigned>(cuda::ceil_div(rows, int64_t{8}))),
+                              dim3(kWarp * 8), 0, reinterpret_cast<const uint64_t*>(part.data_ptr<int64_t>()), rows,
+                              static_cast<int>(segments), out.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -107,6 +107,8 @@ class TargetState:
     rope: (cos, sin) [capacity, rotary dim] in the model dtype on the rotary embedding's device, its output at every
     slot's position (row = position), which a verify gathers instead of recomputing it; None where the RoPE depends
     on more than the position (see ``fused.rope_table``).
+    node_ids: 0 .. MAX_TREE_NODES - 1 (int64, on the adapter's device), the node offsets a verify adds to prefix_len
+    for its cache slots (made once: an arange is a launch on a round's critical path).
     """
 
     capacity: int
@@ -118,6 +120,7 @@ class TargetState:
     recurrent: Dict[int, torch.Tensor]
     pending: Optional[_VerifyStash] = None
     rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    node_ids: Optional[torch.Tensor] = None
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         """Every committed-state tensor by name (keys3, conv0, ...): what tests compare and snapshot."""
@@ -344,6 +347,7 @@ class TargetAdapter:
             prefix_len=torch.zeros(batch_size, dtype=torch.int64, device=self.device),
             layer_devices=devices,
             keys={}, values={}, conv={}, recurrent={},
+            node_ids=torch.arange(MAX_TREE_NODES, device=self.device),
         )
         for i in self.attention_layer_ids:
             # Zeros, not garbage: masked-out slots are still read by the attention kernel, and a NaN
@@ -442,8 +446,7 @@ class TargetAdapter:
         mask = _ops.tree_attention_mask(tree.ancestor_mask, state.prefix_len, kv_len, dtype=self._mask_dtype)
         masks = {_FULL_ATTENTION: mask, _LINEAR_ATTENTION: None}
         devices = set(state.layer_devices)
-        nodes = torch.arange(num_nodes, device=self.device)
-        slots = (state.prefix_len[0] + nodes).to(torch.int64)
+        slots = state.prefix_len[0] + state.node_ids[:num_nodes]
         slots_by_device = {d: slots.to(d) for d in devices}
         parent_by_device = {d: tree.parent.to(d) for d in devices}
         stash = _VerifyStash(num_nodes)
