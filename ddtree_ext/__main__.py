@@ -96,36 +96,27 @@ def main(argv=None) -> int:
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         gen.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.device is not None:
-        problem = _device_problem(args.device)
+        from ddtree_ext.draft import device_problem
+
+        problem = device_problem(args.device)
         if problem:
             gen.error(f"--device {args.device}: {problem}")
+    if args.target is not None and not args.prompt:
+        gen.error("--prompt must not be empty")
     if args.tune_gemms:
         from ddtree_ext import gemm_tuning
 
         gemm_tuning.enabled = True
     try:
+        if args.target is not None:  # what needs no model is checked before loading one (seconds to minutes)
+            from ddtree_ext.generate import _check_numbers
+
+            _check_numbers(args.method, args.budget, args.temperature, args.top_k, args.top_p, args.seed,
+                           DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
+                           draft_top_k=8)  # generate()'s default: the command line does not set it
         return _demo(args) if args.target is None else _generate(args)
     except ValueError as e:  # generate()'s argument checks: a usage error, not a crash
         gen.error(str(e))
-
-
-def _device_problem(name: str) -> str:
-    """Why the models cannot run on device ``name`` ("" if they can)."""
-    import torch
-
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        return "not a device name (e.g. cpu, cuda, cuda:1)"
-    if device.type == "cpu":
-        return ""
-    if device.type != "cuda":
-        return "the models run on a CPU or a CUDA GPU"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is available to this torch"
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        return f"this machine has {torch.cuda.device_count()} CUDA GPU(s)"
-    return ""
 
 
 def _generate(args) -> int:
@@ -206,7 +197,9 @@ def _demo(args) -> int:
     )
     print(f"prompt: {prompt[0].tolist()}")
     outputs = {}
-    for method in ("autoregressive", "dflash", "ddtree"):
+    # DDTree first: it takes every option the other two take and more (the budget, the tree's reach), so a bad one
+    # stops the demo before any generation, not after two.
+    for method in ("ddtree", "dflash", "autoregressive"):
         ids, stats = generate(
             target, draft, prompt, new_tokens, method=method, tree_budget=args.budget, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=seed, return_stats=True,

@@ -39,6 +39,8 @@ from ddtree_ext.target import MAX_TREE_NODES
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 _CHECKPOINT_PREFIX = "model."  # some exporters prefix every weight name; accepted and stripped
+# The dtypes a draft can be loaded in: those of the targets generate() runs (the tree ops take the first three).
+DRAFT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _draft_value(config, name: str, default=None):
@@ -542,14 +544,20 @@ class DFlashDraftModel(nn.Module):
         ``model.safetensors.index.json``. ``path`` is a local directory; anything else is fetched with
         ``huggingface_hub.snapshot_download``. ``dtype``: a floating torch dtype or its name (``"bfloat16"``), or
         None / ``"auto"``: the config's ``dtype``, else the dtype the weights are stored in; ``device`` defaults to
-        the CPU. Every expected weight must be present and no other (ValueError listing them)."""
+        the CPU. Every expected weight must be present and no other (ValueError listing them). Bad arguments (a path
+        that is neither a directory nor a Hub checkpoint, a dtype the ops do not take, a device this torch cannot
+        use) raise ValueError naming them before any weight is read."""
+        where = "DFlashDraftModel.from_pretrained"
         dtype = _dtype_argument(dtype)
-        directory = os.fspath(path)
-        if not os.path.isdir(directory):
-            from huggingface_hub import snapshot_download
-
-            directory = snapshot_download(directory, allow_patterns=["*.json", "*.safetensors"])
-        with open(os.path.join(directory, "config.json")) as f:
+        if device is not None:
+            problem = device_problem(device)
+            if problem:
+                raise ValueError(f"{where}: device {device!r}: {problem}")
+        directory = _checkpoint_directory(path)
+        config_file = os.path.join(directory, "config.json")
+        if not os.path.isfile(config_file):
+            raise ValueError(f"{where}: path: no config.json in {directory}")
+        with open(config_file) as f:
             raw = json.load(f)
         if "DFlash2DraftModel" in (raw.get("architectures") or ()):
             raise ValueError(
@@ -587,6 +595,50 @@ class DFlashDraftModel(nn.Module):
         return model.eval()
 
 
+def device_problem(device) -> str:
+    """Why the models cannot run on ``device`` (a torch.device, its name or a CUDA index), or "" if they can: the ops
+    run on a CPU or a CUDA GPU that this torch can use."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        return "not a device (e.g. 'cpu', 'cuda', 'cuda:1')"
+    if device.type == "cpu":
+        return ""
+    if device.type != "cuda":
+        return "the models run on a CPU or a CUDA GPU"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available to this torch"
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA GPU(s)"
+    return ""
+
+
+def _checkpoint_directory(path) -> str:
+    """from_pretrained's path as a local directory: the path itself, or a Hugging Face Hub id downloaded (only its
+    JSON and safetensors files). A path that names no directory here and cannot be a Hub id is refused."""
+    where = "DFlashDraftModel.from_pretrained"
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{where}: path must be a directory or a Hugging Face Hub id (str or os.PathLike), got "
+                         f"{type(path).__name__}")
+    directory = os.fspath(path)
+    if os.path.isdir(directory):
+        return directory
+    if os.path.exists(directory):
+        raise ValueError(f"{where}: path {directory!r} is a file; give the checkpoint's directory")
+    # A Hub id is "name" or "namespace/name": anything else (absolute, ./, ~, more separators) meant a local folder.
+    parts = directory.split("/")
+    local = os.path.isabs(directory) or directory.startswith((".", "~")) or "\\" in directory
+    if local or len(parts) > 2 or "" in parts:
+        raise ValueError(f"{where}: path {directory!r}: no such directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(directory, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as e:  # the Hub's own errors vary (unknown repo, offline, no network): name the argument
+        raise ValueError(f"{where}: path {directory!r} is not a local directory, and no checkpoint of that id came "
+                         f"from the Hugging Face Hub ({type(e).__name__}: {e})") from e
+
+
 def _config_dtype(config) -> torch.dtype | None:
     """The dtype a config.json declares (transformers reads older files' ``torch_dtype`` into it)."""
     declared = getattr(config, "dtype", None)
@@ -601,9 +653,10 @@ def _dtype_argument(dtype) -> Optional[torch.dtype]:
     if dtype is None or dtype == "auto":
         return None
     value = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+    if value not in DRAFT_DTYPES:
         raise ValueError(
-            "DFlashDraftModel.from_pretrained: dtype must be None, 'auto', a floating torch.dtype or its name "
+            "DFlashDraftModel.from_pretrained: dtype must be None, 'auto', or one of "
+            f"{', '.join(str(t).removeprefix('torch.') for t in DRAFT_DTYPES)} as a torch.dtype or its name "
             f"(e.g. torch.bfloat16 or 'bfloat16'), got {dtype!r}"
         )
     return value

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import threading
 import time
 import warnings
@@ -199,6 +200,8 @@ def generate(
     """
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine,
                    return_stats, streamer)
+    max_new_tokens, tree_budget, temperature, top_k, top_p, seed, draft_top_k = map(
+        _plain, (max_new_tokens, tree_budget, temperature, top_k, top_p, seed, draft_top_k))
     eos = _eos_set(eos_token_id)
     if method == "autoregressive":
         draft = None  # a draft passed along is not used, so not checked or held either
@@ -501,18 +504,33 @@ class _StageClock:
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """A Python or NumPy integer, not a bool (True would otherwise pass as 1)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_number(x) -> bool:
-    """An int or float, not a bool (True would otherwise pass as 1)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A Python or NumPy int or float, not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _check_options(
-    method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine, return_stats,
-    streamer,
-) -> None:
+def _is_finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _plain(x):
+    """A checked number as a Python int or float (NumPy scalars pass the checks); anything else as it is."""
+    if _is_int(x):
+        return int(x)
+    if _is_number(x):
+        return float(x)
+    return x
+
+
+def _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft_top_k) -> None:
+    """The options that need no model: the command line checks them before it loads one."""
     if method not in METHODS:
         raise ValueError(f"generate: method must be one of {METHODS}, got {method!r}")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -522,7 +540,7 @@ def _check_options(
             raise ValueError(f"generate: tree_budget must be an int in 1..{MAX_TREE_BUDGET}, got {tree_budget!r}")
         if not _is_int(draft_top_k) or draft_top_k < 1:
             raise ValueError(f"generate: draft_top_k must be an int >= 1, got {draft_top_k!r}")
-    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+    if not _is_number(temperature) or not _is_finite(temperature) or temperature < 0:
         raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
     if 0 < temperature < MIN_TEMPERATURE:
         raise ValueError(
@@ -533,6 +551,13 @@ def _check_options(
         raise ValueError(f"generate: top_p must be None or in (0, 1], got {top_p!r}")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
         raise ValueError(f"generate: seed must be None or an int in [0, 2**64), got {seed!r}")
+
+
+def _check_options(
+    method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine, return_stats,
+    streamer,
+) -> None:
+    _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft_top_k)
     if not isinstance(spine, bool):
         raise ValueError(f"generate: spine must be a bool, got {spine!r}")
     if not isinstance(return_stats, bool):
@@ -646,4 +671,4 @@ def _eos_set(eos_token_id) -> frozenset:
         ids = list(ids)  # a one-shot iterable is read once, here
     if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids):
         raise ValueError(f"generate: eos_token_id must be an int >= 0 or a list of them, got {eos_token_id!r}")
-    return frozenset(ids)
+    return frozenset(int(i) for i in ids)

@@ -105,8 +105,8 @@ def test_from_pretrained_dtype(target, tmp_path):
     assert DFlashDraftModel.from_pretrained(tmp_path, dtype="auto").fc.weight.dtype == torch.bfloat16
     assert DFlashDraftModel.from_pretrained(tmp_path, dtype="float16").fc.weight.dtype == torch.float16
     assert DFlashDraftModel.from_pretrained(tmp_path, dtype="torch.float32").fc.weight.dtype == torch.float32
-    for bad in (torch.int8, "int8", "fp8", 16):
-        with pytest.raises(ValueError, match="from_pretrained: dtype must be None, 'auto', a floating torch.dtype"):
+    for bad in (torch.int8, "int8", "fp8", 16, torch.float8_e4m3fn, "float8_e4m3fn", torch.complex64):
+        with pytest.raises(ValueError, match="from_pretrained: dtype must be None, 'auto', or one of bfloat16"):
             DFlashDraftModel.from_pretrained(tmp_path, dtype=bad)
     target_bf16 = make_tiny_target("qwen3", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -146,6 +146,54 @@ def test_from_pretrained_rejects_dflash2(target, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["DFlash2DraftModel"]}))
     with pytest.raises(ValueError, match="DFlash2"):
         DFlashDraftModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        (None, " must be a directory or a Hugging Face Hub id"),
+        (3, " must be a directory or a Hugging Face Hub id"),
+        ("./no/such/checkpoint", "no such directory"),
+        ("{tmp}/missing", "no such directory"),
+        ("a/b/c", "no such directory"),
+        ("{tmp}/model.safetensors", "is a file; give the checkpoint's directory"),
+    ],
+)
+def test_from_pretrained_refuses_paths(target, tmp_path, path, message):
+    """A path that is no directory here and cannot be a Hub id names the argument; nothing goes to the Hub."""
+    save_zlab_checkpoint(make_tiny_draft(target), tmp_path)
+    if isinstance(path, str):
+        path = path.format(tmp=tmp_path)
+    with pytest.raises(ValueError, match=f"from_pretrained: path.*{message}"):
+        DFlashDraftModel.from_pretrained(path)
+
+
+def test_from_pretrained_without_config(target, tmp_path):
+    save_zlab_checkpoint(make_tiny_draft(target), tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ValueError, match="from_pretrained: path: no config.json in"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_hub_failure_names_the_path(target, monkeypatch):
+    """A Hub id that the Hub does not give (unknown, or no network) is a ValueError naming the path, with the cause."""
+    import huggingface_hub
+
+    def refuse(repo_id, **kwargs):
+        raise OSError(f"no repo {repo_id}")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    with pytest.raises(ValueError, match=r"path 'nobody/nothing' is not a local directory.*OSError: no repo"):
+        DFlashDraftModel.from_pretrained("nobody/nothing")
+
+
+@pytest.mark.parametrize("device", ["gpu", 3.5, "mps", "cuda:99" if torch.cuda.is_available() else "cuda"])
+def test_from_pretrained_refuses_devices(target, tmp_path, device):
+    """A device the models cannot use is refused before any weight is read."""
+    save_zlab_checkpoint(make_tiny_draft(target), tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")  # reading it would fail differently
+    with pytest.raises(ValueError, match=f"from_pretrained: device {device!r}: "):
+        DFlashDraftModel.from_pretrained(tmp_path, device=device)
 
 
 def test_from_pretrained_without_weights(target, tmp_path):

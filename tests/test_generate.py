@@ -15,6 +15,7 @@ import math
 import threading
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -589,6 +590,9 @@ BAD_INPUTS = [
     ("temperature", dict(temperature=-0.5)),
     ("temperature", dict(temperature=float("nan"))),
     ("temperature", dict(temperature=True)),
+    ("temperature", dict(temperature=10**400)),  # too large for a float: refused, not an OverflowError
+    ("max_new_tokens", dict(max_new_tokens=np.bool_(True))),
+    ("top_k", dict(top_k=np.float32(3))),
     ("top_p", dict(top_p=True)),
     ("top_k", dict(top_k=True)),
     ("max_new_tokens", dict(max_new_tokens=True)),
@@ -637,6 +641,23 @@ BAD_INPUTS = [
     (r"draft: weights are torch.float64 on cpu.*the first that is not: layers\.0\.",
      dict(draft=lambda: _draft_with_one_float64_layer())),
 ]
+
+
+def test_numpy_scalars_are_the_python_numbers():
+    """NumPy scalars (what a config or an array hands over) run as the Python numbers they hold, as in HF's generate;
+    the output is the same (values a float32 holds exactly)."""
+    target, draft = pair(RANDOM, HYBRID)
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    plain = generate(target, draft, prompt, 12, tree_budget=8, temperature=0.75, top_k=20, top_p=0.875, seed=3,
+                     eos_token_id=[255], draft_top_k=4)
+    numpy = generate(target, draft, prompt, np.int64(12), tree_budget=np.int32(8), temperature=np.float32(0.75),
+                     top_k=np.int64(20), top_p=np.float32(0.875), seed=np.uint64(3), eos_token_id=np.array([255]),
+                     draft_top_k=np.int16(4))
+    assert torch.equal(plain, numpy)
+    eos = int(plain[0, 6])  # an EOS given as a NumPy integer stops there
+    stopped = generate(target, draft, prompt, 12, tree_budget=8, temperature=0.75, top_k=20, top_p=0.875, seed=3,
+                       eos_token_id=np.int64(eos), draft_top_k=4)
+    assert stopped.shape[1] <= 7 and int(stopped[0, -1]) == eos
 
 
 def _draft_with_one_float64_layer():
@@ -984,15 +1005,25 @@ def test_cli_demo_takes_sampling_and_length_options(capsys):
      (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
      (["--method", "dflash"], "--method needs --target"), (["--prompt", "hi"], "--prompt needs --target"),
      (["--target", "some/target", "--method", "ddtree"], "--method ddtree needs --draft"),
-     (["--device", "foo"], "--device foo: not a device name"),
-     (["--device", "meta"], "--device meta: the models run on a CPU or a CUDA GPU")],
+     (["--device", "foo"], "--device foo: not a device"),
+     (["--device", "meta"], "--device meta: the models run on a CPU or a CUDA GPU"),
+     (["--max-new-tokens", "4086"], "block_size - 1"),  # fits autoregressive decoding, not a tree's reach
+     (["--temperature", "-1"], "temperature"),
+     # with --target, what needs no model is refused before loading it (these paths do not exist)
+     (["--target", "no/such-target", "--draft", "no/such-draft", "--budget", "0"], "tree_budget"),
+     (["--target", "no/such-target", "--draft", "no/such-draft", "--top-p", "2"], "top_p"),
+     (["--target", "no/such-target", "--method", "autoregressive", "--max-new-tokens", "-3"], "--max-new-tokens"),
+     (["--target", "no/such-target", "--method", "autoregressive", "--prompt", ""], "--prompt must not be empty")],
 )
 def test_cli_usage_errors(capsys, argv, message):
+    """Usage errors exit with status 2 before any generation: the demo prints no method's output first."""
     from ddtree_ext.__main__ import main
 
     with pytest.raises(SystemExit) as info:
         main(["generate", *argv])
-    assert info.value.code == 2 and message in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert info.value.code == 2 and message in captured.err
+    assert not any(line.startswith(("ddtree:", "dflash:", "autoregressive:")) for line in captured.out.splitlines())
 
 
 def _save_byte_tokenizer(directory) -> None:
