@@ -375,11 +375,23 @@ def test_context_appended_in_pieces_equals_one_call(target, splits):
 
 @pytest.mark.parametrize("grad", [False, True], ids=["ops", "autograd"])
 @pytest.mark.parametrize("sliding_window", [None, 3])
-def test_padded_context_equals_exact_context(target, sliding_window, grad):
+def test_padded_context_equals_exact_context(target, sliding_window, grad, monkeypatch):
     """The fixed-shape call of a captured round: block_size context rows of which num_context[b] are
     real, with an explicit kv_len, gives the logits and cache of a call with exactly the real rows,
     row by row (each batch row its own count), over several calls. Without grad the K/V rows go through
-    ops.store_kv (padding rows skipped by their negative slots); with grad through index copies."""
+    ops.store_kv (padding rows skipped by their negative slots); with grad through index copies. The slots
+    themselves are checked too: on CUDA the store writes rows in parallel, so a padding row given a block row's
+    slot would race it, where the CPU's ordered copies let the block row win."""
+    import ddtree_ext.draft as draft_module
+
+    preludes = []
+
+    class RecordedPrelude(draft_module._Prelude):
+        def __init__(self, *args):
+            super().__init__(*args)
+            preludes.append(self)
+
+    monkeypatch.setattr(draft_module, "_Prelude", RecordedPrelude)
     kw = {} if sliding_window is None else dict(sliding_window=sliding_window)
     draft = make_tiny_draft(target, seed=4, block_size=5, **kw)
     counts = [(3, 1), (5, 2), (1, 5), (2, 2)]
@@ -399,9 +411,15 @@ def test_padded_context_equals_exact_context(target, sliding_window, grad):
                 offsets[b] += count[b]
             # The narrowest width the call may read: every row's length + n + block_size.
             kv_len = max(offsets) + draft.block_size
+            lengths = padded.length.tolist()
             actual = draft.propose(
                 rows, bonus, padded, num_context=torch.tensor(count), kv_len=kv_len, **propose_args(target)
             )
+            for b in range(2):  # real context rows, padding (not stored), then the block right after the real rows
+                start = lengths[b] + count[b]
+                want = [*range(lengths[b], start), *[-1] * (draft.block_size - count[b]),
+                        *range(start, start + draft.block_size)]
+                assert preludes[-1].kv_slots[b].tolist() == want, (r, b)
             assert padded.length.tolist() == offsets
             assert_close(actual, torch.cat(expected), torch.float32, f"call {r}")
     for b in range(2):

@@ -386,6 +386,8 @@ def test_eos_inside_an_accepted_path(ahead, request):
     target, draft = pair(AGREEING, HYBRID)
     ids = pair_prompt(AGREEING, HYBRID, 13)
     full, stats = generate(target, draft, ids, 200, return_stats=True)
+    # Against the target's own output, not only against itself: rounds launched ahead must read their own rows.
+    assert_same_tokens(full, hf_greedy(AGREEING, HYBRID, 13, 200))
     new = full[0, PROMPT_LEN:].tolist()
     eos_at = None
     for p, n in zip(round_starts(stats), stats.accept_lengths):
