@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -304,6 +305,10 @@ void check_topk_logprobs(const at::Tensor& logits, const at::Tensor& logp, const
   DDTREE_CHECK_SHAPE(op, tokens, {batch, depths, k});
   DDTREE_CHECK(op, k >= 1 && k <= vocab, "K (last dim of logp and tokens) must be in [1, V = ", vocab,
                "] (V = last dim of logits), got K = ", k);
+  DDTREE_CHECK_NO_SELF_OVERLAP(op, logp);
+  DDTREE_CHECK_NO_SELF_OVERLAP(op, tokens);
+  DDTREE_CHECK(op, !may_overlap(logits, logp) && !may_overlap(logits, tokens) && !may_overlap(logp, tokens),
+               "logp, tokens and logits must not share memory");
 }
 
 void topk_logprobs_cpu(const at::Tensor& logits, at::Tensor& logp, at::Tensor& tokens) {
@@ -391,6 +396,19 @@ void check_build_tree(const at::Tensor& logp, const at::Tensor& tokens, const at
   DDTREE_CHECK_SAME_DEVICE(op, logp, next_sibling);
   DDTREE_CHECK_SAME_DEVICE(op, logp, ancestor_mask);
   DDTREE_CHECK_SAME_DEVICE(op, logp, position);
+  // The outputs are written in several passes that read each other: no output may alias another or an input.
+  const std::pair<const char*, const at::Tensor*> tensors[] = {
+      {"node_token", &node_token}, {"parent", &parent},           {"depth", &depth},
+      {"num_nodes", &num_nodes},   {"first_child", &first_child}, {"next_sibling", &next_sibling},
+      {"ancestor_mask", &ancestor_mask}, {"position", &position}, {"logp", &logp},
+      {"tokens", &tokens},         {"root_token", &root_token},   {"prefix_len", &prefix_len}};
+  constexpr size_t kOutputs = 8;
+  for (size_t i = 0; i < kOutputs; ++i) {
+    for (size_t j = i + 1; j < std::size(tensors); ++j) {
+      DDTREE_CHECK(op, !may_overlap(*tensors[i].second, *tensors[j].second), tensors[i].first,
+                   " must not share memory with ", tensors[j].first);
+    }
+  }
 }
 
 void build_tree_cpu(const at::Tensor& logp, const at::Tensor& tokens, const at::Tensor& root_token,
@@ -403,6 +421,11 @@ void build_tree_cpu(const at::Tensor& logp, const at::Tensor& tokens, const at::
   const auto token_rows = tokens.accessor<int64_t, 3>();
   const auto roots = root_token.accessor<int64_t, 1>();
   const auto prefixes = prefix_len.accessor<int64_t, 1>();
+  for (int64_t b = 0; b < logp.size(0); ++b) {  // positions prefix + depth, depth <= L, must fit int64
+    DDTREE_CHECK("build_tree", prefixes[b] >= 0 && prefixes[b] <= std::numeric_limits<int64_t>::max() - logp.size(1),
+                 "prefix_len[", b, "] must be >= 0 and leave room for the tree's ", logp.size(1), " depths, got ",
+                 prefixes[b]);
+  }
   const TreeOutputs out{node_token.data_ptr<int64_t>(),    parent.data_ptr<int32_t>(),
                         depth.data_ptr<int32_t>(),         num_nodes.data_ptr<int32_t>(),
                         first_child.data_ptr<int32_t>(),   next_sibling.data_ptr<int32_t>(),
@@ -439,6 +462,9 @@ void check_tree_attention_mask(const at::Tensor& ancestor_mask, const at::Tensor
   DDTREE_CHECK_SHAPE(op, prefix_len, {batch});
   DDTREE_CHECK_SHAPE(op, mask, {batch, 1, n, kv_len});
   DDTREE_CHECK(op, kv_len >= n, "mask's last dim S must be >= N = ", n, ", got shape ", shape_str(mask.sizes()));
+  DDTREE_CHECK_NO_SELF_OVERLAP(op, mask);
+  DDTREE_CHECK(op, !may_overlap(mask, ancestor_mask) && !may_overlap(mask, prefix_len),
+               "mask must not overlap ancestor_mask or prefix_len");
 }
 
 void tree_attention_mask_cpu(const at::Tensor& ancestor_mask, const at::Tensor& prefix_len, at::Tensor& mask) {

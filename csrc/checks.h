@@ -67,6 +67,28 @@ inline bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
   return ra.first < rb.second && rb.first < ra.second;
 }
 
+// The tensors of a per-layer list must be apart: an op that updates each in place would apply the update twice to a
+// tensor listed twice (two layers' K/V in one buffer), and on CUDA from two blocks at once. Each tensor is compared
+// only with those that start inside its byte range (sorted by start): O(L log L) host work for apart tensors.
+inline void check_apart(const char* op, const char* list, at::TensorList tensors) {
+  std::vector<std::pair<const char*, size_t>> starts;
+  for (size_t l = 0; l < tensors.size(); ++l) {
+    if (tensors[l].numel() > 0) starts.emplace_back(static_cast<const char*>(tensors[l].data_ptr()), l);
+  }
+  std::sort(starts.begin(), starts.end());
+  for (size_t i = 1; i < starts.size(); ++i) {
+    for (size_t j = i; j < starts.size(); ++j) {
+      const at::Tensor& a = tensors[starts[i - 1].second];
+      const at::Tensor& b = tensors[starts[j].second];
+      int64_t last = 0;
+      for (int64_t d = 0; d < a.dim(); ++d) last += (a.size(d) - 1) * a.stride(d);
+      if (starts[j].first >= starts[i - 1].first + (last + 1) * a.element_size()) break;
+      TORCH_CHECK_VALUE(!may_overlap(a, b), op, ": ", list, "[", starts[i - 1].second, "] and ", list, "[",
+                        starts[j].second, "] must not share memory (one tensor per layer)");
+    }
+  }
+}
+
 // Where row r of an activation lies, for an op that takes it as [rows, D] or as groups of rows [G, R, D]: at
 // (r / inner) * outer_stride + (r % inner) * inner_stride elements. Groups of rows are the heads of a token whose
 // row holds more than those heads (a slice of a stacked projection's output), which no single row stride reaches.
@@ -112,6 +134,11 @@ inline int64_t row_offset(const RowLayout& l, int64_t r) {
     TORCH_CHECK_VALUE((t).sizes() == at::IntArrayRef(ddtree_expected_), op, ": ", #t, " must have shape ", \
                 ddtree::shape_str(ddtree_expected_), ", got ", ddtree::shape_str((t).sizes()));     \
   } while (0)
+
+// A written tensor must not overlap itself (an expanded view): several of its elements would be one.
+#define DDTREE_CHECK_NO_SELF_OVERLAP(op, t)                                                       \
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", #t,                \
+                    " must not overlap itself (e.g. an expanded tensor)")
 
 #define DDTREE_CHECK_CONTIGUOUS(op, t) \
   TORCH_CHECK_VALUE((t).is_contiguous(), op, ": ", #t, " must be contiguous, got strides ", ddtree::shape_str((t).strides()))

@@ -78,6 +78,8 @@ void check_path_values_cpu(const char* op, const at::Tensor& accepted, const at:
       const int64_t node = path[b * max_accept + d];
       DDTREE_CHECK(op, node >= 0 && node < num_nodes, "accepted[", b, ", ", d, "] must be a node index in [0, ",
                    num_nodes, "), got ", node);
+      DDTREE_CHECK(op, d > 0 || node == 0, "accepted[", b, ", 0] must be the root, 0 (a path starts there), got ",
+                   node);
       DDTREE_CHECK(op, d == 0 || node > path[b * max_accept + d - 1], "accepted[", b,
                    "] must be strictly increasing along the path (nodes are in topological order), got ",
                    path[b * max_accept + d - 1], " then ", node, " at d = ", d);
@@ -147,7 +149,12 @@ void check_commit_gdn_state(at::TensorList state, at::TensorList stash_u, at::Te
       t->device_of(accepted, "accepted");
       t->contiguous();
     }
+    for (const auto& [name, t] : {std::pair{"stash_u", &stash_u[l]}, {"stash_k", &stash_k[l]},
+                                  {"stash_cumg", &stash_cumg[l]}}) {
+      DDTREE_CHECK(op, !may_overlap(state[l], *t), "state[", l, "] must not overlap ", name, "[", l, "]");
+    }
   }
+  check_apart(op, "state", state);
 }
 
 void commit_gdn_state_cpu(at::TensorList state, at::TensorList stash_u, at::TensorList stash_k,
@@ -219,7 +226,11 @@ void check_commit_conv_state(at::TensorList conv_state, at::TensorList x, const 
     cs.device_of(accepted, "accepted");
     xl.device_of(accepted, "accepted");
     xl.last_dim_contiguous();
+    DDTREE_CHECK(op, at::has_internal_overlap(conv_state[l]) != at::MemOverlap::Yes, "conv_state[", l,
+                 "] must not overlap itself (e.g. an expanded tensor)");
+    DDTREE_CHECK(op, !may_overlap(conv_state[l], x[l]), "conv_state[", l, "] must not overlap x[", l, "]");
   }
+  check_apart(op, "conv_state", conv_state);
 }
 
 void commit_conv_state_cpu(at::TensorList conv_state, at::TensorList x, const at::Tensor& accepted,
@@ -273,7 +284,10 @@ void check_commit_kv(at::TensorList cache, const at::Tensor& prefix_len, const a
     c.shape({batch, cache[l].size(1), cache[l].size(2), cache[l].size(3)});
     c.device_of(accepted, "accepted");
     c.last_dim_contiguous();
+    DDTREE_CHECK(op, at::has_internal_overlap(cache[l]) != at::MemOverlap::Yes, "cache[", l,
+                 "] must not overlap itself (e.g. an expanded tensor)");
   }
+  check_apart(op, "cache", cache);
 }
 
 void commit_kv_cpu(at::TensorList cache, const at::Tensor& prefix_len, const at::Tensor& accepted,
@@ -335,6 +349,7 @@ void check_gather_rows(const at::Tensor& src, const at::Tensor& accepted, const 
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, out);
   // In place, the CUDA kernel's blocks would read rows that others overwrite (no order between them).
   DDTREE_CHECK(op, !may_overlap(src, out), "out must not overlap src");
+  DDTREE_CHECK_NO_SELF_OVERLAP(op, out);
 }
 
 void gather_rows_cpu(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,
@@ -393,6 +408,9 @@ void check_store_kv(const at::Tensor& keys, const at::Tensor& values, const at::
     TORCH_CHECK_VALUE(t->device() == keys.device(), op, ": ", name, " must be on ", keys.device(),
                       " like the caches, got ", t->device());
   }
+  DDTREE_CHECK_NO_SELF_OVERLAP(op, keys);
+  DDTREE_CHECK_NO_SELF_OVERLAP(op, values);
+  DDTREE_CHECK(op, !may_overlap(keys, values), "keys must not overlap values");
   for (const auto* c : {&keys, &values}) {
     for (const auto* t : {&key_states, &value_states}) {
       DDTREE_CHECK(op, !may_overlap(*c, *t), c == &keys ? "keys" : "values", " must not overlap ",
@@ -401,8 +419,9 @@ void check_store_kv(const at::Tensor& keys, const at::Tensor& values, const at::
   }
 }
 
-// A host-side table: every slot below num_slots (a negative one stores nothing), so that a bad one leaves the caches
-// as they were.
+// A host-side table: every slot below num_slots (a negative one stores nothing), and the slots a batch row stores
+// all different (two rows into one slot: the last write would win on the CPU, a race on CUDA), so that a bad table
+// leaves the caches as they were.
 void check_slots_below(const char* op, const at::Tensor& slots, int64_t num_slots) {
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t n = slots.size(-1);
@@ -410,6 +429,17 @@ void check_slots_below(const char* op, const at::Tensor& slots, int64_t num_slot
     DDTREE_CHECK(op, s[i] < num_slots, "slots[",
                  slots.dim() == 2 ? std::to_string(i / n) + ", " + std::to_string(i % n) : std::to_string(i), "] = ",
                  s[i], " must be below ", num_slots, " (the caches' slots; a negative slot stores nothing)");
+  }
+  std::vector<int64_t> stored;
+  for (int64_t row = 0; row < slots.numel() / std::max<int64_t>(n, 1); ++row) {
+    stored.clear();
+    for (int64_t i = 0; i < n; ++i) {
+      if (s[row * n + i] >= 0) stored.push_back(s[row * n + i]);
+    }
+    std::sort(stored.begin(), stored.end());
+    const auto twice = std::adjacent_find(stored.begin(), stored.end());
+    DDTREE_CHECK(op, twice == stored.end(), "slots", slots.dim() == 2 ? "[" + std::to_string(row) + "]" : "",
+                 " stores slot ", twice == stored.end() ? 0 : *twice, " twice (each row needs its own slot)");
   }
 }
 

@@ -276,6 +276,7 @@ void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::op
   DDTREE_CHECK(op, !may_overlap(x, out), "out must not overlap x");
   DDTREE_CHECK(op, !may_overlap(weight, out), "out must not overlap weight");
   if (gate.has_value()) DDTREE_CHECK(op, !may_overlap(*gate, out), "out must not overlap gate");
+  DDTREE_CHECK_NO_SELF_OVERLAP(op, out);
 }
 
 void check_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
@@ -318,6 +319,7 @@ void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const at::Tens
     DDTREE_CHECK(op, same_elements(*t, out) || !may_overlap(*t, out), "out must not overlap ",
                  t == &gate ? "gate" : "up", " unless it is ", t == &gate ? "gate" : "up", " itself");
   }
+  DDTREE_CHECK_NO_SELF_OVERLAP(op, out);
 }
 
 void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
@@ -333,6 +335,8 @@ void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   DDTREE_CHECK_SAME_DEVICE(op, x, out);
   // Each output element reads two inputs of its row (itself and its rotate-half partner): in place would race.
   DDTREE_CHECK(op, !may_overlap(x, out), "out must not overlap x");
+  DDTREE_CHECK(op, !may_overlap(cos, out) && !may_overlap(sin, out), "out must not overlap cos or sin");
+  DDTREE_CHECK_NO_SELF_OVERLAP(op, out);
 }
 
 namespace {
@@ -592,6 +596,9 @@ void check_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
                "mask must have shape [B or 1, 1, N or 1, S] = [", bsz, ", 1, ", n, ", ", slots, "], got ",
                shape_str(mask.sizes()));
   DDTREE_CHECK(op, !may_overlap(q, out), "out must not overlap q");
+  DDTREE_CHECK(op, !may_overlap(k, out), "out must not overlap k");
+  DDTREE_CHECK(op, !may_overlap(v, out), "out must not overlap v");
+  DDTREE_CHECK_NO_SELF_OVERLAP(op, out);
 }
 
 void gqa_attention_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,

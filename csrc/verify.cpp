@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -278,6 +280,7 @@ void check_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10:
     DDTREE_CHECK(op, !may_overlap(*t, out), "out must not overlap ",
                  t == &x ? "x" : t == &weight ? "weight" : "conv_state");
   }
+  if (maybe_bias.has_value()) DDTREE_CHECK(op, !may_overlap(*maybe_bias, out), "out must not overlap bias");
 }
 
 void tree_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -328,6 +331,17 @@ void check_tree_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const
   CHECK_DENSE(op, q, stash_u, at::kFloat, {bsz, n, vheads, vdim});
   CHECK_DENSE(op, q, stash_k, at::kFloat, {bsz, n, heads, kdim});
   CHECK_DENSE(op, q, stash_cumg, at::kFloat, {bsz, n, vheads});
+  // Inputs are read after outputs are written (the stashes before the products), and the state is read only.
+  const std::pair<const char*, const at::Tensor*> tensors[] = {
+      {"out", &out}, {"stash_u", &stash_u}, {"stash_k", &stash_k}, {"stash_cumg", &stash_cumg}, {"q", &q}, {"k", &k},
+      {"v", &v},     {"g", &g},             {"beta", &beta},       {"state", &state},           {"parent", &parent}};
+  constexpr size_t kOutputs = 4;
+  for (size_t i = 0; i < kOutputs; ++i) {
+    for (size_t j = i + 1; j < std::size(tensors); ++j) {
+      DDTREE_CHECK(op, !may_overlap(*tensors[i].second, *tensors[j].second), tensors[i].first,
+                   " must not share memory with ", tensors[j].first);
+    }
+  }
 }
 
 void tree_gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -374,6 +388,10 @@ GdnConvBuffers check_gdn_conv_delta_rule(const at::Tensor& x, const at::Tensor& 
                           conv_out.narrow(2, 2 * key_dim, value_heads * vdim).view({bsz, n, value_heads, vdim})}};
   const auto& qkv = buffers.qkv;
   check_tree_gated_delta_rule(qkv[0], qkv[1], qkv[2], g, beta, state, parent, out, stash_u, stash_k, stash_cumg, op);
+  for (const auto& [name, t] : {std::pair{"out", &out}, {"stash_u", &stash_u}, {"stash_k", &stash_k},
+                                {"stash_cumg", &stash_cumg}}) {
+    DDTREE_CHECK(op, !may_overlap(*t, x) && !may_overlap(*t, conv_state), name, " must not overlap x or conv_state");
+  }
   return buffers;
 }
 

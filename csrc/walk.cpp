@@ -95,6 +95,10 @@ void check_walk_sample(const at::Tensor& node_token, const at::Tensor& logits, c
   DDTREE_CHECK_CONTIGUOUS(op, uniform);
   DDTREE_CHECK(op, std::isfinite(temperature) && temperature > 0, "temperature must be finite and > 0, got ",
                temperature);
+  // The logits are divided by it in float32: a temperature that is zero or subnormal there is not one.
+  DDTREE_CHECK(op, static_cast<float>(temperature) >= std::numeric_limits<float>::min(),
+               "temperature must be at least float32's smallest normal number (", std::numeric_limits<float>::min(),
+               "), got ", temperature);
   DDTREE_CHECK(op, top_k >= 0, "top_k must be >= 0 (0 = off), got ", top_k);
   DDTREE_CHECK(op, top_p > 0 && top_p <= 1, "top_p must be in (0, 1] (1 = off), got ", top_p);
 }

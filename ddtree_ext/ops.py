@@ -99,11 +99,27 @@ def _out_rows(op: str, out: torch.Tensor, shape: torch.Size, name: str = "out") 
     ValueError."""
     if out.shape != shape:
         raise ValueError(f"{op}: {name} must have shape {list(shape)}, got {list(out.shape)}")
+    return _rows_view(op, out, name)
+
+
+def _rows_view(op: str, out: torch.Tensor, name: str = "out") -> torch.Tensor:
+    """An output ``name`` [..., D] as rows [R, D] without a copy (the op writes them), else a ValueError."""
+    if out.dim() == 2:
+        return out
+    _check_features(op, **{name: out})
     try:
         return out.view(-1, out.shape[-1])
     except RuntimeError:
         raise ValueError(f"{op}: {name}'s rows must be reachable by one stride (e.g. contiguous), got shape "
                          f"{list(out.shape)} with strides {list(out.stride())}") from None
+
+
+def _check_features(op: str, **tensors: Optional[torch.Tensor]) -> None:
+    """Each given tensor [..., D] must have a last dim D >= 1 (rows of features): a scalar or an empty last dim is
+    refused here, naming the op and the argument, before a reshape fails less clearly."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[-1] == 0):
+            raise ValueError(f"{op}: {name} must have shape [..., D] with D >= 1, got {list(t.shape)}")
 
 
 def _check_count(op: str, name: str, value, low: int, high: Optional[int] = None) -> int:
@@ -120,8 +136,8 @@ def _check_count(op: str, name: str, value, low: int, high: Optional[int] = None
 
 
 def empty_tree(batch: int, budget: int, device: torch.device | str = "cpu") -> Tree:
-    """Uninitialised buffers for a batch of trees with ``budget`` nodes plus the root."""
-    batch = _check_count("empty_tree", "batch", batch, 1)
+    """Uninitialised buffers for a batch of trees with ``budget`` nodes plus the root (a batch may be empty)."""
+    batch = _check_count("empty_tree", "batch", batch, 0)
     n = _check_count("empty_tree", "budget", budget, 0) + 1
     i32 = dict(dtype=torch.int32, device=device)
     i64 = dict(dtype=torch.int64, device=device)
@@ -138,8 +154,8 @@ def empty_tree(batch: int, budget: int, device: torch.device | str = "cpu") -> T
 
 
 def empty_walk(batch: int, max_accept: int, device: torch.device | str = "cpu") -> Walk:
-    """Uninitialised buffers for a walk over paths of at most ``max_accept`` nodes."""
-    batch = _check_count("empty_walk", "batch", batch, 1)
+    """Uninitialised buffers for a walk over paths of at most ``max_accept`` nodes (a batch may be empty)."""
+    batch = _check_count("empty_walk", "batch", batch, 0)
     max_accept = _check_count("empty_walk", "max_accept", max_accept, 1)
     return Walk(
         accepted=torch.empty(batch, max_accept, dtype=torch.int32, device=device),
@@ -164,9 +180,15 @@ def chain_tree(tokens: torch.Tensor, prefix_len: torch.Tensor, *, out: Optional[
         got = (f"{prefix_len.dtype} {list(prefix_len.shape)} on {prefix_len.device}" if isinstance(prefix_len, torch.Tensor)
                else type(prefix_len).__name__)
         raise ValueError(f"chain_tree: prefix_len must be int64 [{bsz}] on {tokens.device}, got {got}")
-    if out is not None and (tuple(out.token.shape) != (bsz, n) or out.token.device != tokens.device):
-        raise ValueError(f"chain_tree: out must be an empty_tree of {n} nodes for batch {bsz} on {tokens.device}, "
-                         f"got one of token shape {list(out.token.shape)} on {out.token.device}")
+    if out is not None:  # every field, before the first is written
+        like = empty_tree(bsz, n - 1, "meta")
+        for name, want, got in zip(Tree._fields, like, out):
+            if (not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype
+                    or got.device != tokens.device):
+                described = (f"{got.dtype} {list(got.shape)} on {got.device}" if isinstance(got, torch.Tensor)
+                             else type(got).__name__)
+                raise ValueError(f"chain_tree: out must be an empty_tree of {n} nodes for batch {bsz} on "
+                                 f"{tokens.device}; its {name} must be {want.dtype} {list(want.shape)}, got {described}")
     if out is None:
         out = empty_tree(bsz, n - 1, tokens.device)
     nodes = torch.arange(n, device=tokens.device)
@@ -337,7 +359,7 @@ def tree_gated_delta_rule(
     if out is None:
         out = _gdn_outputs(*k.shape, *v.shape[2:], v.dtype, v.device)
     if scale is None:
-        scale = k.shape[-1] ** -0.5 if k.shape[-1] > 0 else 1.0  # K = 0: the op refuses it
+        scale = k.shape[-1] ** -0.5 if k.shape[-1] > 0 else 1.0  # K = 0: no key to scale
     load_ops().tree_gated_delta_rule(q, k, v, g, beta, state, parent, float(scale), use_qk_l2norm, *out)
     return out
 
@@ -430,6 +452,7 @@ def rms_norm(
     * otherwise (Qwen3RMSNorm): round(weight * round(x_hat));
     * with ``gate`` (Qwen3_5RMSNormGated): round(round(weight * round(x_hat)) * silu(gate)).
     """
+    _check_features("rms_norm", x=x, weight=weight)
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"rms_norm: gate must have shape {list(x.shape)} (x's), got {list(gate.shape)}")
     if out is None:
@@ -460,6 +483,7 @@ def add_rms_norm(
     """
     if residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual must have shape {list(x.shape)} (x's), got {list(residual.shape)}")
+    _check_features("add_rms_norm", x=x, weight=weight)
     for name, given in (("out", out), ("residual_out", residual_out)):
         if given is not None and given.shape != x.shape:
             raise ValueError(f"add_rms_norm: {name} must have shape {list(x.shape)} (x's), got {list(given.shape)}")
@@ -477,6 +501,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: Optional[torch.Tensor
 
     gate, up [..., D] one float dtype, last dim contiguous -> out like gate (contiguous unless given).
     """
+    _check_features("silu_mul", gate=gate)
     if up.shape != gate.shape:
         raise ValueError(f"silu_mul: up must have shape {list(gate.shape)} (gate's), got {list(up.shape)}")
     if out is None:
@@ -571,13 +596,14 @@ def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor, *, out: Optional[torch.Tens
     gate, x [..., D] one float dtype, last dims contiguous (gate's rows may be heads sliced from wider rows, read in
     place) -> out like x (contiguous unless given; may be x itself).
     """
+    _check_features("sigmoid_mul", x=x)
     if gate.shape != x.shape:
         raise ValueError(f"sigmoid_mul: gate must have shape {list(x.shape)} (x's), got {list(gate.shape)}")
     if out is not None and out.shape != x.shape:
         raise ValueError(f"sigmoid_mul: out must have shape {list(x.shape)} (x's), got {list(out.shape)}")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    load_ops().sigmoid_mul(_row_groups(gate), _rows(x), out.view(-1, out.shape[-1]))
+    load_ops().sigmoid_mul(_row_groups(gate), _rows(x), _rows_view("sigmoid_mul", out))
     return out
 
 
@@ -596,14 +622,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor]
     streaming the weight before then too; only for weights that no kernel in flight writes (a model's projections
     during generation), since nothing orders those reads after the preceding kernels.
     """
-    rows = _rows(x)
     out = _linear_out("linear", x, weight, out)
-    load_ops().linear(rows, weight, out.view(-1, out.shape[-1]) if out.dim() != 2 else out, bool(prefetch_weight))
+    load_ops().linear(_rows(x), weight, _rows_view("linear", out), bool(prefetch_weight))
     return out
 
 
 def _linear_out(op: str, x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
-    """out [..., N] for x [..., K] and weight [N, K] (a new contiguous one unless given), as [rows, N]."""
+    """out [..., N] for x [..., K] and weight [N, K] (a new contiguous one unless given)."""
+    _check_features(op, x=x, weight=weight)
     shape = (*x.shape[:-1], weight.shape[0])
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -622,9 +648,8 @@ def linear_cublaslt(x: torch.Tensor, weight: torch.Tensor, algorithm: int, *,
     block of a stacked weight needs no copy. Graph-safe: the candidate's workspace comes from torch's allocator on
     the current stream. ``ddtree_ext.gemm_tuning`` times the candidates per shape and picks one.
     """
-    rows = _rows(x)
     out = _linear_out("linear_cublaslt", x, weight, out)
-    load_ops().linear_cublaslt(rows, weight, int(algorithm), out.view(-1, out.shape[-1]) if out.dim() != 2 else out)
+    load_ops().linear_cublaslt(_rows(x), weight, int(algorithm), _rows_view("linear_cublaslt", out))
     return out
 
 
@@ -640,9 +665,8 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Te
     the kernel before it; ``prefetch_weight=True`` lets it load its first weight chunks before that kernel is done,
     as :func:`linear` does (only for weights no kernel in flight writes: a model's projections during generation).
     """
-    rows = _rows(x)
     out = _linear_out("linear_gemv", x, weight, out)
-    load_ops().linear_gemv(rows, weight, out.view(-1, out.shape[-1]) if out.dim() != 2 else out, bool(prefetch_weight))
+    load_ops().linear_gemv(_rows(x), weight, _rows_view("linear_gemv", out), bool(prefetch_weight))
     return out
 
 
@@ -653,7 +677,7 @@ def linear_cublaslt_algorithms(x: torch.Tensor, weight: torch.Tensor, out: Optio
     CPU. They depend on the device, dtype, sizes, row strides and the pointers' alignments, not on values.
     A host query: it launches nothing."""
     out = _linear_out("linear_cublaslt_algorithms", x, weight, out)
-    return int(load_ops().linear_cublaslt_algorithms(_rows(x), weight, out.view(-1, out.shape[-1])))
+    return int(load_ops().linear_cublaslt_algorithms(_rows(x), weight, _rows_view("linear_cublaslt_algorithms", out)))
 
 
 def linear_cublaslt_describe(x: torch.Tensor, weight: torch.Tensor, algorithm: int,
@@ -661,7 +685,8 @@ def linear_cublaslt_describe(x: torch.Tensor, weight: torch.Tensor, algorithm: i
     """What :func:`linear_cublaslt`'s ``algorithm`` is for these tensors, for reports: cuBLASLt's algorithm id, tile,
     stages, split of K, reduction scheme, swizzle, workspace and waves ("at::mm" on the CPU). A host query."""
     out = _linear_out("linear_cublaslt_describe", x, weight, out)
-    return str(load_ops().linear_cublaslt_describe(_rows(x), weight, out.view(-1, out.shape[-1]), int(algorithm)))
+    return str(load_ops().linear_cublaslt_describe(_rows(x), weight, _rows_view("linear_cublaslt_describe", out),
+                                                   int(algorithm)))
 
 
 def gqa_attention(
@@ -698,7 +723,10 @@ def gdn_gates(
     than 8 rows of bfloat16/float16 take tensor cores (products split over the features, added in a fixed
     order): the same values, their float32 sums in another order than for fewer rows.
     """
+    _check_features("gdn_gates", x=x, weight_a=weight_a)
     heads = weight_a.shape[0]
+    if heads == 0:
+        raise ValueError(f"gdn_gates: weight_a must have at least one value head (row), got {list(weight_a.shape)}")
     g = torch.empty(*x.shape[:-1], heads, dtype=torch.float32, device=x.device)
     beta = torch.empty_like(g)
     load_ops().gdn_gates(_rows(x), weight_a, weight_b, A_log, dt_bias, g.view(-1, heads), beta.view(-1, heads))
@@ -721,8 +749,9 @@ def row_argmax(x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.
         raise ValueError("row_argmax: x must have at least one dim, got a scalar")
     if out is None:
         out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
-    if out.shape != x.shape[:-1]:
-        raise ValueError(f"row_argmax: out must have shape {tuple(x.shape[:-1])}, got {tuple(out.shape)}")
+    if out.shape != x.shape[:-1] or out.dtype != torch.int64 or out.device != x.device:
+        raise ValueError(f"row_argmax: out must be int64 of shape {tuple(x.shape[:-1])} on {x.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return torch.argmax(x, -1, out=out)
     flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=torch.int64, device=out.device)
@@ -770,6 +799,9 @@ def walk_sample(
     inverse CDF in ascending token-id order: the first kept token whose cumulative probability exceeds
     uniform * total.
     """
+    if not isinstance(uniform, torch.Tensor) or uniform.dim() != 2 or uniform.shape[1] < 1:
+        got = list(uniform.shape) if isinstance(uniform, torch.Tensor) else type(uniform).__name__
+        raise ValueError(f"walk_sample: uniform must have shape [B, D] with D = max_accept >= 1, got {got}")
     if out is None:
         out = empty_walk(tree.token.shape[0], uniform.shape[-1], tree.token.device)
     load_ops().walk_sample(
@@ -811,7 +843,9 @@ def commit_kv(
 ) -> None:
     """In place, for every key or value cache [B, H, S, Dh] in ``cache``: the row of accepted node
     accepted[b, d] moves from slot prefix_len[b] + accepted[b, d] to slot prefix_len[b] + d, for
-    d < accept_len[b]. Sources and destinations may overlap; every other slot is left untouched."""
+    d < accept_len[b]. Sources and destinations may overlap; every other slot is left untouched. The caches must be
+    apart from each other (one per layer and kind). A path starts at the root (accepted[b, 0] = 0) and increases;
+    the CPU ops of every commit check it, the CUDA ones cannot (no host reads)."""
     load_ops().commit_kv(list(cache), prefix_len, accepted, accept_len)
 
 
@@ -824,8 +858,9 @@ def store_kv(
     keys, values [B, H, S, D] one float dtype (last dim contiguous); slots int64 on their device, [B, N] (a table per
     batch row) or [N] (one for all), a negative slot storing nothing (a padding row, as vLLM's slot mappings have
     it); key_states, value_states [B, H, N, D] in their dtype (any strides, last dim contiguous). The stored slots of
-    a batch row must differ. The CPU op checks that every slot is below S before it writes; on CUDA (no host reads)
-    a slot past the caches is skipped.
+    a batch row must differ, and keys and values must be apart (from each other and from the states). The CPU op
+    checks that every slot is below S and that a row's slots differ before it writes; on CUDA (no host reads) a slot
+    past the caches is skipped.
     """
     load_ops().store_kv(keys, values, slots, key_states, value_states)
 
