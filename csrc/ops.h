@@ -134,7 +134,8 @@ void gqa_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& first_child,
                 const at::Tensor& next_sibling, const at::Tensor& accepted, const at::Tensor& accept_len,
                 const at::Tensor& next_token);
-void check_walk_greedy(const at::Tensor& node_token, const at::Tensor& target_token);
+void check_walk_greedy(const at::Tensor& node_token, const at::Tensor& target_token, const at::Tensor& accepted,
+                       const at::Tensor& accept_len, const at::Tensor& next_token);
 void check_row_argmax(const at::Tensor& x, const at::Tensor& out);
 void row_argmax_cpu(const at::Tensor& x, at::Tensor& out);
 void walk_greedy_cpu(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,

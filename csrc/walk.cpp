@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -46,6 +48,17 @@ void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& 
   DDTREE_CHECK_CONTIGUOUS(op, accepted);
   DDTREE_CHECK_CONTIGUOUS(op, accept_len);
   DDTREE_CHECK_CONTIGUOUS(op, next_token);
+  // The walk writes its outputs while it still reads the tree (on CUDA, other blocks' trees too).
+  const std::pair<const char*, const at::Tensor*> tensors[] = {
+      {"accepted", &accepted}, {"accept_len", &accept_len}, {"next_token", &next_token},
+      {"node_token", &node_token}, {"first_child", &first_child}, {"next_sibling", &next_sibling}};
+  constexpr size_t kOutputs = 3;
+  for (size_t i = 0; i < kOutputs; ++i) {
+    for (size_t j = i + 1; j < std::size(tensors); ++j) {
+      DDTREE_CHECK(op, !may_overlap(*tensors[i].second, *tensors[j].second), tensors[i].first,
+                   " must not share memory with ", tensors[j].first);
+    }
+  }
 }
 
 void check_row_argmax(const at::Tensor& x, const at::Tensor& out) {
@@ -70,12 +83,17 @@ void row_argmax_cpu(const at::Tensor& x, at::Tensor& out) {
   out.copy_(x.argmax(-1));
 }
 
-void check_walk_greedy(const at::Tensor& node_token, const at::Tensor& target_token) {
+void check_walk_greedy(const at::Tensor& node_token, const at::Tensor& target_token, const at::Tensor& accepted,
+                       const at::Tensor& accept_len, const at::Tensor& next_token) {
   constexpr const char* op = "walk_greedy";
   DDTREE_CHECK_DTYPE(op, target_token, at::kLong);
   DDTREE_CHECK_SHAPE(op, target_token, {node_token.size(0), node_token.size(1)});
   DDTREE_CHECK_SAME_DEVICE(op, node_token, target_token);
   DDTREE_CHECK_CONTIGUOUS(op, target_token);
+  for (const auto& [name, t] : {std::pair{"accepted", &accepted}, {"accept_len", &accept_len},
+                                {"next_token", &next_token}}) {
+    DDTREE_CHECK(op, !may_overlap(*t, target_token), name, " must not share memory with target_token");
+  }
 }
 
 void check_walk_sample(const at::Tensor& node_token, const at::Tensor& logits, const at::Tensor& uniform,
@@ -297,7 +315,7 @@ void walk_greedy_cpu(const at::Tensor& node_token, const at::Tensor& first_child
                      const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
                      at::Tensor& next_token) {
   check_walk("walk_greedy", node_token, first_child, next_sibling, accepted, accept_len, next_token);
-  check_walk_greedy(node_token, target_token);
+  check_walk_greedy(node_token, target_token, accepted, accept_len, next_token);
   check_forward_links_cpu("walk_greedy", "first_child", first_child);
   check_forward_links_cpu("walk_greedy", "next_sibling", next_sibling);
 

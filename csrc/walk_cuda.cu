@@ -1039,7 +1039,7 @@ void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
                       at::Tensor& next_token) {
   constexpr const char* op = "walk_greedy";
   check_walk(op, node_token, first_child, next_sibling, accepted, accept_len, next_token);
-  check_walk_greedy(node_token, target_token);
+  check_walk_greedy(node_token, target_token, accepted, accept_len, next_token);
   const c10::cuda::CUDAGuard guard(node_token.device());
   if (node_token.size(0) == 0 || accepted.size(1) == 0) return;
   launch_walk(links_of(node_token, first_child, next_sibling), target_token,

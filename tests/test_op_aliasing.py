@@ -192,6 +192,17 @@ def test_an_empty_batch_runs():
 # ---- walks and layer wrappers ------------------------------------------------------------------
 
 
+def test_walk_outputs_must_not_alias_the_tree():
+    """A walk writes its path while it still follows the links: an output aliasing them would corrupt the tree."""
+    tree = ops.chain_tree(torch.tensor([[1, 2, 3]]), torch.tensor([0]))
+    target = torch.tensor([[2, 3, 9]])
+    out = ops.empty_walk(1, 3)
+    _refused("walk_greedy: accepted must not share memory with first_child", lambda: ops.walk_greedy(
+        tree, target, 3, out=out._replace(accepted=tree.first_child)), *tree)
+    _refused("walk_greedy: next_token must not share memory with target_token", lambda: ops.walk_greedy(
+        tree, target, 3, out=out._replace(next_token=target[:, 0])), target)
+
+
 def test_walk_sample_refuses_temperatures_zero_in_float32_and_scalar_uniforms():
     tree = ops.chain_tree(torch.tensor([[1, 2]]), torch.tensor([0]))
     logits = torch.tensor([[[3.0, 2.0, 1.0], [1.0, 2.0, 3.0]]])
