@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <iterator>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -397,18 +396,12 @@ void check_build_tree(const at::Tensor& logp, const at::Tensor& tokens, const at
   DDTREE_CHECK_SAME_DEVICE(op, logp, ancestor_mask);
   DDTREE_CHECK_SAME_DEVICE(op, logp, position);
   // The outputs are written in several passes that read each other: no output may alias another or an input.
-  const std::pair<const char*, const at::Tensor*> tensors[] = {
-      {"node_token", &node_token}, {"parent", &parent},           {"depth", &depth},
-      {"num_nodes", &num_nodes},   {"first_child", &first_child}, {"next_sibling", &next_sibling},
-      {"ancestor_mask", &ancestor_mask}, {"position", &position}, {"logp", &logp},
-      {"tokens", &tokens},         {"root_token", &root_token},   {"prefix_len", &prefix_len}};
-  constexpr size_t kOutputs = 8;
-  for (size_t i = 0; i < kOutputs; ++i) {
-    for (size_t j = i + 1; j < std::size(tensors); ++j) {
-      DDTREE_CHECK(op, !may_overlap(*tensors[i].second, *tensors[j].second), tensors[i].first,
-                   " must not share memory with ", tensors[j].first);
-    }
-  }
+  check_outputs_apart(op,
+                      {{"node_token", &node_token}, {"parent", &parent}, {"depth", &depth}, {"num_nodes", &num_nodes},
+                       {"first_child", &first_child}, {"next_sibling", &next_sibling},
+                       {"ancestor_mask", &ancestor_mask}, {"position", &position}, {"logp", &logp},
+                       {"tokens", &tokens}, {"root_token", &root_token}, {"prefix_len", &prefix_len}},
+                      8);
 }
 
 void build_tree_cpu(const at::Tensor& logp, const at::Tensor& tokens, const at::Tensor& root_token,

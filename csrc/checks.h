@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,6 +86,20 @@ inline void check_apart(const char* op, const char* list, at::TensorList tensors
       if (starts[j].first >= starts[i - 1].first + (last + 1) * a.element_size()) break;
       TORCH_CHECK_VALUE(!may_overlap(a, b), op, ": ", list, "[", starts[i - 1].second, "] and ", list, "[",
                         starts[j].second, "] must not share memory (one tensor per layer)");
+    }
+  }
+}
+
+// The first `outputs` of `tensors` (name, tensor) must share no memory with each other or with any tensor after them:
+// what an op writes while it still reads the others.
+inline void check_outputs_apart(const char* op,
+                                std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors,
+                                size_t outputs) {
+  const auto* t = tensors.begin();
+  for (size_t i = 0; i < outputs; ++i) {
+    for (size_t j = i + 1; j < tensors.size(); ++j) {
+      TORCH_CHECK_VALUE(!may_overlap(*t[i].second, *t[j].second), op, ": ", t[i].first, " must not share memory with ",
+                        t[j].first);
     }
   }
 }

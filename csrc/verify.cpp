@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <iterator>
 #include <utility>
 #include <vector>
 
@@ -332,16 +331,11 @@ void check_tree_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const
   CHECK_DENSE(op, q, stash_k, at::kFloat, {bsz, n, heads, kdim});
   CHECK_DENSE(op, q, stash_cumg, at::kFloat, {bsz, n, vheads});
   // Inputs are read after outputs are written (the stashes before the products), and the state is read only.
-  const std::pair<const char*, const at::Tensor*> tensors[] = {
-      {"out", &out}, {"stash_u", &stash_u}, {"stash_k", &stash_k}, {"stash_cumg", &stash_cumg}, {"q", &q}, {"k", &k},
-      {"v", &v},     {"g", &g},             {"beta", &beta},       {"state", &state},           {"parent", &parent}};
-  constexpr size_t kOutputs = 4;
-  for (size_t i = 0; i < kOutputs; ++i) {
-    for (size_t j = i + 1; j < std::size(tensors); ++j) {
-      DDTREE_CHECK(op, !may_overlap(*tensors[i].second, *tensors[j].second), tensors[i].first,
-                   " must not share memory with ", tensors[j].first);
-    }
-  }
+  check_outputs_apart(op,
+                      {{"out", &out}, {"stash_u", &stash_u}, {"stash_k", &stash_k}, {"stash_cumg", &stash_cumg},
+                       {"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}, {"state", &state},
+                       {"parent", &parent}},
+                      4);
 }
 
 void tree_gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <iterator>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -49,16 +48,10 @@ void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& 
   DDTREE_CHECK_CONTIGUOUS(op, accept_len);
   DDTREE_CHECK_CONTIGUOUS(op, next_token);
   // The walk writes its outputs while it still reads the tree (on CUDA, other blocks' trees too).
-  const std::pair<const char*, const at::Tensor*> tensors[] = {
-      {"accepted", &accepted}, {"accept_len", &accept_len}, {"next_token", &next_token},
-      {"node_token", &node_token}, {"first_child", &first_child}, {"next_sibling", &next_sibling}};
-  constexpr size_t kOutputs = 3;
-  for (size_t i = 0; i < kOutputs; ++i) {
-    for (size_t j = i + 1; j < std::size(tensors); ++j) {
-      DDTREE_CHECK(op, !may_overlap(*tensors[i].second, *tensors[j].second), tensors[i].first,
-                   " must not share memory with ", tensors[j].first);
-    }
-  }
+  check_outputs_apart(op, {{"accepted", &accepted}, {"accept_len", &accept_len}, {"next_token", &next_token},
+                           {"node_token", &node_token}, {"first_child", &first_child},
+                           {"next_sibling", &next_sibling}},
+                      3);
 }
 
 void check_row_argmax(const at::Tensor& x, const at::Tensor& out) {
