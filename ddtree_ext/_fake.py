@@ -1,6 +1,7 @@
 """Fake (meta) kernels so torch.compile can trace the ops. Every op only writes into buffers the caller
-passed and returns nothing, so each fake kernel has nothing to compute. The host queries
-linear_cublaslt_algorithms and linear_cublaslt_describe have none: they run before tracing, not inside it."""
+passed and returns nothing, so each fake kernel has nothing to compute; it checks only that the tensors share one
+device, as every op does: a call mixing meta tensors with real ones comes here, and would otherwise do nothing
+without a word. The host queries linear_cublaslt_algorithms and linear_cublaslt_describe have none: they run before tracing, not inside it."""
 
 import torch
 
@@ -34,9 +35,23 @@ _OPS = (
 )
 
 
-def _returns_nothing(*args, **kwargs):
-    return None
+def _tensors(values):
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
+
+
+def _fake_kernel(name: str):
+    def fake(*args, **kwargs):
+        devices = {t.device for t in _tensors([*args, *kwargs.values()])}
+        if len(devices) > 1:
+            raise ValueError(f"{name}: every tensor argument must be on one device, got "
+                             f"{', '.join(sorted(map(str, devices)))}")
+
+    return fake
 
 
 for _name in _OPS:
-    torch.library.register_fake(f"ddtree::{_name}")(_returns_nothing)
+    torch.library.register_fake(f"ddtree::{_name}")(_fake_kernel(_name))

@@ -192,6 +192,18 @@ def test_an_empty_batch_runs():
 # ---- walks and layer wrappers ------------------------------------------------------------------
 
 
+def test_a_meta_tensor_among_real_ones_is_refused():
+    """A call mixing meta tensors with real ones dispatches to the fake kernel, which checked nothing: the walk's
+    outputs were left as they were, without an error."""
+    tree = ops.chain_tree(torch.tensor([[1, 2, 3]]), torch.tensor([0]))
+    out = ops.empty_walk(1, 3)
+    _refused("walk_greedy: every tensor argument must be on one device, got cpu, meta", lambda: ops.walk_greedy(
+        tree, torch.tensor([[2, 3, 9]], device="meta"), 3, out=out))
+    ops.walk_greedy(tree._replace(**{k: v.to("meta") for k, v in tree._asdict().items()}),
+                    torch.zeros(1, 3, dtype=torch.long, device="meta"), 3,
+                    out=ops.Walk(*(t.to("meta") for t in out)))  # all meta: traced, nothing to compute
+
+
 def test_walk_outputs_must_not_alias_the_tree():
     """A walk writes its path while it still follows the links: an output aliasing them would corrupt the tree."""
     tree = ops.chain_tree(torch.tensor([[1, 2, 3]]), torch.tensor([0]))
