@@ -33,8 +33,8 @@ using cuda::kWarp;
 // is one float compare an element. 15 rows of 248320 at K = 8 on H100s (different machines): 16.6 us before NaN was
 // ranked, 22.4 with rank keys of both sides of every comparison and of every element, 19.8 like this
 // (benchmarks/results/2026-12-05-h100-walk-sample-histograms.md); in one call, 16.05 before and 19.79 like this, the
-// per-element NaN test not the cause (benchmarks/results/2026-12-05-h100-draft-logits-topk-inf.md). The cause was
-// registers: see kTopkBlocksPerSM (18.24 -> 14.92 us in one call,
+// per-element NaN test not the cause (benchmarks/results/2026-12-05-h100-draft-logits-topk-inf.md). Registers, most
+// likely: see kTopkBlocksPerSM (18.24 -> 14.92 us in one call,
 // benchmarks/results/2026-12-05-h100-pdl-build-walk-commit.md).
 
 constexpr int kTopkThreads = 256;
@@ -43,8 +43,8 @@ constexpr int kTopkPerThread = 32;
 constexpr int64_t kTopkChunk = int64_t{kTopkThreads} * kTopkPerThread;
 constexpr int kTopkCandidates = 512;  // gathered per chunk before the per-thread lists take over
 constexpr int kTopkMaxFast = 32;      // larger k takes the sort-based path
-// Blocks resident per SM for K_CAP <= 8 (a draft's k): at most 64 registers a thread. At the 80 that K_CAP 8 took once
-// NaN was ranked, three fit, and a draft's 15 rows x 31 one-chunk segments (27B vocabulary) needed two waves. Larger
+// Blocks resident per SM for K_CAP <= 8 (a draft's k): at most 64 registers a thread. At the 80 that K_CAP 8 took with
+// NaN ranked, three fit, and a draft's 15 rows x 31 one-chunk segments (27B vocabulary) needed two waves. Larger
 // lists keep their registers (bounded at 64 they spill hundreds of bytes).
 constexpr int kTopkBlocksPerSM = 4;
 
