@@ -304,8 +304,8 @@ void check_topk_logprobs(const at::Tensor& logits, const at::Tensor& logp, const
   DDTREE_CHECK_SHAPE(op, tokens, {batch, depths, k});
   DDTREE_CHECK(op, k >= 1 && k <= vocab, "K (last dim of logp and tokens) must be in [1, V = ", vocab,
                "] (V = last dim of logits), got K = ", k);
-  DDTREE_CHECK_NO_SELF_OVERLAP(op, logp);
-  DDTREE_CHECK_NO_SELF_OVERLAP(op, tokens);
+  check_no_self_overlap(op, "logp", logp);
+  check_no_self_overlap(op, "tokens", tokens);
   DDTREE_CHECK(op, !may_overlap(logits, logp) && !may_overlap(logits, tokens) && !may_overlap(logp, tokens),
                "logp, tokens and logits must not share memory");
 }
@@ -455,7 +455,7 @@ void check_tree_attention_mask(const at::Tensor& ancestor_mask, const at::Tensor
   DDTREE_CHECK_SHAPE(op, prefix_len, {batch});
   DDTREE_CHECK_SHAPE(op, mask, {batch, 1, n, kv_len});
   DDTREE_CHECK(op, kv_len >= n, "mask's last dim S must be >= N = ", n, ", got shape ", shape_str(mask.sizes()));
-  DDTREE_CHECK_NO_SELF_OVERLAP(op, mask);
+  check_no_self_overlap(op, "mask", mask);
   DDTREE_CHECK(op, !may_overlap(mask, ancestor_mask) && !may_overlap(mask, prefix_len),
                "mask must not overlap ancestor_mask or prefix_len");
 }

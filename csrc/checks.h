@@ -34,6 +34,14 @@ inline bool same_elements(const at::Tensor& a, const at::Tensor& b) {
          a.scalar_type() == b.scalar_type();
 }
 
+// The bytes a tensor's elements span, [first, one past the last]; strides are never negative.
+inline std::pair<const char*, const char*> byte_range(const at::Tensor& t) {
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto* begin = static_cast<const char*>(t.data_ptr());
+  return {begin, begin + (last + 1) * t.element_size()};
+}
+
 // Whether a and b may share memory, for the ops' "must not overlap" checks: ATen's overlap status, and where it cannot
 // tell (a tensor that is not non-overlapping and dense, such as heads sliced from wider rows):
 // * for row tensors [R, D] of one row stride s (last dim contiguous), exactly: row i of a spans [i s, i s + Da) and
@@ -58,13 +66,7 @@ inline bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
     const int64_t hi = std::min(-floor_div(-(d + b.size(1)), s) - 1, a.size(0) - 1);
     return lo <= hi;
   }
-  auto range = [](const at::Tensor& t) {  // [first byte, one past the last byte]; strides are never negative
-    int64_t last = 0;
-    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-    const auto* begin = static_cast<const char*>(t.data_ptr());
-    return std::make_pair(begin, begin + (last + 1) * t.element_size());
-  };
-  const auto ra = range(a), rb = range(b);
+  const auto ra = byte_range(a), rb = byte_range(b);
   return ra.first < rb.second && rb.first < ra.second;
 }
 
@@ -77,17 +79,20 @@ inline void check_apart(const char* op, const char* list, at::TensorList tensors
     if (tensors[l].numel() > 0) starts.emplace_back(static_cast<const char*>(tensors[l].data_ptr()), l);
   }
   std::sort(starts.begin(), starts.end());
-  for (size_t i = 1; i < starts.size(); ++i) {
-    for (size_t j = i; j < starts.size(); ++j) {
-      const at::Tensor& a = tensors[starts[i - 1].second];
-      const at::Tensor& b = tensors[starts[j].second];
-      int64_t last = 0;
-      for (int64_t d = 0; d < a.dim(); ++d) last += (a.size(d) - 1) * a.stride(d);
-      if (starts[j].first >= starts[i - 1].first + (last + 1) * a.element_size()) break;
-      TORCH_CHECK_VALUE(!may_overlap(a, b), op, ": ", list, "[", starts[i - 1].second, "] and ", list, "[",
-                        starts[j].second, "] must not share memory (one tensor per layer)");
+  for (size_t i = 0; i + 1 < starts.size(); ++i) {
+    const at::Tensor& a = tensors[starts[i].second];
+    const char* end = byte_range(a).second;
+    for (size_t j = i + 1; j < starts.size() && starts[j].first < end; ++j) {
+      TORCH_CHECK_VALUE(!may_overlap(a, tensors[starts[j].second]), op, ": ", list, "[", starts[i].second, "] and ",
+                        list, "[", starts[j].second, "] must not share memory (one tensor per layer)");
     }
   }
+}
+
+// A written tensor must not overlap itself (an expanded view): several of its elements would be one.
+inline void check_no_self_overlap(const char* op, const std::string& name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name,
+                    " must not overlap itself (e.g. an expanded tensor)");
 }
 
 // The first `outputs` of `tensors` (name, tensor) must share no memory with each other or with any tensor after them:
@@ -149,11 +154,6 @@ inline int64_t row_offset(const RowLayout& l, int64_t r) {
     TORCH_CHECK_VALUE((t).sizes() == at::IntArrayRef(ddtree_expected_), op, ": ", #t, " must have shape ", \
                 ddtree::shape_str(ddtree_expected_), ", got ", ddtree::shape_str((t).sizes()));     \
   } while (0)
-
-// A written tensor must not overlap itself (an expanded view): several of its elements would be one.
-#define DDTREE_CHECK_NO_SELF_OVERLAP(op, t)                                                       \
-  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", #t,                \
-                    " must not overlap itself (e.g. an expanded tensor)")
 
 #define DDTREE_CHECK_CONTIGUOUS(op, t) \
   TORCH_CHECK_VALUE((t).is_contiguous(), op, ": ", #t, " must be contiguous, got strides ", ddtree::shape_str((t).strides()))

@@ -226,8 +226,7 @@ void check_commit_conv_state(at::TensorList conv_state, at::TensorList x, const 
     cs.device_of(accepted, "accepted");
     xl.device_of(accepted, "accepted");
     xl.last_dim_contiguous();
-    DDTREE_CHECK(op, at::has_internal_overlap(conv_state[l]) != at::MemOverlap::Yes, "conv_state[", l,
-                 "] must not overlap itself (e.g. an expanded tensor)");
+    check_no_self_overlap(op, "conv_state[" + std::to_string(l) + "]", conv_state[l]);
     DDTREE_CHECK(op, !may_overlap(conv_state[l], x[l]), "conv_state[", l, "] must not overlap x[", l, "]");
   }
   check_apart(op, "conv_state", conv_state);
@@ -284,8 +283,7 @@ void check_commit_kv(at::TensorList cache, const at::Tensor& prefix_len, const a
     c.shape({batch, cache[l].size(1), cache[l].size(2), cache[l].size(3)});
     c.device_of(accepted, "accepted");
     c.last_dim_contiguous();
-    DDTREE_CHECK(op, at::has_internal_overlap(cache[l]) != at::MemOverlap::Yes, "cache[", l,
-                 "] must not overlap itself (e.g. an expanded tensor)");
+    check_no_self_overlap(op, "cache[" + std::to_string(l) + "]", cache[l]);
   }
   check_apart(op, "cache", cache);
 }
@@ -349,7 +347,7 @@ void check_gather_rows(const at::Tensor& src, const at::Tensor& accepted, const 
   DDTREE_CHECK_LAST_DIM_CONTIGUOUS(op, out);
   // In place, the CUDA kernel's blocks would read rows that others overwrite (no order between them).
   DDTREE_CHECK(op, !may_overlap(src, out), "out must not overlap src");
-  DDTREE_CHECK_NO_SELF_OVERLAP(op, out);
+  check_no_self_overlap(op, "out", out);
 }
 
 void gather_rows_cpu(const at::Tensor& src, const at::Tensor& accepted, const at::Tensor& accept_len,
@@ -408,8 +406,8 @@ void check_store_kv(const at::Tensor& keys, const at::Tensor& values, const at::
     TORCH_CHECK_VALUE(t->device() == keys.device(), op, ": ", name, " must be on ", keys.device(),
                       " like the caches, got ", t->device());
   }
-  DDTREE_CHECK_NO_SELF_OVERLAP(op, keys);
-  DDTREE_CHECK_NO_SELF_OVERLAP(op, values);
+  check_no_self_overlap(op, "keys", keys);
+  check_no_self_overlap(op, "values", values);
   DDTREE_CHECK(op, !may_overlap(keys, values), "keys must not overlap values");
   for (const auto* c : {&keys, &values}) {
     for (const auto* t : {&key_states, &value_states}) {

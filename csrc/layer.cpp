@@ -276,7 +276,7 @@ void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const c10::op
   DDTREE_CHECK(op, !may_overlap(x, out), "out must not overlap x");
   DDTREE_CHECK(op, !may_overlap(weight, out), "out must not overlap weight");
   if (gate.has_value()) DDTREE_CHECK(op, !may_overlap(*gate, out), "out must not overlap gate");
-  DDTREE_CHECK_NO_SELF_OVERLAP(op, out);
+  check_no_self_overlap(op, "out", out);
 }
 
 void check_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
@@ -290,10 +290,8 @@ void check_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const a
   DDTREE_CHECK(op, std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
   check_rows(op, "out", x, out, rows, dim);
   check_rows(op, "residual_out", x, residual_out, rows, dim);
-  for (const auto* t : {&out, &residual_out}) {
-    DDTREE_CHECK(op, at::has_internal_overlap(*t) != at::MemOverlap::Yes, t == &out ? "out" : "residual_out",
-                 " must not overlap itself (e.g. an expanded tensor)");
-  }
+  check_no_self_overlap(op, "out", out);
+  check_no_self_overlap(op, "residual_out", residual_out);
   // residual_out is written before the output pass reads it back: it may be x or the residual itself, but out
   // (written last, from residual_out) must be apart from it and from the inputs it may not replace.
   for (const auto* t : {&x, &residual, &residual_out}) {
@@ -319,7 +317,7 @@ void check_silu_mul(const at::Tensor& gate, const at::Tensor& up, const at::Tens
     DDTREE_CHECK(op, same_elements(*t, out) || !may_overlap(*t, out), "out must not overlap ",
                  t == &gate ? "gate" : "up", " unless it is ", t == &gate ? "gate" : "up", " itself");
   }
-  DDTREE_CHECK_NO_SELF_OVERLAP(op, out);
+  check_no_self_overlap(op, "out", out);
 }
 
 void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
@@ -336,7 +334,7 @@ void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   // Each output element reads two inputs of its row (itself and its rotate-half partner): in place would race.
   DDTREE_CHECK(op, !may_overlap(x, out), "out must not overlap x");
   DDTREE_CHECK(op, !may_overlap(cos, out) && !may_overlap(sin, out), "out must not overlap cos or sin");
-  DDTREE_CHECK_NO_SELF_OVERLAP(op, out);
+  check_no_self_overlap(op, "out", out);
 }
 
 namespace {
@@ -374,8 +372,7 @@ void check_qk_norm_rope_output(const char* op, const char* name, const at::Tenso
   check_like(op, name, "q", q, out);
   TORCH_CHECK_VALUE(out.stride(3) == 1, op, ": ", name, " must be contiguous in its last dim, got strides ",
                     shape_str(out.strides()));
-  DDTREE_CHECK(op, at::has_internal_overlap(out) != at::MemOverlap::Yes, name,
-               " must not overlap itself (e.g. an expanded tensor)");
+  check_no_self_overlap(op, name, out);
   for (const auto* in : inputs) DDTREE_CHECK(op, !may_overlap(*in, out), name, " must not overlap the inputs");
 }
 
@@ -429,8 +426,7 @@ void check_sigmoid_mul(const at::Tensor& gate, const at::Tensor& x, const at::Te
   const int64_t rows = x.size(0), dim = x.size(1);
   check_row_groups(op, "gate", x, gate, rows, dim);
   check_rows(op, "out", x, out, rows, dim);
-  DDTREE_CHECK(op, at::has_internal_overlap(out) != at::MemOverlap::Yes,
-               "out must not overlap itself (e.g. an expanded tensor)");
+  check_no_self_overlap(op, "out", out);
   // Elementwise: out may be x itself (in place); any other overlap would read values already written.
   DDTREE_CHECK(op, !may_overlap(gate, out), "out must not overlap gate");
   DDTREE_CHECK(op, same_elements(x, out) || !may_overlap(x, out), "out must not overlap x unless it is x itself");
@@ -598,7 +594,7 @@ void check_gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   DDTREE_CHECK(op, !may_overlap(q, out), "out must not overlap q");
   DDTREE_CHECK(op, !may_overlap(k, out), "out must not overlap k");
   DDTREE_CHECK(op, !may_overlap(v, out), "out must not overlap v");
-  DDTREE_CHECK_NO_SELF_OVERLAP(op, out);
+  check_no_self_overlap(op, "out", out);
 }
 
 void gqa_attention_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,

@@ -1,7 +1,8 @@
 """Fake (meta) kernels so torch.compile can trace the ops. Every op only writes into buffers the caller
 passed and returns nothing, so each fake kernel has nothing to compute; it checks only that the tensors share one
 device, as every op does: a call mixing meta tensors with real ones comes here, and would otherwise do nothing
-without a word. The host queries linear_cublaslt_algorithms and linear_cublaslt_describe have none: they run before tracing, not inside it."""
+without a word. The host queries linear_cublaslt_algorithms and linear_cublaslt_describe have none: they run
+before tracing, not inside it."""
 
 import torch
 

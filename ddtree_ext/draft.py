@@ -542,7 +542,7 @@ class DFlashDraftModel(nn.Module):
     ) -> "DFlashDraftModel":
         """Load a z-lab checkpoint: ``config.json`` + ``model.safetensors`` or a sharded
         ``model.safetensors.index.json``. ``path`` is a local directory; anything else is fetched with
-        ``huggingface_hub.snapshot_download``. ``dtype``: a floating torch dtype or its name (``"bfloat16"``), or
+        ``huggingface_hub.snapshot_download``. ``dtype``: one of ``DRAFT_DTYPES`` or its name (``"bfloat16"``), or
         None / ``"auto"``: the config's ``dtype``, else the dtype the weights are stored in; ``device`` defaults to
         the CPU. Every expected weight must be present and no other (ValueError listing them). Bad arguments (a path
         that is neither a directory nor a Hub checkpoint, a dtype the ops do not take, a device this torch cannot
