@@ -211,8 +211,9 @@ def measure_generate(target, draft, prompt, *, method, budget, graphs: bool, rou
     # ahead (one of them could end the generation), so they come on top.
     new_tokens = (rounds + 13 if graphs else rounds + 4) + draft.block_size
     draws = dict(sampling, seed=0) if sampling else {}
+    # eos_token_id=[]: every run its full length, also for a checkpoint whose generation_config names an EOS.
     _, stats = generate(target, draft, prompt, new_tokens, method=method, tree_budget=budget, cuda_graph=graphs,
-                        return_stats=True, **draws)
+                        eos_token_id=[], return_stats=True, **draws)
     # Steady state: round r launched ahead of round r - 1's read and round r + 1 ahead of r's, so that the time
     # between r - 1's result and r's holds one launch (r + 1's: a replay too, for graph rounds) and one round on the
     # device.
@@ -358,7 +359,7 @@ def profile_round(target, draft, prompt, method: str, budget: int, rounds: int =
     CUDA time, and the top kernels by CUDA time."""
     from torch.profiler import ProfilerActivity, profile
 
-    kw = dict(method=method, tree_budget=budget, cuda_graph=False)
+    kw = dict(method=method, tree_budget=budget, cuda_graph=False, eos_token_id=[])  # no EOS stop: every round
     generate(target, draft, prompt, rounds, **kw)  # warm-up
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     generate(target, draft, prompt, rounds + 1, streamer=_ProfileRounds(prof), **kw)

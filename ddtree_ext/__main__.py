@@ -164,7 +164,6 @@ def _generate(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        eos_token_id=target.generation_config.eos_token_id,
         streamer=TextStreamer(tokenizer, skip_prompt=True),
         return_stats=True,
     )

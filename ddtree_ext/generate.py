@@ -149,7 +149,8 @@ def generate(
         draft: a :class:`ddtree_ext.draft.DFlashDraftModel` trained for this target; ``None`` (or
             anything: it is unused) for ``method="autoregressive"``.
         input_ids: [1, T] integer token ids (T >= 1), on any device (moved to the target's).
-        max_new_tokens: exact number of tokens to generate unless EOS comes first (>= 1).
+        max_new_tokens: exact number of tokens to generate unless EOS comes first (>= 1). The caches are
+            allocated for prompt + max_new_tokens (plus one verify block) when the call starts.
         method: "ddtree" (a tree of ``tree_budget`` nodes plus the root per round), "dflash" (the
             draft's top-1 block as one chain of ``block_size - 1`` nodes; ``tree_budget``, ``spine``
             and ``draft_top_k`` are ignored) or "autoregressive" (one target step per token).
@@ -160,15 +161,18 @@ def generate(
             tokens are those of HF's warpers, ties at the top_k cut included; a group of equal logits at the
             top_p cut is kept whole, where HF keeps whichever part its sort ranks higher.
         eos_token_id: an id or a list of ids; generation stops after the first one emitted (the EOS
-            is included in the output). None (the default) never stops early: the target's
-            generation_config is not consulted, here or for logits processing (a UserWarning names the settings
+            is included in the output). None (the default) takes the target's
+            ``generation_config.eos_token_id``, as HF's ``generate`` does (none there: no early stop); an empty
+            list never stops early. Nothing else of the generation_config is read: not its sampling settings
+            (``temperature`` here is 0 unless given), not its logits processing (a UserWarning names the settings
             of it that HF's greedy generate would apply, e.g. repetition_penalty).
         seed: seeds the uniforms of sampling (reproducible output); None draws the seed from
             torch's global generator, so ``torch.manual_seed`` also makes a run reproducible. The uniforms come
             from torch's CPU generator, which keeps 32 bits of a seed: seeds equal modulo 2**32 draw alike.
         attention_mask: accepted only when all ones (no padding), as [1, T].
-        streamer: an HF streamer (e.g. ``transformers.TextStreamer``): receives the prompt, then
-            the new tokens of every round, then ``end()``.
+        streamer: an HF streamer (e.g. ``transformers.TextStreamer``): receives the prompt ([1, T] int64 on the
+            CPU), then the new tokens of every round ([1, n], as HF's assisted decoding streams them), then
+            ``end()``.
         return_stats: also return a :class:`GenerationStats`.
         spine: DDTree only: force the draft's top-1 chain into the tree before best-first.
         draft_top_k: DDTree only: candidates per depth the tree is built from (at least 1; more than the
@@ -187,7 +191,8 @@ def generate(
         budget outside 1..256, a negative temperature or one in (0, 1e-5) (logits / temperature would
         overflow float32), top_p outside (0, 1], a negative top_k (one beyond the vocabulary keeps every
         token), a bool where a number is expected, a non-bool spine or return_stats, an EOS id outside the
-        vocabulary, a streamer without put() and end(), a draft that is not a DFlashDraftModel, a
+        vocabulary (given, or the generation_config's when none is), a streamer without put() and end(), a
+        draft that is not a DFlashDraftModel, a
         non-integer/empty/out-of-vocabulary prompt or one that is not [1, T] (batch > 1 is not supported
         yet), an attention_mask with padding, a prompt plus max_new_tokens (plus ``block_size - 1`` for the
         draft methods, see :func:`_check_prompt`) beyond the target's max_position_embeddings, a draft that
@@ -206,6 +211,8 @@ def generate(
     if method == "autoregressive":
         draft = None  # a draft passed along is not used, so not checked or held either
     adapter = _as_adapter(target, draft)
+    if eos_token_id is None:
+        eos = _config_eos_set(adapter)
     _warn_unapplied_processing(adapter.model)
     # Every decoder layer too: two models may share layers under different roots.
     held = [adapter.text_model, *adapter.text_model.layers, adapter.lm_head, draft]
@@ -256,7 +263,10 @@ def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, te
                 break
         out_tokens.extend(tokens)
         if streamer is not None:
-            streamer.put(torch.tensor(tokens, dtype=torch.long))
+            # [1, n] as HF's assisted decoding streams a step's tokens (a 1-D put is one token per batch row there),
+            # made outside the rounds' inference mode so that a streamer may use it as any tensor.
+            with torch.inference_mode(False):
+                streamer.put(torch.tensor([tokens], dtype=torch.long))
         return done
 
     # Cache slots: the committed tokens (at most prompt + max_new_tokens - 1 before the last round)
@@ -646,9 +656,12 @@ def _check_prompt(
     if lo < 0 or hi >= adapter.vocab_size:
         raise ValueError(f"generate: input_ids must lie in [0, {adapter.vocab_size}), got values in [{lo}, {hi}]")
     if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
-            shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
-            raise ValueError(f"generate: attention_mask must have the shape of input_ids {list(input_ids.shape)}, got {shape}")
+        if not isinstance(attention_mask, torch.Tensor):
+            raise ValueError(f"generate: attention_mask must be a torch.Tensor of the shape of input_ids "
+                             f"{list(input_ids.shape)}, got {type(attention_mask).__name__}")
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"generate: attention_mask must have the shape of input_ids {list(input_ids.shape)}, "
+                             f"got {list(attention_mask.shape)}")
         if not bool((attention_mask != 0).all()):
             raise ValueError("generate: attention_mask has zeros (padding), which is not supported yet: pass unpadded ids")
     limit = adapter.max_position_embeddings
@@ -659,6 +672,25 @@ def _check_prompt(
             f"the target's max_position_embeddings ({limit})"
         )
     return input_ids.to(device=adapter.device, dtype=torch.long)
+
+
+def _config_eos_set(adapter: "TargetAdapter") -> frozenset:
+    """The EOS ids of the target's generation_config (where HF's generate takes them when none are passed)."""
+    config_eos = getattr(getattr(adapter.model, "generation_config", None), "eos_token_id", None)
+    try:
+        eos = _eos_set(config_eos)
+    except ValueError:
+        raise ValueError(
+            f"generate: eos_token_id was not given, and the target's generation_config.eos_token_id is not an int "
+            f">= 0 or a list of them ({config_eos!r}): pass eos_token_id (an empty list never stops early)"
+        ) from None
+    if any(i >= adapter.vocab_size for i in eos):
+        raise ValueError(
+            f"generate: eos_token_id was not given, and the target's generation_config.eos_token_id "
+            f"{sorted(eos)} does not lie in [0, {adapter.vocab_size}): pass eos_token_id (an empty list never stops "
+            f"early)"
+        )
+    return eos
 
 
 def _eos_set(eos_token_id) -> frozenset:

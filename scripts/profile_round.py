@@ -75,7 +75,8 @@ def run(args) -> None:
     # first - 1, see _ProfileOneRound). Enough tokens that the generation lasts past it, with rounds launched ahead,
     # even where every round accepts a whole block.
     first = 2 + round_module.EAGER_ROUNDS_BEFORE_CAPTURE + args.skip
-    kw = dict(method=args.method, tree_budget=max(args.budget, 1), cuda_graph=True, return_stats=True)
+    kw = dict(method=args.method, tree_budget=max(args.budget, 1), cuda_graph=True, return_stats=True,
+              eos_token_id=[])  # no EOS stop (a checkpoint's generation_config may name one): the profiled round runs
     if args.timeline:
         from torch.profiler import ProfilerActivity, profile
 

@@ -417,11 +417,12 @@ def test_eos_inside_an_accepted_path(ahead, request):
 
 class RecordingStreamer:
     def __init__(self):
-        self.puts, self.ended = [], 0
+        self.puts, self.values, self.ended = [], [], 0
 
     def put(self, value):
         assert self.ended == 0
         self.puts.append(value.clone())
+        self.values.append(value)
 
     def end(self):
         self.ended += 1
@@ -434,8 +435,11 @@ def test_streamer_receives_prompt_then_new_tokens():
     out = generate(target, draft, ids, 50, streamer=streamer)
     assert streamer.ended == 1
     assert torch.equal(streamer.puts[0], ids)  # the prompt first, [1, T], as HF does
-    assert all(p.dim() == 1 and p.dtype == torch.int64 for p in streamer.puts[1:])
-    assert torch.equal(torch.cat(streamer.puts[1:]), out[0, PROMPT_LEN:])
+    # Each round's tokens as [1, n], as HF's assisted decoding streams them, as ordinary (not inference) tensors.
+    assert all(p.dim() == 2 and p.shape[0] == 1 and p.dtype == torch.int64 for p in streamer.puts[1:])
+    assert not any(p.is_inference() for p in streamer.values[1:])
+    assert any(p.shape[1] > 1 for p in streamer.puts[1:])  # rounds that accepted several tokens
+    assert torch.equal(torch.cat(streamer.puts[1:], dim=1), out[:, PROMPT_LEN:])
     assert len(streamer.puts) > 2
 
 
@@ -719,6 +723,46 @@ def test_eos_ids_from_a_one_shot_iterable_and_top_k_beyond_the_vocabulary():
     vocab = target.config.vocab_size
     sampled = [generate(target, draft, ids, 12, temperature=0.8, top_k=k, seed=5) for k in (vocab, 2**70)]
     assert torch.equal(sampled[0], sampled[1])
+
+
+def test_eos_from_the_targets_generation_config(monkeypatch):
+    """With no eos_token_id, generation stops where HF's own generate stops: at the generation_config's EOS (an id or
+    a list), in every method; an explicit id replaces it, and an empty list never stops early."""
+    target, draft = pair(AGREEING, HYBRID)
+    ids = pair_prompt(AGREEING, HYBRID, 13)
+    full = hf_greedy(AGREEING, HYBRID, 13, 40)
+    new = full[0, PROMPT_LEN:].tolist()
+    eos_at = next(i for i in range(5, len(new)) if new[i] not in new[:i])
+    unused = next(t for t in range(target.config.vocab_size) if t not in new)
+    for config_eos in (new[eos_at], [unused, new[eos_at]]):
+        monkeypatch.setattr(target.generation_config, "eos_token_id", config_eos)
+        with torch.no_grad():
+            hf = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                 pad_token_id=0)
+        assert_same_tokens(hf, full[:, : PROMPT_LEN + eos_at + 1])  # HF stops there too
+        for method in ("ddtree", "dflash", "autoregressive"):
+            assert_same_tokens(generate(target, draft, ids, 40, method=method), hf)
+            assert_same_tokens(generate(target, draft, ids, 40, method=method, eos_token_id=[]), full)
+        assert_same_tokens(generate(target, draft, ids, 40, eos_token_id=unused), full)
+
+
+@pytest.mark.parametrize("config_eos, message", [
+    (10**6, r"generation_config.eos_token_id \[1000000\] does not lie in \[0, 64\)"),
+    ("</s>", "generation_config.eos_token_id is not an int >= 0 or a list of them"),
+])
+def test_a_bad_eos_in_the_generation_config_is_named(monkeypatch, config_eos, message):
+    target, draft = pair(AGREEING, HYBRID)
+    monkeypatch.setattr(target.generation_config, "eos_token_id", config_eos)
+    with pytest.raises(ValueError, match=message):
+        generate(target, draft, pair_prompt(AGREEING, HYBRID, 13), 8)
+    # an explicit eos_token_id is what the call uses: the config's is not read
+    assert generate(target, draft, pair_prompt(AGREEING, HYBRID, 13), 8, eos_token_id=[]).shape == (1, PROMPT_LEN + 8)
+
+
+def test_attention_mask_of_another_type_is_named():
+    target, draft = pair(RANDOM, HYBRID)
+    with pytest.raises(ValueError, match="attention_mask must be a torch.Tensor .* got list"):
+        generate(target, draft, pair_prompt(RANDOM, HYBRID, 31), 4, attention_mask=[[1] * PROMPT_LEN])
 
 
 def test_all_ones_attention_mask_and_int32_prompt_accepted():
