@@ -13,6 +13,16 @@ Conventions (all ops take a batch dimension B, each row with its own tree):
   Token ids, prefix lengths and positions are int64; node indices, depths and counts are int32.
   ``prefix_len[b]`` is the number of tokens of row b already in the target's caches; node i of the
   verify block sits at cache slot ``prefix_len[b] + i`` with rotary position ``prefix_len[b] + depth[i]``.
+
+Dtypes and layouts:
+  Floating tensors are float32, float16 or bfloat16 ("float" and "one float dtype" below); float64 is refused
+  (``row_argmax`` alone takes it, through torch.argmax). Feature rows (x, q, k, v, logits, caches, ...) need a
+  contiguous last dim only, as each function says. Index and count tensors (parent, accepted, accept_len,
+  prefix_len, slots), per-node values (g, beta, target_token, uniform), the GDN recurrent states and stashes,
+  tree_conv1d's weight, gdn_gates' weights, A_log and dt_bias, and the ``out`` buffers of build_tree, the walks,
+  tree_conv1d and the GDN ops must be contiguous: an expanded tensor (stride 0) is refused, not read. The error
+  names the tensor by the op's own argument name (``node_token`` for a Tree's ``token``, ``mask`` for
+  tree_attention_mask's ``out``).
 """
 
 from __future__ import annotations
@@ -717,7 +727,7 @@ def gdn_gates(
     computes them with its ``in_proj_a`` / ``in_proj_b`` projections.
 
     x [..., F] (last dim contiguous), weight_a, weight_b [HV, F] in x's dtype (the projections' weights,
-    no bias), A_log, dt_bias [HV] (any float dtype) -> (g, beta), both [..., HV] float32. With
+    no bias), A_log, dt_bias [HV] (float, each its own dtype) -> (g, beta), both [..., HV] float32. With
     a = round(x W_a^T) and b = round(x W_b^T) (float32 dot products rounded to x's dtype):
     g = -exp(A_log) * softplus(a + dt_bias) in float32, beta = sigmoid(b) rounded to x's dtype. On CUDA, more
     than 8 rows of bfloat16/float16 take tensor cores (products split over the features, added in a fixed
@@ -834,7 +844,9 @@ def commit_conv_state(
 ) -> None:
     """In place, for every GDN layer l: conv_state[l] [B, C, S] becomes the last S columns of
     [conv_state[l], x[l][b, accepted[b, d]] for d < accept_len[b]], where x[l] [B, N, C] are the verify
-    block's pre-conv inputs."""
+    block's pre-conv inputs (x[l] in conv_state[l]'s float dtype with a contiguous last dim; conv_state[l] any
+    strides); accepted
+    [B, max_accept] int32 and accept_len [B] int32 as :func:`walk_greedy` gives them."""
     load_ops().commit_conv_state(list(conv_state), list(x), accepted, accept_len)
 
 

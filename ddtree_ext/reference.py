@@ -84,7 +84,7 @@ def tree_from_parents(parent: torch.Tensor, token: torch.Tensor, prefix_len: tor
             int(token[b, 0]), int(prefix_len[b]), n - 1, [[int(t) for t in token[b]]] * n,
         )
         rows.append(row)
-    return _stack_rows(rows, parent.device)
+    return _stack_rows(rows, parent.device, n)
 
 
 def build_tree(
@@ -133,11 +133,16 @@ def build_tree(
         rows.append(
             _path_ranks_to_tree(nodes, int(root_token[b]), int(prefix_len[b]), budget, tokens[b].tolist())
         )
-    return _stack_rows(rows, logp.device)
+    return _stack_rows(rows, logp.device, budget + 1)
 
 
-def _stack_rows(rows: List[dict], dev) -> Tree:
+def _stack_rows(rows: List[dict], dev, n: int) -> Tree:
+    """The rows' trees of n nodes as one batch (an empty batch keeps the per-row shapes: [0, n], ...)."""
+    trailing = {"num_nodes": (), "ancestor_mask": (n, (n + 63) // 64)}
+
     def stack(key, dtype):
+        if not rows:
+            return torch.empty((0, *trailing.get(key, (n,))), dtype=dtype, device=dev)
         return torch.tensor([r[key] for r in rows], dtype=dtype, device=dev)
 
     return Tree(
@@ -224,7 +229,8 @@ def tree_gated_delta_rule(
     bsz, n, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
     group = hv // h
-    scale = kd**-0.5 if scale is None else scale
+    if scale is None:
+        scale = kd**-0.5 if kd > 0 else 1.0  # K = 0: no key to scale (the op's rule)
     qf, kf = q.float(), k.float()
     if use_qk_l2norm:
         qf, kf = _l2norm(qf), _l2norm(kf)

@@ -700,3 +700,17 @@ def opcheck_cases():
 def test_opcheck(op_name):
     op, args = opcheck_cases()[op_name]
     torch.library.opcheck(op, args)
+
+
+def test_an_empty_batch_has_the_shapes_of_its_rows():
+    """B = 0: the op's fields and the reference's have the per-row shapes ([0, N], [0, N, W], [0]) and dtypes."""
+    logp, tokens = torch.zeros(0, 3, 2), torch.zeros(0, 3, 2, dtype=torch.int64)
+    empty = torch.zeros(0, dtype=torch.int64)
+    got = ops.build_tree(logp, tokens, empty, empty, 4)
+    want = reference.build_tree(logp, tokens, empty, empty, 4)
+    from_parents = reference.tree_from_parents(torch.zeros(0, 5, dtype=torch.int32), torch.zeros(0, 5, dtype=torch.int64),
+                                               empty)
+    for name in Tree._fields:
+        a, b, c = getattr(got, name), getattr(want, name), getattr(from_parents, name)
+        assert a.shape == b.shape == c.shape and a.dtype == b.dtype == c.dtype, name
+    assert got.ancestor_mask.shape == (0, 5, 1) and got.num_nodes.shape == (0,)

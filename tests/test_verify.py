@@ -14,6 +14,7 @@ import torch
 from conftest import assert_close, poison, random_parents
 
 from ddtree_ext import ops, reference
+from ddtree_ext.ops import GDNTreeOutput
 from ddtree_ext._loader import load_ops
 
 hf_qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -526,3 +527,16 @@ def test_wrappers_allocate_outputs(gen):
     for name, t in zip(GDN_OUTPUTS, got):
         assert t.is_contiguous(), name
     assert_gdn_matches(got, reference.tree_gated_delta_rule(q, k, v, g, beta, state, parent), torch.bfloat16)
+
+
+def test_no_key_features_without_a_scale_match_the_reference():
+    """K = 0 with no scale given: the op and its reference agree (the reference divided by zero to scale)."""
+    parent = torch.tensor([[-1, 0, 1]], dtype=torch.int32)
+    args = (torch.randn(1, 3, 1, 0), torch.randn(1, 3, 1, 0), torch.randn(1, 3, 2, 4), -torch.rand(1, 3, 2),
+            torch.rand(1, 3, 2), torch.randn(1, 2, 0, 4), parent)
+    got, want = ops.tree_gated_delta_rule(*args), reference.tree_gated_delta_rule(*args)
+    for name in GDNTreeOutput._fields:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.shape == b.shape, name
+        if a.numel():
+            assert_close(a, b, torch.float32, name=name)
