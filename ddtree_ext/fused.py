@@ -21,6 +21,9 @@ module                     fused forward
                            norm, handed to that layer (:class:`_NormHandoff`)
 =========================  ===================================================
 
+The Qwen3.5 MoE family's classes (``Qwen3_5MoeRMSNorm``, ..., its shared expert ``Qwen3_5MoeMLP``) have the same
+source under another prefix and take the same forwards (:func:`qwen3_5_families`); its routed experts run HF's code.
+
 and every bias-free ``torch.nn.Linear`` (the projections: ``ops.linear`` on a GPU when ``linear_kernel`` is on, which
 it is not by default, since cuBLAS is faster at almost every round shape measured; with ``gemm_tuning.enabled``, the
 cuBLASLt algorithm timed fastest per shape; torch's ``F.linear`` otherwise).
@@ -52,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.nn.modules import module as _torch_module  # its global hook registries
@@ -158,13 +161,39 @@ def _norm_params(norm: torch.nn.Module) -> Optional[Tuple[float, bool]]:
 
     if type(norm) is qwen3.Qwen3RMSNorm:
         return norm.variance_epsilon, False
-    try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
-    except ImportError:
-        return None
-    if type(norm) is qwen3_5.Qwen3_5RMSNorm:
+    if any(type(norm) is family.cls("RMSNorm") for family in qwen3_5_families()):
         return norm.eps, True
     return None
+
+
+class _Family(NamedTuple):
+    """A Qwen3.5 modeling module and the prefix of its class names: the dense and the MoE families define the same
+    attention, GDN, norm and MLP classes (the MoE family's MLP is its shared expert), one source under two names."""
+
+    module: object
+    prefix: str
+
+    def cls(self, name: str) -> type:
+        return getattr(self.module, self.prefix + name)
+
+
+def qwen3_5_families() -> Tuple[_Family, ...]:
+    """The Qwen3.5 families (dense ``qwen3_5``, MoE ``qwen3_5_moe``) this transformers install has."""
+    import importlib
+
+    families = []
+    for name, prefix in (("qwen3_5", "Qwen3_5"), ("qwen3_5_moe", "Qwen3_5Moe")):
+        try:
+            family = _Family(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), prefix)
+        except ImportError:  # a transformers without it
+            continue
+        if all(hasattr(family.module, prefix + c) for c in _FAMILY_CLASSES):
+            families.append(family)
+    return tuple(families)
+
+
+# The classes of a Qwen3.5 family that the fused forwards stand in for.
+_FAMILY_CLASSES = ("RMSNorm", "RMSNormGated", "MLP", "Attention", "DecoderLayer")
 
 
 def _plain_module(module: torch.nn.Module) -> bool:
@@ -287,6 +316,8 @@ def _decoder_forward(layer, signature, var_keyword, cache_name, mixer_cache, nex
         mixed, _ = layer.self_attn(hidden_states=normed, **arguments, **extra)
     normed, residual = add_norm(layer.post_attention_layernorm, mixed, residual)
     mlp_out = layer.mlp(normed)
+    if isinstance(mlp_out, tuple):  # a sparse MoE block that also returns its router logits, as HF's body unpacks
+        mlp_out = mlp_out[0]
 
     # No handover to a layer that keeps its stock forward (an accelerate hook), whose norm is not folded (hooks), on
     # another device, or, without a version counter to see an in-place pre-hook, with pre-hooks.
@@ -349,19 +380,14 @@ def _stackable_classes() -> Dict[type, Tuple[str, ...]]:
         qwen3.Qwen3Attention: ("q_proj", "k_proj", "v_proj"), qwen3.Qwen3MLP: ("gate_proj", "up_proj"),
         DFlashAttention: ("q_proj", "k_proj", "v_proj"),
     }
-    try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
-    except ImportError:
-        return table
     # Not a GDN layer's qkv and z: apart, z runs on a side stream beside the qkv GEMM and the latency-bound conv and
     # delta rule after it, and the H200 measured the stacked GEMM slower end to end (a 27B budget-64 round +0.12 ms,
     # the verify of 17 nodes +0.19 ms, though alone it beats the two side by side: 42.9 against 48.1 us at 16 rows;
     # stacked for a decode step only, a 27B AR step +0.21 ms:
     # benchmarks/results/2026-12-04-h200-draft-qkv-and-kv-store.md).
-    table.update({
-        qwen3_5.Qwen3_5Attention: ("q_proj", "k_proj", "v_proj"),
-        qwen3_5.Qwen3_5MLP: ("gate_proj", "up_proj"),
-    })
+    for family in qwen3_5_families():
+        table.update({family.cls("Attention"): ("q_proj", "k_proj", "v_proj"),
+                      family.cls("MLP"): ("gate_proj", "up_proj")})
     return table
 
 
@@ -1064,18 +1090,15 @@ def _recognised_classes() -> dict:
         qwen3.Qwen3MLP: lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
         qwen3.Qwen3Attention: functools.partial(_attention_swaps, gated=False),
     }
-    try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
-    except ImportError:  # a transformers without Qwen3.5
-        return table
-    table.update({
-        qwen3_5.Qwen3_5RMSNorm: lambda m: functools.partial(_norm_forward, m, *_norm_params(m)),
-        qwen3_5.Qwen3_5RMSNormGated: lambda m: (
-            functools.partial(_gated_norm_forward, m) if getattr(m, "activation", "silu") == "silu" else None
-        ),
-        qwen3_5.Qwen3_5MLP: lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
-        qwen3_5.Qwen3_5Attention: functools.partial(_attention_swaps, gated=True),
-    })
+    for family in qwen3_5_families():
+        table.update({
+            family.cls("RMSNorm"): lambda m: functools.partial(_norm_forward, m, *_norm_params(m)),
+            family.cls("RMSNormGated"): lambda m: (
+                functools.partial(_gated_norm_forward, m) if getattr(m, "activation", "silu") == "silu" else None
+            ),
+            family.cls("MLP"): lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
+            family.cls("Attention"): functools.partial(_attention_swaps, gated=True),
+        })
     return table
 
 
@@ -1083,12 +1106,7 @@ def _decoder_classes() -> tuple:
     """The HF decoder-layer classes whose bodies :func:`_decoder_forward` follows."""
     from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
-    classes = [qwen3.Qwen3DecoderLayer]
-    try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
-    except ImportError:
-        return tuple(classes)
-    return (*classes, qwen3_5.Qwen3_5DecoderLayer)
+    return (qwen3.Qwen3DecoderLayer, *(family.cls("DecoderLayer") for family in qwen3_5_families()))
 
 
 def _rotary_patches() -> Tuple[Tuple[object, str, object], ...]:
@@ -1098,11 +1116,9 @@ def _rotary_patches() -> Tuple[Tuple[object, str, object], ...]:
     import importlib
 
     patches = []
-    for name in ("transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_5.modeling_qwen3_5"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
+    modules = [importlib.import_module("transformers.models.qwen3.modeling_qwen3")]
+    modules += [family.module for family in qwen3_5_families()]
+    for module in modules:
         stock = getattr(module, "apply_rotary_pos_emb", None)
         if stock is not None:
             patches.append((module, "apply_rotary_pos_emb", functools.partial(_apply_rotary_pos_emb, stock)))

@@ -143,8 +143,8 @@ def generate(
     """Generate ``max_new_tokens`` tokens (fewer if EOS) after ``input_ids``, exactly as the target would.
 
     Args:
-        target: a loaded Hugging Face model (Qwen3ForCausalLM, Qwen3_5ForCausalLM, or
-            Qwen3_5ForConditionalGeneration with a text prompt), or a ready
+        target: a loaded Hugging Face model (Qwen3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, or
+            Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration with a text prompt), or a ready
             :class:`ddtree_ext.target.TargetAdapter` (its taps must be the draft's target layers).
         draft: a :class:`ddtree_ext.draft.DFlashDraftModel` trained for this target; ``None`` (or
             anything: it is unused) for ``method="autoregressive"``.
@@ -179,8 +179,8 @@ def generate(
             vocabulary takes the whole vocabulary).
         cuda_graph: replay each round from CUDA graphs (captured per attention width, see
             :mod:`ddtree_ext.round`); None (default) = on when the whole target sits on one CUDA
-            device, False = run every stage eagerly (same buffers, same kernels, same output),
-            True = required (ValueError if the target is not on one CUDA device).
+            device and has no sparse MoE layers, False = run every stage eagerly (same buffers, same kernels,
+            same output), True = required (ValueError if the target is not on one CUDA device, or is a MoE).
 
     Returns:
         int64 [1, T + new] on the target's device (prompt then new tokens), like HF ``generate``;
@@ -197,7 +197,7 @@ def generate(
         yet), an attention_mask with padding, a prompt plus max_new_tokens (plus ``block_size - 1`` for the
         draft methods, see :func:`_check_prompt`) beyond the target's max_position_embeddings, a draft that
         does not match the target (shapes, or the dtype or device of any of its weights), an unsupported
-        target architecture, or ``cuda_graph=True`` for a target not on one CUDA device.
+        target architecture, or ``cuda_graph=True`` for a target not on one CUDA device or with sparse MoE layers.
 
     Calls on the same target or draft (or layers of one) from several threads take turns: a call swaps forwards
     on the models' modules while it runs (for its own thread only: HF's forward on the model from another thread
@@ -400,13 +400,18 @@ def _use_graphs(cuda_graph: Optional[bool], adapter: "TargetAdapter") -> bool:
     """Whether rounds replay CUDA graphs (see ``generate``'s ``cuda_graph``)."""
     if cuda_graph is not None and not isinstance(cuda_graph, bool):
         raise ValueError(f"generate: cuda_graph must be None, True or False, got {cuda_graph!r}")
+    if cuda_graph and adapter.is_moe:
+        raise ValueError(
+            f"generate: cuda_graph=True: the target's sparse MoE layers ({type(adapter.model).__name__}) run eager "
+            f"rounds only (HF's experts forward is not captured in CUDA graphs); pass cuda_graph=None or False"
+        )
     possible = adapter.device.type == "cuda" and adapter.single_device
     if cuda_graph and not possible:
         raise ValueError(
             f"generate: cuda_graph=True needs the whole target on one CUDA device; it is on "
             f"{sorted({str(d) for d in adapter.layer_devices} | {str(adapter.device)})}"
         )
-    return possible if cuda_graph is None else cuda_graph
+    return possible and not adapter.is_moe if cuda_graph is None else cuda_graph
 
 
 # ---- the acceptance rule ---------------------------------------------------------------------

@@ -21,7 +21,8 @@ round can be captured in a CUDA graph and replayed (``ddtree_ext.round``).
 A target split over several GPUs (``device_map``) works in the eager path: each layer's buffers live on
 that layer's device, and the tree tables, mask and walk are copied to it.
 
-What this relies on in transformers (checked on 5.17 and 5.24):
+What this relies on in transformers (checked on 5.17 and 5.24; the MoE family, Qwen3_5Moe*, on 5.24 only, where its
+attention, GDN, norm and MLP classes have the dense family's source, and the sparse MoE block is called as it is):
 
 * The attention layers' only use of the cache is ``cache.update(key, value, layer_idx, ...)`` returning
   the K/V to attend over; the text models create a ``DynamicCache`` only when given none.
@@ -70,7 +71,12 @@ _ops = ops
 # either way; ``benchmarks/e2e.py --no-fused-gdn-conv`` turns it off for A/B runs.
 fuse_gdn_conv = True
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = (
+    "Qwen3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+# The multimodal wrappers keep their text model one level deeper; prompts are text only.
+_MULTIMODAL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 _FULL_ATTENTION = "full_attention"
 _LINEAR_ATTENTION = "linear_attention"
@@ -219,8 +225,7 @@ class TargetAdapter:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         self.model = model
-        # Qwen3_5ForConditionalGeneration keeps its text model one level deeper; prompts are text only.
-        self.text_model = model.model.language_model if arch == "Qwen3_5ForConditionalGeneration" else model.model
+        self.text_model = model.model.language_model if arch in _MULTIMODAL_ARCHITECTURES else model.model
         self.config = self.text_model.config
         self.embed_tokens = self.text_model.embed_tokens
         self.lm_head = model.lm_head
@@ -237,6 +242,9 @@ class TargetAdapter:
                 f"{_LINEAR_ATTENTION!r}; e.g. sliding-window attention would need a windowed tree mask)"
             )
         self.is_hybrid = _LINEAR_ATTENTION in self.layer_types
+        # Sparse MoE MLPs (Qwen3.5/3.6 MoE): HF's experts forward runs as it is, in every path. Its eager form reads
+        # which experts a batch hits on the host, which a CUDA graph cannot capture, so these rounds run eagerly.
+        self.is_moe = any(hasattr(layer.mlp, "experts") for layer in self.text_model.layers)
         self.attention_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _FULL_ATTENTION]
         self.gdn_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _LINEAR_ATTENTION]
         if not self.attention_layer_ids:

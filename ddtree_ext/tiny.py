@@ -78,6 +78,25 @@ def tiny_qwen3_5_config(
     return Qwen3_5TextConfig(**kw)
 
 
+def tiny_qwen3_5_moe_config(*, num_experts: int = 8, num_experts_per_tok: int = 2, **overrides):
+    """A small Qwen3.5 MoE (GDN hybrid with sparse MoE MLPs, Qwen3.6-35B-A3B's family) text config: the layers of
+    :func:`tiny_qwen3_5_config` (same keywords) with ``num_experts`` routed experts, ``num_experts_per_tok`` of them
+    per token, and a shared expert."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    dense = tiny_qwen3_5_config(**overrides).to_dict()
+    names = set(Qwen3_5MoeTextConfig().to_dict()) - {"architectures", "model_type", "transformers_version", "dtype"}
+    kw = {name: dense[name] for name in names if name in dense}
+    kw.pop("intermediate_size", None)
+    return Qwen3_5MoeTextConfig(
+        **kw, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, attn_implementation="sdpa",
+    )
+
+
+TINY_FAMILIES = ("qwen3", "qwen3_5", "qwen3_5_moe")
+
+
 def make_tiny_target(
     family: str = "qwen3_5",
     *,
@@ -87,7 +106,8 @@ def make_tiny_target(
     lm_head_range: float | None = None,
     **config_kw,
 ):
-    """A tiny random target: ``family`` is "qwen3" (Qwen3ForCausalLM) or "qwen3_5" (Qwen3_5ForCausalLM).
+    """A tiny random target: ``family`` is "qwen3" (Qwen3ForCausalLM), "qwen3_5" (Qwen3_5ForCausalLM) or
+    "qwen3_5_moe" (Qwen3_5MoeForCausalLM).
     Weights come from the model's own initialiser under ``torch.manual_seed(seed)`` with std
     ``initializer_range``; the LM head is then rescaled to std ``lm_head_range`` (default: unchanged).
     The default 0.2 (wider than HF's 0.02) gives peaked outputs that depend chaotically on the whole
@@ -98,8 +118,12 @@ def make_tiny_target(
         cls, config = Qwen3ForCausalLM, tiny_qwen3_config(**config_kw)
     elif family == "qwen3_5":
         cls, config = Qwen3_5ForCausalLM, tiny_qwen3_5_config(**config_kw)
+    elif family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForCausalLM
+
+        cls, config = Qwen3_5MoeForCausalLM, tiny_qwen3_5_moe_config(**config_kw)
     else:
-        raise ValueError(f"make_tiny_target: family must be 'qwen3' or 'qwen3_5', got {family!r}")
+        raise ValueError(f"make_tiny_target: family must be one of {TINY_FAMILIES}, got {family!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         config.initializer_range = initializer_range
@@ -113,7 +137,7 @@ def make_tiny_target(
 # Per family: small enough that the current token's embedding dominates the residual stream (the
 # layers add roughly initializer_range * hidden_size relative to it), large enough that the context
 # still decides about a fifth of the greedy tokens at depth 1 (GDN layers add less than attention).
-PREDICTABLE_INITIALIZER_RANGE = {"qwen3": 0.005, "qwen3_5": 0.015}
+PREDICTABLE_INITIALIZER_RANGE = {"qwen3": 0.005, "qwen3_5": 0.015, "qwen3_5_moe": 0.015}
 
 
 def make_predictable_target(family: str = "qwen3_5", *, seed: int = 0, vocab_size: int = 64, **kw):
@@ -125,7 +149,7 @@ def make_predictable_target(family: str = "qwen3_5", *, seed: int = 0, vocab_siz
     exits depend on the context, over a 64-token vocabulary; the LM head keeps std 0.2 for peaked
     output distributions. Other arguments go to :func:`make_tiny_target`."""
     if family not in PREDICTABLE_INITIALIZER_RANGE:
-        raise ValueError(f"make_predictable_target: family must be 'qwen3' or 'qwen3_5', got {family!r}")
+        raise ValueError(f"make_predictable_target: family must be one of {TINY_FAMILIES}, got {family!r}")
     kw.setdefault("initializer_range", PREDICTABLE_INITIALIZER_RANGE[family])
     kw.setdefault("lm_head_range", 0.2)
     return make_tiny_target(family, seed=seed, vocab_size=vocab_size, **kw)

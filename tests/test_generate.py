@@ -36,6 +36,8 @@ TARGETS = {
     "qwen3": dict(family="qwen3"),
     "qwen3_5-lllf-gva3": dict(family="qwen3_5", layer_types=(LIN, LIN, LIN, FULL), value_heads_per_key_head=3),
     "qwen3_5-lflf-gva1": dict(family="qwen3_5", layer_types=(LIN, FULL, LIN, FULL), value_heads_per_key_head=1),
+    # Qwen3.6-35B-A3B's family: the hybrid's layers with sparse MoE MLPs (8 experts, 2 a token, a shared expert)
+    "qwen3_5_moe-lllf-gva3": dict(family="qwen3_5_moe", layer_types=(LIN, LIN, LIN, FULL), value_heads_per_key_head=3),
 }
 HYBRID = "qwen3_5-lllf-gva3"
 BUDGETS = (1, 4, 16, 64, MAX_TREE_BUDGET)
@@ -253,25 +255,29 @@ def test_tree_accepts_at_least_the_chain_each_round(name):
     assert dflash.accept_lengths[0] == chain[0]
 
 
-def tiny_conditional_generation():
-    """A tiny Qwen3_5ForConditionalGeneration (the Qwen3.6-27B checkpoint class) with a small vision tower."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+def tiny_conditional_generation(family: str = "qwen3_5"):
+    """A tiny Qwen3_5ForConditionalGeneration (the Qwen3.6-27B checkpoint class) with a small vision tower, or with
+    ``family="qwen3_5_moe"`` its MoE twin (Qwen3.6-35B-A3B's class)."""
+    import transformers
 
-    from ddtree_ext.tiny import tiny_qwen3_5_config
+    from ddtree_ext.tiny import tiny_qwen3_5_config, tiny_qwen3_5_moe_config
 
-    text = tiny_qwen3_5_config(layer_types=(LIN, LIN, LIN, FULL), initializer_range=0.2)
+    prefix, make_text = ("Qwen3_5", tiny_qwen3_5_config) if family == "qwen3_5" else ("Qwen3_5Moe", tiny_qwen3_5_moe_config)
+    text = make_text(layer_types=(LIN, LIN, LIN, FULL), initializer_range=0.2)
     vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=text.hidden_size)
+    config = getattr(transformers, prefix + "Config")(text_config=text.to_dict(), vision_config=vision)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(4)
-        return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.to_dict(), vision_config=vision)).eval()
+        return getattr(transformers, prefix + "ForConditionalGeneration")(config).eval()
 
 
-def test_conditional_generation_target(tmp_path, capsys):
-    """Text prompts on the vision-language class: exact against its own generate, and the CLI loads such a
-    checkpoint through AutoModelForImageTextToText."""
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_conditional_generation_target(tmp_path, capsys, family):
+    """Text prompts on the vision-language class (dense and MoE): exact against its own generate, and the CLI loads
+    such a checkpoint through AutoModelForImageTextToText."""
     from ddtree_ext.__main__ import main
 
-    target = tiny_conditional_generation()
+    target = tiny_conditional_generation(family)
     draft = make_tiny_draft(target, seed=1)
     ids = prompt(41, target.config.get_text_config().vocab_size)
     with torch.no_grad():
@@ -285,6 +291,32 @@ def test_conditional_generation_target(tmp_path, capsys):
     assert main(["generate", "--target", str(tmp_path), "--method", "autoregressive", "--max-new-tokens", "5",
                  "--device", "cpu"]) == 0
     assert "autoregressive: 5 new tokens" in capsys.readouterr().out
+
+
+def test_moe_targets_run_eager_rounds_only():
+    """A sparse-MoE target (HF's experts forward reads its expert hits on the host): cuda_graph=True is refused before
+    any forward, naming the class; None and False run the eager rounds, exactly."""
+    target, draft = pair(RANDOM, "qwen3_5_moe-lllf-gva3")
+    ids = pair_prompt(RANDOM, "qwen3_5_moe-lllf-gva3", 31)
+    assert TargetAdapter(target).is_moe and not TargetAdapter(pair(RANDOM, HYBRID)[0]).is_moe
+    with pytest.raises(ValueError, match=r"cuda_graph=True: the target's sparse MoE layers \(Qwen3_5MoeForCausalLM\)"):
+        generate(target, draft, ids, 8, cuda_graph=True)
+    ref = hf_greedy(RANDOM, "qwen3_5_moe-lllf-gva3", 31, 20)
+    for cuda_graph in (None, False):
+        out, stats = generate(target, draft, ids, 20, cuda_graph=cuda_graph, return_stats=True)
+        assert_same_tokens(out, ref)
+        assert not any(stats.round_replayed)
+
+
+def test_moe_block_returning_router_logits(monkeypatch):
+    """Some transformers versions' sparse MoE blocks return (hidden states, router logits), which HF's decoder layer
+    unpacks: the fused layer body does too."""
+    target, draft = pair(RANDOM, "qwen3_5_moe-lllf-gva3")
+    block = type(target.model.layers[0].mlp)
+    stock = block.forward
+    monkeypatch.setattr(block, "forward", lambda self, x: (stock(self, x), torch.zeros(1)))
+    ids = pair_prompt(RANDOM, "qwen3_5_moe-lllf-gva3", 31)
+    assert_same_tokens(generate(target, draft, ids, 12), hf_greedy(RANDOM, "qwen3_5_moe-lllf-gva3", 31, 12))
 
 
 def test_cli_tune_gemms_switches_gemm_tuning_on(tmp_path, capsys, monkeypatch):

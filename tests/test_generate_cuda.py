@@ -60,6 +60,20 @@ def test_greedy_on_cuda_equals_hf_generate(family, method, budget, cuda_graph):
         assert stats.graph_captures == 0
 
 
+@pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("dflash", 1), ("ddtree", 64)])
+def test_moe_target_on_cuda_equals_hf_generate(method, budget):
+    """A sparse-MoE hybrid (Qwen3.6-35B-A3B's family) on the GPU: its rounds run eagerly by default (HF's experts
+    forward is not captured), through the CUDA GDN and attention ops, and give the target's own greedy output."""
+    target, draft = cuda_pair("qwen3_5_moe")
+    out, stats = generate(target, draft, PROMPT.cuda(), NEW_TOKENS, method=method, tree_budget=budget,
+                          return_stats=True)
+    diff = (out != hf_greedy("qwen3_5_moe"))[0].nonzero()
+    assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"
+    assert stats.graph_captures == 0 and not any(stats.round_replayed)
+    if method != "autoregressive":
+        assert stats.tau > 1.5, stats.summary()
+
+
 @pytest.mark.parametrize("same_as", ["capture", "side"])
 def test_stage_timing_when_the_stream_pool_repeats_a_stream(same_as, monkeypatch):
     """A captured round records its stage timing events on a stream of its own, unless the stream pool handed that
