@@ -21,12 +21,11 @@ module                     fused forward
                            norm, handed to that layer (:class:`_NormHandoff`)
 =========================  ===================================================
 
-The Qwen3.5 MoE family's classes (``Qwen3_5MoeRMSNorm``, ..., its shared expert ``Qwen3_5MoeMLP``) have the same
-source under another prefix and take the same forwards (:func:`qwen3_5_families`); its routed experts run HF's code.
-
 and every bias-free ``torch.nn.Linear`` (the projections: ``ops.linear`` on a GPU when ``linear_kernel`` is on, which
 it is not by default, since cuBLAS is faster at almost every round shape measured; with ``gemm_tuning.enabled``, the
 cuBLASLt algorithm timed fastest per shape; torch's ``F.linear`` otherwise).
+The Qwen3.5 MoE family's classes (``Qwen3_5MoeRMSNorm``, ..., its shared expert ``Qwen3_5MoeMLP``) have the same
+source under another prefix and take the same forwards (:func:`_qwen3_5_families`); its routed experts run HF's code.
 For the attention layers:
 
 * the forwards of ``q_proj``, ``k_proj`` and ``v_proj`` (plain Linear layers): on a GPU the q_proj call
@@ -156,14 +155,19 @@ fuse_residual_adds = True
 
 
 def _norm_params(norm: torch.nn.Module) -> Optional[Tuple[float, bool]]:
-    """(eps, zero_centered) of an RMSNorm whose fused forward is ``ops.rms_norm`` (exact classes only), else None."""
+    """(eps, zero_centered) of an RMSNorm whose fused forward is ``ops.rms_norm`` (exact classes only), else None.
+    Called by every fused add and norm: the class sets are looked up once."""
     from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
     if type(norm) is qwen3.Qwen3RMSNorm:
         return norm.variance_epsilon, False
-    if any(type(norm) is family.cls("RMSNorm") for family in qwen3_5_families()):
+    if type(norm) in _zero_centered_norms():
         return norm.eps, True
     return None
+
+
+# The classes of a Qwen3.5 family that the fused forwards stand in for.
+_FAMILY_CLASSES = ("RMSNorm", "RMSNormGated", "MLP", "Attention", "DecoderLayer")
 
 
 class _Family(NamedTuple):
@@ -177,8 +181,10 @@ class _Family(NamedTuple):
         return getattr(self.module, self.prefix + name)
 
 
-def qwen3_5_families() -> Tuple[_Family, ...]:
-    """The Qwen3.5 families (dense ``qwen3_5``, MoE ``qwen3_5_moe``) this transformers install has."""
+@functools.lru_cache(maxsize=None)
+def _qwen3_5_families() -> Tuple[_Family, ...]:
+    """The Qwen3.5 families (dense ``qwen3_5``, MoE ``qwen3_5_moe``) this transformers install has, with every class
+    of _FAMILY_CLASSES."""
     import importlib
 
     families = []
@@ -192,8 +198,9 @@ def qwen3_5_families() -> Tuple[_Family, ...]:
     return tuple(families)
 
 
-# The classes of a Qwen3.5 family that the fused forwards stand in for.
-_FAMILY_CLASSES = ("RMSNorm", "RMSNormGated", "MLP", "Attention", "DecoderLayer")
+@functools.lru_cache(maxsize=None)
+def _zero_centered_norms() -> frozenset:
+    return frozenset(family.cls("RMSNorm") for family in _qwen3_5_families())
 
 
 def _plain_module(module: torch.nn.Module) -> bool:
@@ -385,7 +392,7 @@ def _stackable_classes() -> Dict[type, Tuple[str, ...]]:
     # the verify of 17 nodes +0.19 ms, though alone it beats the two side by side: 42.9 against 48.1 us at 16 rows;
     # stacked for a decode step only, a 27B AR step +0.21 ms:
     # benchmarks/results/2026-12-04-h200-draft-qkv-and-kv-store.md).
-    for family in qwen3_5_families():
+    for family in _qwen3_5_families():
         table.update({family.cls("Attention"): ("q_proj", "k_proj", "v_proj"),
                       family.cls("MLP"): ("gate_proj", "up_proj")})
     return table
@@ -1090,7 +1097,7 @@ def _recognised_classes() -> dict:
         qwen3.Qwen3MLP: lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
         qwen3.Qwen3Attention: functools.partial(_attention_swaps, gated=False),
     }
-    for family in qwen3_5_families():
+    for family in _qwen3_5_families():
         table.update({
             family.cls("RMSNorm"): lambda m: functools.partial(_norm_forward, m, *_norm_params(m)),
             family.cls("RMSNormGated"): lambda m: (
@@ -1106,7 +1113,7 @@ def _decoder_classes() -> tuple:
     """The HF decoder-layer classes whose bodies :func:`_decoder_forward` follows."""
     from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
-    return (qwen3.Qwen3DecoderLayer, *(family.cls("DecoderLayer") for family in qwen3_5_families()))
+    return (qwen3.Qwen3DecoderLayer, *(family.cls("DecoderLayer") for family in _qwen3_5_families()))
 
 
 def _rotary_patches() -> Tuple[Tuple[object, str, object], ...]:
@@ -1117,7 +1124,7 @@ def _rotary_patches() -> Tuple[Tuple[object, str, object], ...]:
 
     patches = []
     modules = [importlib.import_module("transformers.models.qwen3.modeling_qwen3")]
-    modules += [family.module for family in qwen3_5_families()]
+    modules += [family.module for family in _qwen3_5_families()]
     for module in modules:
         stock = getattr(module, "apply_rotary_pos_emb", None)
         if stock is not None:

@@ -162,8 +162,8 @@ def generate(
             top_p cut is kept whole, where HF keeps whichever part its sort ranks higher.
         eos_token_id: an id or a list of ids; generation stops after the first one emitted (the EOS
             is included in the output). None (the default) takes the target's
-            ``generation_config.eos_token_id``, as HF's ``generate`` does (none there: no early stop); an empty
-            list never stops early. Nothing else of the generation_config is read: not its sampling settings
+            ``generation_config.eos_token_id``, as HF's ``generate`` does (none there: no early stop; one that is
+            not a valid id is refused, where HF warns); an empty list never stops early. Nothing else of the generation_config is read: not its sampling settings
             (``temperature`` here is 0 unless given), not its logits processing (a UserWarning names the settings
             of it that HF's greedy generate would apply, e.g. repetition_penalty).
         seed: seeds the uniforms of sampling (reproducible output); None draws the seed from
@@ -285,7 +285,8 @@ def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, te
             draft_top_k=top_k_draft, spine=use_spine, spine_len=spine_len, use_graphs=use_graphs,
         )
         if streamer is not None:  # after the last argument check (new_state's): a refused call streams nothing
-            streamer.put(input_ids.cpu())
+            with torch.inference_mode(False):  # an ordinary tensor, as every put is
+                streamer.put(input_ids.cpu())
         with clock("prefill"):
             logits, context = adapter.prefill(input_ids, state)
             # The first new token: the target's at the last prompt position (a root-only tree there).
@@ -403,7 +404,8 @@ def _use_graphs(cuda_graph: Optional[bool], adapter: "TargetAdapter") -> bool:
     if cuda_graph and adapter.is_moe:
         raise ValueError(
             f"generate: cuda_graph=True: the target's sparse MoE layers ({type(adapter.model).__name__}) run eager "
-            f"rounds only (HF's experts forward is not captured in CUDA graphs); pass cuda_graph=None or False"
+            f"rounds only (HF's experts forward has not been verified under CUDA-graph capture); pass cuda_graph=None "
+            f"or False"
         )
     possible = adapter.device.type == "cuda" and adapter.single_device
     if cuda_graph and not possible:
@@ -411,7 +413,7 @@ def _use_graphs(cuda_graph: Optional[bool], adapter: "TargetAdapter") -> bool:
             f"generate: cuda_graph=True needs the whole target on one CUDA device; it is on "
             f"{sorted({str(d) for d in adapter.layer_devices} | {str(adapter.device)})}"
         )
-    return possible and not adapter.is_moe if cuda_graph is None else cuda_graph
+    return (possible and not adapter.is_moe) if cuda_graph is None else cuda_graph
 
 
 # ---- the acceptance rule ---------------------------------------------------------------------

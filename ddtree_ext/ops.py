@@ -18,7 +18,7 @@ Dtypes and layouts:
   Floating tensors are float32, float16 or bfloat16 ("float" and "one float dtype" below); float64 is refused
   (``row_argmax`` alone takes it, through torch.argmax). Feature rows (x, q, k, v, logits, caches, ...) need a
   contiguous last dim only, as each function says. Index and count tensors (parent, accepted, accept_len,
-  prefix_len, slots), per-node values (g, beta, target_token, uniform), the GDN recurrent states and stashes,
+  slots, the commits' prefix_len), per-node values (g, beta, target_token, uniform), the GDN recurrent states and stashes,
   tree_conv1d's weight, gdn_gates' weights, A_log and dt_bias, and the ``out`` buffers of build_tree, the walks,
   tree_conv1d and the GDN ops must be contiguous: an expanded tensor (stride 0) is refused, not read. The error
   names the tensor by the op's own argument name (``node_token`` for a Tree's ``token``, ``mask`` for

@@ -242,8 +242,10 @@ class TargetAdapter:
                 f"{_LINEAR_ATTENTION!r}; e.g. sliding-window attention would need a windowed tree mask)"
             )
         self.is_hybrid = _LINEAR_ATTENTION in self.layer_types
-        # Sparse MoE MLPs (Qwen3.5/3.6 MoE): HF's experts forward runs as it is, in every path. Its eager form reads
-        # which experts a batch hits on the host, which a CUDA graph cannot capture, so these rounds run eagerly.
+        # Sparse MoE MLPs (Qwen3.5/3.6 MoE; a dense MLP has no experts): HF's experts forward runs as it is, in every
+        # path. Its "eager" implementation reads on the host which experts a batch hits, which a CUDA graph cannot
+        # capture; its default "grouped_mm" is written to be capturable, but no GPU has run it under capture here.
+        # So these rounds run eagerly.
         self.is_moe = any(hasattr(layer.mlp, "experts") for layer in self.text_model.layers)
         self.attention_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _FULL_ATTENTION]
         self.gdn_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _LINEAR_ATTENTION]

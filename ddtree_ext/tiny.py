@@ -1,4 +1,4 @@
-"""Tiny random models of both supported families, for tests and the built-in demo.
+"""Tiny random models of the supported families (Qwen3, Qwen3.5, Qwen3.5 MoE), for tests and the built-in demo.
 
 The model classes are the real transformers ones, built from small configs with seeded random weights
 (nothing is downloaded). Sizes keep the structure that matters: Qwen3.5 hybrids interleave GDN
@@ -81,17 +81,19 @@ def tiny_qwen3_5_config(
 def tiny_qwen3_5_moe_config(*, num_experts: int = 8, num_experts_per_tok: int = 2, **overrides):
     """A small Qwen3.5 MoE (GDN hybrid with sparse MoE MLPs, Qwen3.6-35B-A3B's family) text config: the layers of
     :func:`tiny_qwen3_5_config` (same keywords) with ``num_experts`` routed experts, ``num_experts_per_tok`` of them
-    per token, and a shared expert."""
+    per token, and a shared expert (sizes ``moe_intermediate_size`` 32 and ``shared_expert_intermediate_size`` 48
+    unless given; ``experts_implementation`` picks HF's experts forward)."""
     from transformers import Qwen3_5MoeTextConfig
 
-    dense = tiny_qwen3_5_config(**overrides).to_dict()
+    moe_keys = ("moe_intermediate_size", "shared_expert_intermediate_size", "experts_implementation")
+    moe = {key: overrides.pop(key) for key in moe_keys if key in overrides}
+    dense = tiny_qwen3_5_config(**overrides)
     names = set(Qwen3_5MoeTextConfig().to_dict()) - {"architectures", "model_type", "transformers_version", "dtype"}
-    kw = {name: dense[name] for name in names if name in dense}
-    kw.pop("intermediate_size", None)
-    return Qwen3_5MoeTextConfig(
-        **kw, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, attn_implementation="sdpa",
-    )
+    kw = {name: value for name, value in dense.to_dict().items() if name in names and name != "intermediate_size"}
+    kw.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=32,
+              shared_expert_intermediate_size=48, attn_implementation=dense._attn_implementation)
+    kw.update(moe)
+    return Qwen3_5MoeTextConfig(**kw)
 
 
 TINY_FAMILIES = ("qwen3", "qwen3_5", "qwen3_5_moe")

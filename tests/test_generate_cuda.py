@@ -1,6 +1,6 @@
 """generate() on a GPU: the whole round (draft, CUDA build ops, tree verify through the CUDA GDN ops, walk,
-commit), eager and replayed from CUDA graphs, gives the target's own greedy output for both families, and
-the graph path gives exactly the eager path's output, greedy and sampled. Skipped without CUDA."""
+commit), eager and replayed from CUDA graphs, gives the target's own greedy output for every family (the MoE one
+eagerly), and the graph path gives exactly the eager path's output, greedy and sampled. Skipped without CUDA."""
 
 import functools
 import threading
@@ -64,6 +64,7 @@ def test_greedy_on_cuda_equals_hf_generate(family, method, budget, cuda_graph):
 def test_moe_target_on_cuda_equals_hf_generate(method, budget):
     """A sparse-MoE hybrid (Qwen3.6-35B-A3B's family) on the GPU: its rounds run eagerly by default (HF's experts
     forward is not captured), through the CUDA GDN and attention ops, and give the target's own greedy output."""
+    pytest.importorskip("transformers.models.qwen3_5_moe")
     target, draft = cuda_pair("qwen3_5_moe")
     out, stats = generate(target, draft, PROMPT.cuda(), NEW_TOKENS, method=method, tree_budget=budget,
                           return_stats=True)

@@ -1,4 +1,4 @@
-"""TargetAdapter: tree verify and commit are exact against the stock HF forward, on both families.
+"""TargetAdapter: tree verify and commit are exact against the stock HF forward, on every family.
 
 Every tree check compares against the stock model run on prefix + path-to-node (what the target would
 compute for that node along a chain); every commit check against a fresh state prefilled by the stock
@@ -30,6 +30,12 @@ TARGETS = {
     "qwen3_5-lflf-gva3-eager": dict(
         family="qwen3_5", layer_types=(LIN, FULL, LIN, FULL), value_heads_per_key_head=3, attn_implementation="eager"
     ),
+    # The MoE family (sparse MoE MLPs), with HF's two experts implementations: grouped_mm (its default) and the loop
+    "qwen3_5_moe-lflf-gva3": dict(family="qwen3_5_moe", layer_types=(LIN, FULL, LIN, FULL), value_heads_per_key_head=3),
+    "qwen3_5_moe-lflf-gva3-experts-loop": dict(
+        family="qwen3_5_moe", layer_types=(LIN, FULL, LIN, FULL), value_heads_per_key_head=3,
+        experts_implementation="eager",
+    ),
 }
 TAPS = (2, 0)  # deliberately not sorted: taps are concatenated in the given order
 CAPACITY = 160  # cache slots: prompts, 30 rounds of up to 7 accepted tokens, one tree
@@ -38,7 +44,13 @@ CAPACITY = 160  # cache slots: prompts, 30 rounds of up to 7 accepted tokens, on
 @pytest.fixture(scope="module", params=list(TARGETS), ids=list(TARGETS))
 def adapter(request):
     kw = dict(TARGETS[request.param])
-    return TargetAdapter(make_tiny_target(kw.pop("family"), seed=7, **kw), TAPS)
+    family = kw.pop("family")
+    if family == "qwen3_5_moe":
+        pytest.importorskip("transformers.models.qwen3_5_moe")
+    model = make_tiny_target(family, seed=7, **kw)
+    if "experts_implementation" in kw:
+        assert model.config._experts_implementation == kw["experts_implementation"]
+    return TargetAdapter(model, TAPS)
 
 
 def _tokens(gen, *shape):
