@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -382,10 +381,12 @@ GdnConvBuffers check_gdn_conv_delta_rule(const at::Tensor& x, const at::Tensor& 
                           conv_out.narrow(2, 2 * key_dim, value_heads * vdim).view({bsz, n, value_heads, vdim})}};
   const auto& qkv = buffers.qkv;
   check_tree_gated_delta_rule(qkv[0], qkv[1], qkv[2], g, beta, state, parent, out, stash_u, stash_k, stash_cumg, op);
-  for (const auto& [name, t] : {std::pair{"out", &out}, {"stash_u", &stash_u}, {"stash_k", &stash_k},
-                                {"stash_cumg", &stash_cumg}}) {
-    DDTREE_CHECK(op, !may_overlap(*t, x) && !may_overlap(*t, conv_state), name, " must not overlap x or conv_state");
-  }
+  // The outputs against the conv's inputs (the delta rule's own check saw only the conv's output, which stands in
+  // for q, k and v here).
+  check_outputs_apart(op,
+                      {{"out", &out}, {"stash_u", &stash_u}, {"stash_k", &stash_k}, {"stash_cumg", &stash_cumg},
+                       {"x", &x}, {"conv_state", &conv_state}},
+                      4);
   return buffers;
 }
 

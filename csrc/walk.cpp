@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -83,10 +82,9 @@ void check_walk_greedy(const at::Tensor& node_token, const at::Tensor& target_to
   DDTREE_CHECK_SHAPE(op, target_token, {node_token.size(0), node_token.size(1)});
   DDTREE_CHECK_SAME_DEVICE(op, node_token, target_token);
   DDTREE_CHECK_CONTIGUOUS(op, target_token);
-  for (const auto& [name, t] : {std::pair{"accepted", &accepted}, {"accept_len", &accept_len},
-                                {"next_token", &next_token}}) {
-    DDTREE_CHECK(op, !may_overlap(*t, target_token), name, " must not share memory with target_token");
-  }
+  check_outputs_apart(op, {{"accepted", &accepted}, {"accept_len", &accept_len}, {"next_token", &next_token},
+                           {"target_token", &target_token}},
+                      3);
 }
 
 void check_walk_sample(const at::Tensor& node_token, const at::Tensor& logits, const at::Tensor& uniform,

@@ -200,6 +200,7 @@ def _qwen3_5_families() -> Tuple[_Family, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _zero_centered_norms() -> frozenset:
+    """The Qwen3.5 families' RMSNorm classes (weights stored as offsets from 1)."""
     return frozenset(family.cls("RMSNorm") for family in _qwen3_5_families())
 
 

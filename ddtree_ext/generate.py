@@ -163,9 +163,10 @@ def generate(
         eos_token_id: an id or a list of ids; generation stops after the first one emitted (the EOS
             is included in the output). None (the default) takes the target's
             ``generation_config.eos_token_id``, as HF's ``generate`` does (none there: no early stop; one that is
-            not a valid id is refused, where HF warns); an empty list never stops early. Nothing else of the generation_config is read: not its sampling settings
-            (``temperature`` here is 0 unless given), not its logits processing (a UserWarning names the settings
-            of it that HF's greedy generate would apply, e.g. repetition_penalty).
+            not a valid id is refused, where HF warns); an empty list never stops early. Nothing else of the
+            generation_config is read: not its sampling settings (``temperature`` here is 0 unless given), not its
+            logits processing (a UserWarning names the settings of it that HF's greedy generate would apply, e.g.
+            repetition_penalty).
         seed: seeds the uniforms of sampling (reproducible output); None draws the seed from
             torch's global generator, so ``torch.manual_seed`` also makes a run reproducible. The uniforms come
             from torch's CPU generator, which keeps 32 bits of a seed: seeds equal modulo 2**32 draw alike.

@@ -148,6 +148,16 @@ def test_gdn_outputs_must_not_overlap_inputs():
     out = ops.tree_gated_delta_rule(q, k, v, g, beta, state, parent)
     _refused("tree_gated_delta_rule: stash_cumg must not share memory with beta", lambda: ops.tree_gated_delta_rule(
         q, k, v, g, beta, state, parent, out=ops.GDNTreeOutput(out.out, out.stash_u, out.stash_k, beta)), beta, state)
+    # The fused conv + delta rule: an output in the pre-conv input x (read by the conv after the stashes are written)
+    x = torch.randn(1, 3, 16, generator=gen)  # C = 2 H K + HV V = 2 * 4 + 2 * 4
+    conv_state = torch.randn(1, 16, 3, generator=gen)
+    fused = ops.gdn_conv_delta_rule(x, torch.randn(16, 4, generator=gen), None, conv_state, g, beta, state, parent,
+                                    num_heads=1, head_k_dim=4, head_v_dim=4)
+    for name, host in (("x", x), ("conv_state", conv_state)):
+        aliased = ops.GDNTreeOutput(fused.out, fused.stash_u, fused.stash_k, host.view(-1)[:6].view(1, 3, 2))
+        _refused(f"gdn_conv_delta_rule: stash_cumg must not share memory with {name}", lambda: ops.gdn_conv_delta_rule(
+            x, torch.randn(16, 4), None, conv_state, g, beta, state, parent, num_heads=1, head_k_dim=4,
+            head_v_dim=4, out=aliased), x, conv_state, state)
     x, weight, buffer = torch.randn(1, 3, 5), torch.randn(5, 4), torch.randn(15)
     bias = buffer[:5]  # the first row of out
     _refused("tree_conv1d: out must not overlap bias", lambda: ops.tree_conv1d(
