@@ -45,6 +45,7 @@ from ddtree_ext import target as target_module  # noqa: E402
 from ddtree_ext import round as round_module  # noqa: E402
 from ddtree_ext._loader import load_extension  # noqa: E402
 from ddtree_ext.draft import DFlashDraftModel  # noqa: E402
+from ddtree_ext.generate import _use_graphs  # noqa: E402
 from ddtree_ext.target import TargetAdapter, record_layer_outputs  # noqa: E402
 from ddtree_ext.tiny import tiny_draft_config  # noqa: E402
 
@@ -71,6 +72,19 @@ PRESETS = {
     "27b": _qwen3_5(5120, 17408, 64, 24, 48, [1, 16, 31, 46, 61]),
     "9b": _qwen3_5(4096, 12288, 32, 16, 32, [1, 8, 15, 22, 29]),
     "4b": _qwen3_5(2560, 9216, 32, 16, 32, [1, 8, 15, 22, 29]),
+    # Qwen3.6-35B-A3B / Qwen3.5-35B-A3B: 40 layers of 2048, 256 routed experts of 512 (8 a token) and a shared
+    # expert of 512 per layer, attention 16 / 2 heads of 256, GDN 16 / 32 heads of 128. Its draft's shape is assumed
+    # (the dense drafts' 5 layers, an MLP of 6144).
+    "35b-a3b": dict(
+        family="qwen3_5_moe",
+        target=dict(
+            vocab_size=248320, hidden_size=2048, num_hidden_layers=40, layer_types=[LIN, LIN, LIN, FULL] * 10,
+            num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        ),
+        draft=dict(num_layers=5, intermediate_size=6144, taps=[1, 10, 19, 28, 37], mask_token_id=248070),
+    ),
     "qwen3-8b": dict(
         family="qwen3",
         target=dict(
@@ -107,17 +121,19 @@ TARGETS = {
 
 def build_target(preset: dict, dtype=torch.bfloat16):
     """The preset's target class from its config, random weights initialised on the GPU."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+    import transformers
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     common = dict(max_position_embeddings=262144, tie_word_embeddings=False, attn_implementation="sdpa",
                   initializer_range=0.02)
-    if preset["family"] == "qwen3_5":
-        config = Qwen3_5TextConfig(
+    if preset["family"] in ("qwen3_5", "qwen3_5_moe"):
+        prefix = "Qwen3_5Moe" if preset["family"] == "qwen3_5_moe" else "Qwen3_5"
+        config = getattr(transformers, prefix + "TextConfig")(
             **preset["target"], **common,
             rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                              "mrope_section": [11, 11, 10], "mrope_interleaved": True},
         )
-        cls = Qwen3_5ForCausalLM
+        cls = getattr(transformers, prefix + "ForCausalLM")
     else:
         config = Qwen3Config(**preset["target"], **common, rope_theta=1e6)
         cls = Qwen3ForCausalLM
@@ -147,12 +163,26 @@ def build_draft(target, preset: dict, dtype=torch.bfloat16) -> DFlashDraftModel:
     return draft.eval()
 
 
-def weight_bytes_read(adapter: TargetAdapter) -> int:
-    """Bytes of weights one text forward reads: the text model's parameters but the input embedding
-    table (one row per token), plus the LM head (a vision tower, if any, is not read for text)."""
+def weight_bytes_read(adapter: TargetAdapter, rows: int = 1) -> int:
+    """Bytes of weights one text forward over ``rows`` tokens reads: the text model's parameters but the input
+    embedding table (one row per token), plus the LM head (a vision tower, if any, is not read for text).
+
+    A sparse-MoE layer's routed experts count for the experts its rows reach, expected under uniform routing (each
+    row picks top_k of E experts): E * (1 - (1 - top_k / E) ** rows) of them; one row reads exactly its top_k."""
     embed = adapter.embed_tokens.weight
+    blocks = [layer.mlp for layer in adapter.text_model.layers if hasattr(layer.mlp, "experts")]
+    routed = {id(p) for block in blocks for p in block.experts.parameters()}
     params = {id(p): p for m in (adapter.text_model, adapter.lm_head) for p in m.parameters() if p is not embed}
-    return sum(p.numel() * p.element_size() for p in params.values())
+    total = sum(p.numel() * p.element_size() for key, p in params.items() if key not in routed)
+    for block in blocks:
+        share = 1.0 - (1.0 - block.gate.top_k / block.experts.num_experts) ** rows
+        total += share * sum(p.numel() * p.element_size() for p in block.experts.parameters())
+    return int(total)
+
+
+def use_graphs_by_default(adapter: TargetAdapter) -> bool:
+    """Whether generate() replays CUDA graphs for this target when cuda_graph is left at None."""
+    return _use_graphs(None, adapter)
 
 
 # ---- timing helpers ---------------------------------------------------------------------------
@@ -409,7 +439,7 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
     prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).cuda()
     floor_bytes = weight_bytes_read(adapter)
     floor_ms = 1e3 * floor_bytes / bandwidth
-    family = "qwen3_5" if adapter.is_hybrid else "qwen3"
+    family = "qwen3_5_moe" if adapter.is_moe else "qwen3_5" if adapter.is_hybrid else "qwen3"
     result = dict(preset=name, family=family, build_s=build_s, weight_bytes=floor_bytes,
                   floor_ms=floor_ms, prompt_len=args.prompt_len, runs=[])
     print(f"[{name}] built in {build_s:.1f} s; weights read per forward {floor_bytes / 1e9:.2f} GB, "
@@ -419,11 +449,15 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
     print(f"[{name}] stock HF eager decode step {result['hf_decode_step_ms']:.2f} ms", flush=True)
 
     plans = [("autoregressive", 0), ("dflash", 0)] + [("ddtree", b) for b in args.budgets]
+    # Graph rounds where generate() replays them by default (not for a MoE target: its rounds run eagerly).
+    paths = (True, False) if use_graphs_by_default(adapter) else (False,)
     for method, budget in plans:
-        for graphs in (True, False):
+        for graphs in paths:
             rounds = args.rounds if graphs else args.eager_rounds
             run = measure_generate(adapter, draft, prompt, method=method, budget=max(budget, 1), graphs=graphs,
                                    rounds=rounds)
+            if adapter.is_moe:  # the experts a round reads depend on its rows: the tree's nodes
+                run["weight_bytes"] = weight_bytes_read(adapter, run["budget"] + 1)
             result["runs"].append(run)
             stages = ", ".join(f"{s} {t:.2f}" for s, t in run["stage_ms"].items())
             print(f"[{name}] {method} budget {run['budget']} {'graphs' if graphs else 'eager '}: "
@@ -431,7 +465,8 @@ def run_preset(name: str, args, bandwidth: float) -> dict:
                   f"stages ms: {stages}", flush=True)
     # Sampled rounds, graphs only: the autoregressive step and the tree round at budget 64 (else the largest).
     tree_budget = 64 if 64 in args.budgets else max(args.budgets)
-    for sampling in args.sample or []:
+    samplings = (args.sample or []) if True in paths else []  # the sampled runs time graph rounds
+    for sampling in samplings:
         for method, budget in (("autoregressive", 1), ("ddtree", tree_budget)):
             run = measure_generate(adapter, draft, prompt, method=method, budget=budget, graphs=True,
                                    rounds=args.rounds, sampling=sampling)
@@ -556,6 +591,11 @@ def markdown(report: dict) -> str:
             + " | draft | build | verify | walk | commit |",
             "| --- | ---: | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in TAUS) + " | ---: | ---: | ---: | ---: | ---: |",
         ]
+        if any("floor_ms" in run for run in res["runs"]):
+            lines += ["", "Sparse MoE: each run's x floor is over the weights its rows read, the routed experts counted "
+                      "for the experts its budget + 1 rows are expected to reach under uniform routing (the header's "
+                      "floor is one row's: its top_k experts per layer); rounds run eagerly (generate()'s default for "
+                      "a MoE target).", ""]
         for run in res["runs"]:
             ms = run["round_ms"]
             proj = " | ".join(
@@ -566,7 +606,7 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {run['method']}{sampling_label(run.get('sampling'))} | {run['budget']} | "
                 f"{'graphs' if run['graphs'] else 'eager'} | {ms:.2f} | "
-                f"{ms / floor:.2f} | {run['tau']:.2f} | {1e3 * run['tau'] / ms:.1f} | {proj} | {stages} |"
+                f"{ms / run.get('floor_ms', floor):.2f} | {run['tau']:.2f} | {1e3 * run['tau'] / ms:.1f} | {proj} | {stages} |"
             )
         captured = [r for r in res["runs"] if r.get("captures") and "capture_s" in r]
         if captured:
@@ -717,6 +757,9 @@ def main(argv=None) -> None:
     report["copy_gb_s"], report["copy_gb_s_measured"] = bandwidth / 1e9, [r / 1e9 for r in rates]
     for res in report["presets"]:
         res["floor_ms"] = 1e3 * res["weight_bytes"] / bandwidth
+        for run in res["runs"]:
+            if "weight_bytes" in run:
+                run["floor_ms"] = 1e3 * run["weight_bytes"] / bandwidth
     os.makedirs(args.out, exist_ok=True)
     gpu = report["gpu"].split()[-1].lower()
     stem = os.path.join(args.out, f"{report['date']}-{gpu}-e2e-{'-'.join(presets)}")

@@ -105,6 +105,35 @@ def bench(name, per_op_us, floor_us=1.0):
                                 copy_GBps=4000.0, fp32_TFLOPs=50.0))
 
 
+def test_moe_floor_counts_the_experts_a_run_reaches(e2e):
+    """A sparse-MoE target's floor: one row reads its top_k experts per layer, a tree's rows the experts they are
+    expected to reach (uniform routing); a dense model's floor does not depend on the rows. Each MoE run's x floor is
+    over its own floor."""
+    pytest.importorskip("transformers.models.qwen3_5_moe")
+    from ddtree_ext import tiny
+    from ddtree_ext.target import TargetAdapter
+
+    moe = TargetAdapter(tiny.make_tiny_target("qwen3_5_moe", num_experts=8, num_experts_per_tok=2), [1])
+    blocks = [layer.mlp for layer in moe.text_model.layers]
+    expert_bytes = sum(p.numel() * p.element_size() for b in blocks for p in b.experts.parameters())
+    embed = moe.embed_tokens.weight
+    everything = sum(p.numel() * p.element_size() for m in (moe.text_model, moe.lm_head) for p in m.parameters()
+                     if p is not embed)
+    dense_bytes = everything - expert_bytes
+    assert e2e.weight_bytes_read(moe, 1) == dense_bytes + expert_bytes // 4  # 2 of 8 experts
+    assert e2e.weight_bytes_read(moe, 3) == int(dense_bytes + expert_bytes * (1 - 0.75 ** 3))
+    assert e2e.weight_bytes_read(moe, 200) == everything  # every expert reached (to the byte)
+    dense = TargetAdapter(tiny.make_tiny_target("qwen3_5"), [1])
+    assert e2e.weight_bytes_read(dense, 1) == e2e.weight_bytes_read(dense, 65)
+    assert not e2e.use_graphs_by_default(moe) and not e2e.use_graphs_by_default(dense)  # on the CPU, neither
+
+    runs = [dict(run("autoregressive", 0, 2.0, graphs=False), floor_ms=1.0),
+            dict(run("ddtree", 64, 8.0, graphs=False), floor_ms=4.0)]
+    md = e2e.markdown(report([dict(preset("35b-a3b", 1.0, runs), family="qwen3_5_moe")]))
+    assert "| autoregressive | 0 | eager | 2.00 | 2.00 |" in md and "| ddtree | 64 | eager | 8.00 | 2.00 |" in md
+    assert "Sparse MoE" in md and "Against the issue #5 targets" not in md
+
+
 def test_kernel_targets(summarize):
     data = dict(benchmarks=[
         bench("test_tree_gated_delta_rule[64]", 37.1, 4.2),
