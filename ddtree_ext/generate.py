@@ -181,7 +181,8 @@ def generate(
         cuda_graph: replay each round from CUDA graphs (captured per attention width, see
             :mod:`ddtree_ext.round`); None (default) = on when the whole target sits on one CUDA
             device and has no sparse MoE layers, False = run every stage eagerly (same buffers, same kernels,
-            same output), True = required (ValueError if the target is not on one CUDA device, or is a MoE).
+            same output), True = required (ValueError if the target is not on one CUDA device, or has MoE
+            layers whose experts forward reads the host: see ``TargetAdapter.moe_capturable``).
 
     Returns:
         int64 [1, T + new] on the target's device (prompt then new tokens), like HF ``generate``;
@@ -198,7 +199,8 @@ def generate(
         yet), an attention_mask with padding, a prompt plus max_new_tokens (plus ``block_size - 1`` for the
         draft methods, see :func:`_check_prompt`) beyond the target's max_position_embeddings, a draft that
         does not match the target (shapes, or the dtype or device of any of its weights), an unsupported
-        target architecture, or ``cuda_graph=True`` for a target not on one CUDA device or with sparse MoE layers.
+        target architecture, or ``cuda_graph=True`` for a target not on one CUDA device or with sparse MoE layers
+        that a CUDA graph cannot capture.
 
     Calls on the same target or draft (or layers of one) from several threads take turns: a call swaps forwards
     on the models' modules while it runs (for its own thread only: HF's forward on the model from another thread
@@ -402,18 +404,21 @@ def _use_graphs(cuda_graph: Optional[bool], adapter: "TargetAdapter") -> bool:
     """Whether rounds replay CUDA graphs (see ``generate``'s ``cuda_graph``)."""
     if cuda_graph is not None and not isinstance(cuda_graph, bool):
         raise ValueError(f"generate: cuda_graph must be None, True or False, got {cuda_graph!r}")
-    if cuda_graph and adapter.is_moe:
-        raise ValueError(
-            f"generate: cuda_graph=True: the target's sparse MoE layers ({type(adapter.model).__name__}) run eager "
-            f"rounds only (HF's experts forward has not been verified under CUDA-graph capture); pass cuda_graph=None "
-            f"or False"
-        )
     possible = adapter.device.type == "cuda" and adapter.single_device
     if cuda_graph and not possible:
         raise ValueError(
             f"generate: cuda_graph=True needs the whole target on one CUDA device; it is on "
             f"{sorted({str(d) for d in adapter.layer_devices} | {str(adapter.device)})}"
         )
+    if cuda_graph and not adapter.moe_capturable:
+        raise ValueError(
+            f"generate: cuda_graph=True: the target's sparse MoE layers run HF's experts_implementation "
+            f"{'/'.join(adapter.experts_implementations)}, which here reads the device from the host: a CUDA graph "
+            f"cannot capture it (only \"grouped_mm\", HF's default, with bfloat16 expert weights on an sm_90 or "
+            f"sm_100 GPU keeps to the device); pass cuda_graph=None or False"
+        )
+    # A MoE target's rounds default to eager: their capture is written to keep to the device (moe_capturable) but has
+    # not yet run on a GPU here, so it is opt-in.
     return (possible and not adapter.is_moe) if cuda_graph is None else cuda_graph
 
 

@@ -243,10 +243,12 @@ class TargetAdapter:
             )
         self.is_hybrid = _LINEAR_ATTENTION in self.layer_types
         # Sparse MoE MLPs (Qwen3.5/3.6 MoE; a dense MLP has no experts): HF's experts forward runs as it is, in every
-        # path. Its "eager" implementation reads on the host which experts a batch hits, which a CUDA graph cannot
-        # capture; its default "grouped_mm" is written to be capturable, but no GPU has run it under capture here.
-        # So these rounds run eagerly.
-        self.is_moe = any(hasattr(layer.mlp, "experts") for layer in self.text_model.layers)
+        # path, as the experts' config's experts_implementation says (see moe_capturable).
+        self._experts = [layer.mlp.experts for layer in self.text_model.layers if hasattr(layer.mlp, "experts")]
+        self.is_moe = bool(self._experts)
+        self.experts_implementations = sorted(
+            {str(getattr(getattr(e, "config", None), "_experts_implementation", None)) for e in self._experts}
+        )
         self.attention_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _FULL_ATTENTION]
         self.gdn_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _LINEAR_ATTENTION]
         if not self.attention_layer_ids:
@@ -297,6 +299,24 @@ class TargetAdapter:
                     f"{where}: model: GDN layer {i} has a conv of width {width} (linear_conv_kernel_dim); the tree "
                     f"conv takes widths 1 to {MAX_GDN_CONV_WIDTH}"
                 )
+
+    @property
+    def moe_capturable(self) -> bool:
+        """Whether the sparse MoE layers' experts forward keeps to the device, so that a CUDA graph can capture it.
+
+        Only HF's default "grouped_mm" path on torch's own grouped GEMM kernel does: the per-expert offsets (by histc)
+        stay on the device. torch runs that kernel for bfloat16 on Hopper and Blackwell (sm_90, sm_100); for other
+        dtypes and GPUs its grouped_mm falls back to a loop over the groups that copies the offsets to the host, as
+        HF's "eager" implementation reads on the host which experts a batch hits. A dense target: True."""
+        if not self.is_moe:
+            return True
+        if self.experts_implementations != ["grouped_mm"]:
+            return False
+        weights = [p for e in self._experts for p in e.parameters()]
+        devices = {p.device for p in weights}
+        return all(p.dtype == torch.bfloat16 for p in weights) and all(
+            d.type == "cuda" and torch.cuda.get_device_capability(d)[0] in (9, 10) for d in devices
+        )
 
     @property
     def device(self) -> torch.device:

@@ -299,13 +299,23 @@ def test_conditional_generation_target(tmp_path, capsys, family):
     assert "autoregressive: 5 new tokens" in capsys.readouterr().out
 
 
-def test_moe_targets_run_eager_rounds_only():
-    """A sparse-MoE target (HF's experts forward reads its expert hits on the host): cuda_graph=True is refused before
-    any forward, naming the class; None and False run the eager rounds, exactly."""
+def test_moe_graph_rule():
+    """Which sparse-MoE targets capture rounds: HF's grouped_mm experts forward with bfloat16 weights on an sm_90 or
+    sm_100 GPU (torch's grouped GEMM kernel keeps the offsets on the device); elsewhere torch's grouped_mm and HF's
+    "eager" loop read the device from the host. A dense target always can. On the CPU none is capturable, and
+    cuda_graph=None or False run eager rounds, exactly."""
+    pytest.importorskip("transformers.models.qwen3_5_moe")
+    from ddtree_ext.tiny import make_tiny_target
+
+    loop = TargetAdapter(make_tiny_target("qwen3_5_moe", seed=3, experts_implementation="eager"))
+    assert loop.is_moe and loop.experts_implementations == ["eager"] and not loop.moe_capturable
     target, draft = pair(RANDOM, "qwen3_5_moe-lllf-gva3")
+    grouped = TargetAdapter(target)
+    assert grouped.is_moe and grouped.experts_implementations == ["grouped_mm"] and not grouped.moe_capturable  # CPU
+    dense = TargetAdapter(pair(RANDOM, HYBRID)[0])
+    assert not dense.is_moe and dense.experts_implementations == [] and dense.moe_capturable
     ids = pair_prompt(RANDOM, "qwen3_5_moe-lllf-gva3", 31)
-    assert TargetAdapter(target).is_moe and not TargetAdapter(pair(RANDOM, HYBRID)[0]).is_moe
-    with pytest.raises(ValueError, match=r"cuda_graph=True: the target's sparse MoE layers \(Qwen3_5MoeForCausalLM\)"):
+    with pytest.raises(ValueError, match="needs the whole target on one CUDA device"):
         generate(target, draft, ids, 8, cuda_graph=True)
     ref = hf_greedy(RANDOM, "qwen3_5_moe-lllf-gva3", 31, 20)
     for cuda_graph in (None, False):
@@ -314,17 +324,25 @@ def test_moe_targets_run_eager_rounds_only():
         assert not any(stats.round_replayed)
 
 
-def test_moe_targets_take_no_graphs_by_default():
-    """cuda_graph=None on a MoE target on one CUDA device: eager rounds (a stand-in adapter: no GPU needed)."""
+def test_moe_graph_default_and_refusal():
+    """cuda_graph=None on one CUDA device: graphs for a dense target, eager rounds for a MoE one (its capture is
+    opt-in); cuda_graph=True is taken for a capturable MoE and refused for one whose experts forward reads the host,
+    naming the experts implementation and the rule (stand-in adapters: no GPU needed)."""
     from types import SimpleNamespace
 
     from ddtree_ext.generate import _use_graphs
 
     cuda = torch.device("cuda", 0)
-    for is_moe, graphs in ((False, True), (True, False)):
-        adapter = SimpleNamespace(device=cuda, single_device=True, is_moe=is_moe, layer_devices=[cuda], model=None)
-        assert _use_graphs(None, adapter) is graphs
+    for is_moe, capturable, default in ((False, True, True), (True, True, False), (True, False, False)):
+        adapter = SimpleNamespace(device=cuda, single_device=True, is_moe=is_moe, moe_capturable=capturable,
+                                  experts_implementations=["grouped_mm"], layer_devices=[cuda], model=None)
+        assert _use_graphs(None, adapter) is default
         assert _use_graphs(False, adapter) is False
+        if capturable:
+            assert _use_graphs(True, adapter) is True
+    with pytest.raises(ValueError, match=r"experts_implementation grouped_mm, which here reads the device from the "
+                                         r"host.*bfloat16 expert weights on an sm_90 or sm_100 GPU"):
+        _use_graphs(True, adapter)
 
 
 def test_moe_experts_loop_equals_hf_generate():

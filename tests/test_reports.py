@@ -125,7 +125,7 @@ def test_moe_floor_counts_the_experts_a_run_reaches(e2e):
     assert e2e.weight_bytes_read(moe, 200) == everything  # every expert reached (to the byte)
     dense = TargetAdapter(tiny.make_tiny_target("qwen3_5"), [1])
     assert e2e.weight_bytes_read(dense, 1) == e2e.weight_bytes_read(dense, 65)
-    assert not e2e.use_graphs_by_default(moe) and not e2e.use_graphs_by_default(dense)  # on the CPU, neither
+    assert not e2e.graphs_possible(moe) and not e2e.graphs_possible(dense)  # on the CPU, neither
 
     runs = [dict(run("autoregressive", 0, 2.0, graphs=False), floor_ms=1.0),
             dict(run("ddtree", 64, 8.0, graphs=False), floor_ms=4.0)]
