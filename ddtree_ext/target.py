@@ -246,9 +246,6 @@ class TargetAdapter:
         # path, as the experts' config's experts_implementation says (see moe_capturable).
         self._experts = [layer.mlp.experts for layer in self.text_model.layers if hasattr(layer.mlp, "experts")]
         self.is_moe = bool(self._experts)
-        self.experts_implementations = sorted(
-            {str(getattr(getattr(e, "config", None), "_experts_implementation", None)) for e in self._experts}
-        )
         self.attention_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _FULL_ATTENTION]
         self.gdn_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _LINEAR_ATTENTION]
         if not self.attention_layer_ids:
@@ -299,6 +296,12 @@ class TargetAdapter:
                     f"{where}: model: GDN layer {i} has a conv of width {width} (linear_conv_kernel_dim); the tree "
                     f"conv takes widths 1 to {MAX_GDN_CONV_WIDTH}"
                 )
+
+    @property
+    def experts_implementations(self) -> List[str]:
+        """HF's experts_implementation of the sparse MoE layers, read now (``set_experts_implementation`` may have
+        changed it since the adapter was made); [] for a dense target."""
+        return sorted({str(getattr(getattr(e, "config", None), "_experts_implementation", None)) for e in self._experts})
 
     @property
     def moe_capturable(self) -> bool:

@@ -314,6 +314,12 @@ def test_moe_graph_rule():
     assert grouped.is_moe and grouped.experts_implementations == ["grouped_mm"] and not grouped.moe_capturable  # CPU
     dense = TargetAdapter(pair(RANDOM, HYBRID)[0])
     assert not dense.is_moe and dense.experts_implementations == [] and dense.moe_capturable
+    target.set_experts_implementation("eager")  # read when asked, not when the adapter was made
+    try:
+        assert grouped.experts_implementations == ["eager"]
+    finally:
+        target.set_experts_implementation("grouped_mm")
+    assert grouped.experts_implementations == ["grouped_mm"]
     ids = pair_prompt(RANDOM, "qwen3_5_moe-lllf-gva3", 31)
     with pytest.raises(ValueError, match="needs the whole target on one CUDA device"):
         generate(target, draft, ids, 8, cuda_graph=True)
