@@ -21,7 +21,7 @@ round can be captured in a CUDA graph and replayed (``ddtree_ext.round``).
 A target split over several GPUs (``device_map``) works in the eager path: each layer's buffers live on
 that layer's device, and the tree tables, mask and walk are copied to it.
 
-What this relies on in transformers (checked on 5.17 and 5.24; the MoE family, Qwen3_5Moe*, on 5.24 only, where its
+What this relies on in transformers (checked on 5.17 and 5.24, the MoE family, Qwen3_5Moe*, on the CPU only: its
 attention, GDN, norm and MLP classes have the dense family's source, and the sparse MoE block is called as it is):
 
 * The attention layers' only use of the cache is ``cache.update(key, value, layer_idx, ...)`` returning
