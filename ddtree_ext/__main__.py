@@ -3,7 +3,9 @@
 ``python -m ddtree_ext generate --target DIR_OR_ID --draft DIR_OR_ID --prompt "..."`` streams the target's
 output (DDTree by default) and prints the acceptance length, the speed and the time per stage.
 ``python -m ddtree_ext generate`` alone runs the built-in tiny random Qwen3.5 hybrid target and draft with
-all three methods (greedily, or sampled with one seed) and checks that their outputs are identical.
+all three methods (greedily, or sampled with one seed) and checks that their outputs are identical
+(``--tiny qwen3`` or ``--tiny qwen3_5_moe`` for a pure-attention Qwen3 or a sparse-MoE Qwen3.5 target instead;
+``--trained-draft`` first trains the tiny draft to agree with its target, so the tree's acceptance shows).
 ``python -m ddtree_ext info`` prints how the compiled core was built.
 """
 
@@ -23,6 +25,12 @@ DEFAULT_PROMPT = "Write a short story about a robot learning to paint."
 DEFAULT_METHOD = "ddtree"
 # Options the built-in demo cannot take (it has no tokenizer, runs all three methods, and compares them in float32).
 DEMO_REFUSES = {"prompt": "--prompt", "method": "--method", "no_chat_template": "--no-chat-template"}
+# The demo's target families (ddtree_ext.tiny.TINY_FAMILIES) and how the demo names them.
+DEMO_FAMILIES = {
+    "qwen3_5": "Qwen3.5 hybrid (GDN and attention layers)",
+    "qwen3": "Qwen3 (attention layers only)",
+    "qwen3_5_moe": "Qwen3.5 sparse-MoE hybrid (GDN and attention layers, MoE MLPs)",
+}
 
 
 def main(argv=None) -> int:
@@ -39,6 +47,12 @@ def main(argv=None) -> int:
         "with --temperature sampled with one seed: --seed, 0 if not given).",
     )
     gen.add_argument("--target", help="target model: local directory or Hugging Face id")
+    gen.add_argument("--tiny", choices=tuple(DEMO_FAMILIES), default=None,
+                     help="the built-in demo's target family (default qwen3_5, the GDN hybrid); not with --target")
+    gen.add_argument("--trained-draft", action="store_true",
+                     help="the built-in demo: a target whose continuations a tiny draft can learn, and a draft trained "
+                          "to agree with it first (about 20 s on a CPU), so DDTree and DFlash accept several tokens "
+                          "per round; not with --target")
     gen.add_argument("--draft", help="DFlash draft: local directory or Hugging Face id (z-lab format)")
     gen.add_argument("--prompt", default=None, help=f"default: {DEFAULT_PROMPT!r}")
     gen.add_argument("--method", choices=("ddtree", "dflash", "autoregressive"), default=None,
@@ -84,6 +98,9 @@ def main(argv=None) -> int:
         return 0
     if args.target is None and args.draft is not None:
         gen.error("--draft needs --target")
+    if args.target is not None and (args.tiny is not None or args.trained_draft):
+        flag = "--tiny" if args.tiny is not None else "--trained-draft"
+        gen.error(f"{flag} sets up the built-in demo's models: not with --target")
     if args.target is None:
         given = [flag for name, flag in DEMO_REFUSES.items() if getattr(args, name) not in (None, False)]
         if given:
@@ -173,25 +190,34 @@ def _generate(args) -> int:
 
 
 def _demo(args) -> int:
-    """The tiny random hybrid pair, all three methods on a fixed prompt (greedily, or sampled with one seed): the
-    outputs must agree. Takes --budget, --max-new-tokens, --temperature, --top-k, --top-p, --seed, --dtype, --device."""
+    """A tiny random target of the --tiny family and its draft, all three methods on a fixed prompt (greedily, or
+    sampled with one seed): the outputs must agree. Takes --tiny, --budget, --max-new-tokens, --temperature, --top-k, --top-p, --seed, --dtype, --device."""
     import torch
 
     from ddtree_ext import generate
-    from ddtree_ext.tiny import TINY_VOCAB, make_tiny_draft, make_tiny_target
+    from ddtree_ext.tiny import make_agreeing_draft, make_predictable_target, make_tiny_draft, make_tiny_target
 
     device = torch.device(args.device or "cpu")
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    target = make_tiny_target("qwen3_5", dtype=dtype).to(device)
-    draft = make_tiny_draft(target).to(device)
+    family = args.tiny or "qwen3_5"
+    if args.trained_draft:
+        # Training runs in float32 on the CPU; the trained pair then moves to the asked dtype and device.
+        print(f"Training a tiny draft to agree with a tiny {DEMO_FAMILIES[family]} target (seconds) ...", flush=True)
+        target = make_predictable_target(family)
+        draft = make_agreeing_draft(target)
+        target, draft = target.to(device, dtype), draft.to(device, dtype)
+    else:
+        target = make_tiny_target(family, dtype=dtype).to(device)
+        draft = make_tiny_draft(target).to(device)
+    vocab_size = target.config.get_text_config().vocab_size
     new_tokens = DEMO_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     sampled = args.temperature > 0
     # One seed gives all three methods the same uniforms, so sampled outputs agree too.
     seed = args.seed if args.seed is not None or not sampled else 0
-    prompt = torch.randint(0, TINY_VOCAB, (1, DEMO_PROMPT_LEN), generator=torch.Generator().manual_seed(0)).to(device)
+    prompt = torch.randint(0, vocab_size, (1, DEMO_PROMPT_LEN), generator=torch.Generator().manual_seed(0)).to(device)
     print(
-        f"Built-in demo: tiny random Qwen3.5 hybrid target ({target.config.num_hidden_layers} layers: "
-        f"{', '.join(target.config.layer_types)}) and a tiny random DFlash draft (block size {draft.block_size}), "
+        f"Built-in demo: tiny random {DEMO_FAMILIES[family]} target ({target.config.num_hidden_layers} layers: "
+        f"{', '.join(target.config.layer_types)}) and a tiny {'trained' if args.trained_draft else 'random'} DFlash draft (block size {draft.block_size}), "
         f"{str(dtype).removeprefix('torch.')} on {device}; no tokenizer, so token ids are shown."
     )
     print(f"prompt: {prompt[0].tolist()}")
@@ -215,10 +241,12 @@ def _demo(args) -> int:
                  else ")"), file=sys.stderr)
         return 1
     print(f"OK: ddtree, dflash and autoregressive outputs are identical ({new_tokens} tokens, {how}).")
-    print(
-        "Random weights make the draft accept almost nothing (tau near 1), so the speeds above mean nothing; "
-        "run with --target and --draft for a real measurement."
-    )
+    if args.trained_draft:
+        print("The draft was trained to agree with this target, so tau (tokens per round) above is what the tree "
+              "and the chain accept; the speeds of models this small mean nothing.")
+    else:
+        print("Random weights make the draft accept almost nothing (tau near 1), so the speeds above mean nothing; "
+              "--trained-draft shows acceptance, and --target and --draft a real measurement.")
     return 0
 
 

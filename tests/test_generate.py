@@ -1134,6 +1134,30 @@ def test_cli_demo_takes_sampling_and_length_options(capsys):
     assert len(rows) == 2 and all(len(row.split(": ", 1)[1].split(",")) == 12 for row in rows), rows
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_moe"])
+def test_cli_demo_runs_each_tiny_family(capsys, family):
+    """--tiny picks the demo's target family; the three methods still agree on it."""
+    from ddtree_ext.__main__ import DEMO_FAMILIES, main
+
+    assert main(["generate", "--tiny", family, "--max-new-tokens", "10"]) == 0
+    out = capsys.readouterr().out
+    assert f"tiny random {DEMO_FAMILIES[family]} target" in out and "identical (10 tokens, greedy)" in out
+
+
+def test_cli_demo_trained_draft_shows_acceptance(capsys):
+    """--trained-draft trains the tiny draft on its target first: the chain then accepts several tokens per round,
+    the tree (which holds the chain) at least as many, and the outputs still agree."""
+    import re
+
+    from ddtree_ext.__main__ import main
+
+    assert main(["generate", "--trained-draft", "--tiny", "qwen3", "--max-new-tokens", "48"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny trained DFlash draft" in out and "identical (48 tokens, greedy)" in out
+    tau = {m: float(t) for m, t in re.findall(r"^(ddtree|dflash|autoregressive)\b.*tau ([0-9.]+)$", out, re.M)}
+    assert tau["autoregressive"] == 1.0 and tau["dflash"] > 2.0 and tau["ddtree"] >= tau["dflash"], tau
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [(["--budget", "0"], "tree_budget"), (["--draft", "some/draft"], "--draft needs --target"),
@@ -1141,6 +1165,9 @@ def test_cli_demo_takes_sampling_and_length_options(capsys):
      (["--method", "dflash"], "--method needs --target"), (["--prompt", "hi"], "--prompt needs --target"),
      (["--target", "some/target", "--method", "ddtree"], "--method ddtree needs --draft"),
      (["--device", "foo"], "--device foo: not a device"),
+     (["--target", "some/target", "--tiny", "qwen3"], "--tiny sets up the built-in demo's models"),
+     (["--target", "some/target", "--trained-draft"], "--trained-draft sets up the built-in demo's models"),
+     (["--tiny", "llama"], "invalid choice: 'llama'"),
      (["--device", "meta"], "--device meta: the models run on a CPU or a CUDA GPU"),
      (["--max-new-tokens", "4086"], "block_size - 1"),  # fits autoregressive decoding, not a tree's reach
      (["--temperature", "-1"], "temperature"),
