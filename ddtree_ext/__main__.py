@@ -145,20 +145,28 @@ def _generate(args) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    architectures = AutoConfig.from_pretrained(args.target).architectures or []
+    try:  # a path or Hub id that holds no model: a usage error, not a traceback
+        config = AutoConfig.from_pretrained(args.target)
+    except OSError as e:
+        raise ValueError(f"--target {args.target}: {e}") from None
+    draft = None
+    if args.draft is not None:
+        # The draft first (small next to the target): a bad one, or one made for another target, stops the command
+        # before the target's weights load. It takes the target's dtype once that is known.
+        draft = DFlashDraftModel.from_pretrained(args.draft, dtype=None if dtype == "auto" else dtype, device=device)
+        draft.check_target(config.get_text_config())
     # Qwen3.5/3.6 checkpoints saved as the vision-language class load as that class (text prompts only).
     auto_class = (
         AutoModelForImageTextToText
-        if any(a.endswith("ForConditionalGeneration") for a in architectures)
+        if any(a.endswith("ForConditionalGeneration") for a in config.architectures or [])
         else AutoModelForCausalLM
     )
     # A device_map loads straight to the device but needs accelerate; without it, load then move.
     device_map = str(device) if importlib.util.find_spec("accelerate") is not None else None
     target = auto_class.from_pretrained(args.target, dtype=dtype, device_map=device_map).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    draft = None
-    if args.draft is not None:
-        draft = DFlashDraftModel.from_pretrained(args.draft, dtype=target.dtype, device=device).eval()
+    if draft is not None:
+        draft = draft.to(target.dtype).eval()
     # These models are this command's own: their projections that read one input can share a GEMM.
     for model in (target, draft):
         if model is not None:

@@ -233,10 +233,12 @@ def _validate_config(config) -> None:
             f"{MAX_TREE_NODES} nodes), got {block_size!r}"
         )
     mask_token_id = _draft_value(config, "mask_token_id")
-    if not isinstance(mask_token_id, int) or mask_token_id < 0:
+    if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool) or mask_token_id < 0:
         raise ValueError(f"{where}: dflash_config.mask_token_id must be a non-negative int, got {mask_token_id!r}")
     ids = _draft_value(config, "target_layer_ids")
-    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+    if not isinstance(ids, (list, tuple)) or not ids or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    ):
         raise ValueError(
             f"{where}: dflash_config.target_layer_ids must be a non-empty list of layer indices, got {ids!r}"
         )
@@ -330,6 +332,12 @@ class DFlashDraftModel(nn.Module):
                 f"hidden_size: fc takes {self.fc.in_features} = {len(self.target_layer_ids)} taps x "
                 f"{self.fc.in_features // len(self.target_layer_ids)}, the target's taps give "
                 f"{len(self.target_layer_ids)} x {hidden}"
+            )
+        draft_vocab = getattr(self.config, "vocab_size", None)
+        if draft_vocab is not None and draft_vocab != target_config.vocab_size:
+            problems.append(
+                f"vocab_size: the draft was made for a vocabulary of {draft_vocab} tokens, the target has "
+                f"{target_config.vocab_size} (a draft of another tokenizer's model would propose meaningless tokens)"
             )
         if self.mask_token_id >= target_config.vocab_size:
             problems.append(
@@ -599,7 +607,9 @@ def device_problem(device) -> str:
     """Why the models cannot run on ``device`` (a torch.device, its name or a CUDA index), or "" if they can: the ops
     run on a CPU or a CUDA GPU that this torch can use."""
     try:
-        device = torch.device(device)
+        # A bare index names a CUDA GPU (torch.device(0) means the current accelerator, and fails in a CPU build).
+        is_index = isinstance(device, int) and not isinstance(device, bool)
+        device = torch.device("cuda", device) if is_index else torch.device(device)
     except (RuntimeError, TypeError):
         return "not a device (e.g. 'cpu', 'cuda', 'cuda:1')"
     if device.type == "cpu":

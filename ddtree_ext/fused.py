@@ -205,12 +205,21 @@ def _zero_centered_norms() -> frozenset:
 
 
 def _plain_module(module: torch.nn.Module) -> bool:
-    """No forward hooks, pre-hooks or accelerate hook, on the module or global ones (``register_module_forward_hook``):
-    calling the op instead of the module skips nothing."""
+    """No forward hooks, pre-hooks or accelerate hook, on the module or global ones (``register_module_forward_hook``),
+    and no forward of its own (:func:`has_own_forward`): calling the op instead of the module skips nothing."""
     return not (
         module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__
         or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
+        or has_own_forward(module)
     )
+
+
+def has_own_forward(module: torch.nn.Module) -> bool:
+    """The module holds an instance forward other than one of this package's thread-local swaps: accelerate's hook or
+    a user's patch (``module.forward = ...``). A fused forward swapped in over it, or an op called in its place, would
+    skip what it does."""
+    own = module.__dict__.get("forward")
+    return own is not None and not isinstance(own, _ThreadSwappedForward)
 
 
 def add_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor,
@@ -327,10 +336,10 @@ def _decoder_forward(layer, signature, var_keyword, cache_name, mixer_cache, nex
     if isinstance(mlp_out, tuple):  # a sparse MoE block that also returns its router logits, as HF's body unpacks
         mlp_out = mlp_out[0]
 
-    # No handover to a layer that keeps its stock forward (an accelerate hook), whose norm is not folded (hooks), on
-    # another device, or, without a version counter to see an in-place pre-hook, with pre-hooks.
+    # No handover to a layer that keeps a forward of its own (an accelerate hook, a user's patch), whose norm is not
+    # folded (hooks), on another device, or, without a version counter to see an in-place pre-hook, with pre-hooks.
     following = (
-        next_layer is not None and "_hf_hook" not in next_layer.__dict__ and _plain_module(next_layer.input_layernorm)
+        next_layer is not None and not has_own_forward(next_layer) and _plain_module(next_layer.input_layernorm)
         and not (mlp_out.is_inference() and next_layer._forward_pre_hooks)
         and next_layer.input_layernorm.weight.device == mlp_out.device
     )
@@ -628,7 +637,7 @@ class _KVPrefetch:
             self.pending = (x, None, k, None, v)
             return q
         if (x.device.type == "cuda" and "attn" in side_streams
-                and not any("_hf_hook" in m.__dict__ for m in (attn.k_proj, attn.v_proj))):
+                and not any(has_own_forward(m) for m in (attn.k_proj, attn.v_proj))):
             fork = Fork(x.device, "attn")
             if fork.stream is not None:
                 with fork.side():
@@ -832,7 +841,7 @@ def _heads_norm_rope(attn, modeling, query: torch.Tensor, key: torch.Tensor, cos
 def _mlp_forward(mlp: torch.nn.Module, x: torch.Tensor):
     outputs = stacked_outputs((mlp.gate_proj, mlp.up_proj), x)
     gate, up = outputs if outputs is not None else (mlp.gate_proj(x), mlp.up_proj(x))
-    if gate.shape != up.shape or not ops_apply(gate, up):
+    if gate.shape != up.shape or not ops_apply(gate, up) or not _plain_silu(mlp.act_fn):
         return mlp.down_proj(mlp.act_fn(gate) * up)
     return mlp.down_proj(ops.silu_mul(gate, up))
 
@@ -1081,10 +1090,10 @@ def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> 
 
 
 def rope_table_serves(rotary: torch.nn.Module) -> bool:
-    """Whether a :func:`rope_table` of ``rotary`` gives its bits now: the module carries no accelerate hook (its forward
-    moves tensors between devices) and float32 matmuls run in full float32 (torch's default), not TF32 or bf16
-    passes."""
-    return "_hf_hook" not in rotary.__dict__ and torch.get_float32_matmul_precision() == "highest"
+    """Whether a :func:`rope_table` of ``rotary`` gives its bits now: the module runs its class's forward (no instance
+    forward of its own, as accelerate's hook or a user's patch would set, other than this thread's swap of it), has no
+    hooks, and float32 matmuls run in full float32 (torch's default), not TF32 or bf16 passes."""
+    return _plain_module(rotary) and torch.get_float32_matmul_precision() == "highest"
 
 
 def _recognised_classes() -> dict:
@@ -1141,6 +1150,20 @@ def _silu_mlp(module: torch.nn.Module) -> bool:
     return act in SILU_ACTIVATIONS
 
 
+@functools.lru_cache(maxsize=None)
+def _silu_classes() -> Tuple[type, ...]:
+    """The SiLU module classes HF installs for "silu" / "swish" (its own SiLUActivation where it has one)."""
+    from transformers import activations
+
+    return (torch.nn.SiLU, getattr(activations, "SiLUActivation", torch.nn.SiLU))
+
+
+def _plain_silu(act_fn: object) -> bool:
+    """``act_fn`` is one of HF's SiLU modules, with no hooks: the fused SiLU-and-multiply gives its bits. Asked per
+    call: a module swapped in or hooked after the fusion was set up runs as it is."""
+    return type(act_fn) in _silu_classes() and _plain_module(act_fn)
+
+
 class LayerFusion:
     """The fused forwards of every recognised submodule of ``root`` (exact classes only: a subclass may
     have changed the forward), found once; :meth:`active` swaps them in."""
@@ -1181,9 +1204,9 @@ class LayerFusion:
 
     @contextlib.contextmanager
     def _active(self) -> Iterator[None]:
-        # A module with an accelerate hook keeps its forward: the hook (which moves inputs, loads offloaded
-        # weights) lives in that instance forward, and a swap would skip it.
-        swaps = [(m, "forward", f) for m, f in self.swaps if "_hf_hook" not in m.__dict__]
+        # A module with an instance forward of its own keeps it: accelerate's hook (which moves inputs, loads
+        # offloaded weights) or a user's patch lives there, and a swap would skip it.
+        swaps = [(m, "forward", f) for m, f in self.swaps if not has_own_forward(m)]
         try:
             with _PROCESS_PATCHES.held(), swapped_attributes(swaps):
                 yield

@@ -640,6 +640,9 @@ def _check_draft(draft: "DFlashDraftModel", adapter: "TargetAdapter") -> None:
             )
 
 
+_RANGED_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # min/max work on these
+
+
 def _check_prompt(
     input_ids, attention_mask, adapter: "TargetAdapter", max_new_tokens: int, tree_reach: int
 ) -> torch.Tensor:
@@ -660,12 +663,17 @@ def _check_prompt(
     for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask)):
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
             raise ValueError(f"generate: {name} is on the meta device: it must hold values (CPU or GPU)")
+    if input_ids.shape[0] == 0:
+        raise ValueError(f"generate: input_ids has no sequence (shape {list(input_ids.shape)}): it must have shape "
+                         f"[1, T]")
     if input_ids.shape[0] != 1:
         raise ValueError(f"generate: input_ids: batch size > 1 is not supported yet (got {input_ids.shape[0]})")
     prompt_len = input_ids.shape[1]
     if prompt_len == 0:
         raise ValueError("generate: input_ids is empty: the prompt needs at least one token")
-    lo, hi = int(input_ids.min()), int(input_ids.max())
+    # torch has no min/max for its wider unsigned types: those are read as int64.
+    ranged = input_ids if input_ids.dtype in _RANGED_ID_DTYPES else input_ids.to(torch.int64)
+    lo, hi = int(ranged.min()), int(ranged.max())
     if lo < 0 or hi >= adapter.vocab_size:
         raise ValueError(f"generate: input_ids must lie in [0, {adapter.vocab_size}), got values in [{lo}, {hi}]")
     if attention_mask is not None:
@@ -677,6 +685,8 @@ def _check_prompt(
                              f"got {list(attention_mask.shape)}")
         if not bool((attention_mask != 0).all()):
             raise ValueError("generate: attention_mask has zeros (padding), which is not supported yet: pass unpadded ids")
+        if not bool((attention_mask == 1).all()):
+            raise ValueError("generate: attention_mask must hold ones (1 or True) for every token, got other values")
     limit = adapter.max_position_embeddings
     if limit is not None and prompt_len + max_new_tokens + tree_reach > limit:
         reach = f" + the tree's reach past the last token (block_size - 1 = {tree_reach})" if tree_reach else ""
@@ -710,7 +720,7 @@ def _eos_set(eos_token_id) -> frozenset:
     if eos_token_id is None:
         return frozenset()
     ids = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
-    if isinstance(ids, torch.Tensor):
+    if isinstance(ids, torch.Tensor) or type(ids).__module__ == "numpy":  # a 0-d array is no iterable: flatten it
         ids = ids.flatten().tolist()
     if isinstance(ids, Iterable) and not isinstance(ids, (str, bytes)):
         ids = list(ids)  # a one-shot iterable is read once, here

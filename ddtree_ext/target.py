@@ -56,8 +56,8 @@ from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, is_longrope, ops_apply, per_position_longrope, rope_rows,
-    rope_table, rope_table_serves, swapped_forwards,
+    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, has_own_forward, is_longrope, ops_apply, per_position_longrope,
+    rope_rows, rope_table, rope_table_serves, swapped_forwards,
 )
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
@@ -279,8 +279,8 @@ class TargetAdapter:
 
     def _check_gdn_layers(self, where: str) -> None:
         """Refuses GDN layers the tree ops cannot run (``where`` names the caller): weights in a dtype the ops do not
-        take (HF computes its delta rule in float32 for any dtype, so a float64 hybrid has no exactness to gain), or a
-        conv wider than the ops' window. Checked again by ``new_state``, before any forward: a model's dtype can change
+        take (HF computes its delta rule in float32 for any dtype, so a float64 hybrid has no exactness to gain), a
+        forward patched onto the instance (the tree forward would replace it), or a conv wider than the ops' window. Checked again by ``new_state``, before any forward: a model's dtype can change
         after the adapter is made."""
         for i in self.gdn_layer_ids:
             gdn = self.text_model.layers[i].linear_attn
@@ -289,6 +289,12 @@ class TargetAdapter:
                 raise ValueError(
                     f"{where}: model: GDN layer {i} has {', '.join(sorted(map(str, dtypes)))} weights; its tree ops "
                     f"take float32, float16 or bfloat16 (load the model in one of them)"
+                )
+            if has_own_forward(gdn) and "_hf_hook" not in gdn.__dict__:
+                raise ValueError(
+                    f"{where}: model: GDN layer {i}'s linear_attn has a forward set on the instance; a tree verify "
+                    f"runs the tree GDN forward in its place, so that forward would not run (remove it: del "
+                    f"module.forward)"
                 )
             width = gdn.conv1d.weight.shape[-1]
             if not 1 <= width <= MAX_GDN_CONV_WIDTH:

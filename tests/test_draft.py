@@ -215,6 +215,9 @@ def test_from_pretrained_without_weights(target, tmp_path):
         (dict(block_size=258), r"block_size must be an int in 2\.\.257"),
         (dict(dflash_config={"mask_token_id": 255, "target_layer_ids": []}), "target_layer_ids"),
         (dict(dflash_config={"target_layer_ids": [1]}), "mask_token_id"),
+        (dict(dflash_config={"mask_token_id": 255, "target_layer_ids": [True, 1]}),
+         r"target_layer_ids must be a non-empty list of layer indices, got \[True, 1\]"),
+        (dict(dflash_config={"mask_token_id": True, "target_layer_ids": [1]}), "mask_token_id must be a non-negative"),
         (dict(layer_types=["sliding_attention", "linear_attention"]), "layer_types"),
         (dict(layer_types=["full_attention"]), "layer_types has 1 entries for 2 layers"),
         (dict(sliding_window=None), "sliding_window"),
@@ -252,7 +255,8 @@ def test_tiny_draft_taps_layers_short_of_the_last(layers, taps):
     "change,field",
     [
         (dict(hidden_size=96), "hidden_size"),
-        (dict(vocab_size=200), "vocab_size"),  # mask token 255 is outside
+        (dict(vocab_size=200), "vocab_size: mask_token_id 255 is outside"),
+        (dict(vocab_size=300), "vocab_size: the draft was made for a vocabulary of 256 tokens, the target has 300"),
         (dict(num_hidden_layers=2), "target_layer_ids"),  # taps [1, 2] need 3 layers
         (dict(num_hidden_layers=3), "target_layer_ids: the target's last layer"),  # tap 2 is the last
         (dict(num_hidden_layers=6), "num_target_layers"),

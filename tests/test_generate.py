@@ -299,6 +299,61 @@ def test_conditional_generation_target(tmp_path, capsys, family):
     assert "autoregressive: 5 new tokens" in capsys.readouterr().out
 
 
+def _halve_output(module):
+    """Patches ``module.forward`` on the instance: its class's forward, output halved (a tuple's first element)."""
+    import types
+
+    stock = type(module).forward
+
+    def forward(self, *args, **kwargs):
+        out = stock(self, *args, **kwargs)
+        return out * 0.5 if isinstance(out, torch.Tensor) else (out[0] * 0.5, *out[1:])
+
+    module.forward = types.MethodType(forward, module)
+
+
+USER_CHANGES = {
+    "act_fn hooked": lambda t: t.model.layers[1].mlp.act_fn.register_forward_hook(lambda m, a, out: out * 0.5),
+    "act_fn replaced": lambda t: setattr(t.model.layers[1].mlp, "act_fn", torch.nn.GELU()),
+    "rotary hooked": lambda t: t.model.rotary_emb.register_forward_hook(lambda m, a, out: (out[1], out[0])),
+    "mlp forward patched": lambda t: _halve_output(t.model.layers[1].mlp),
+    "norm forward patched": lambda t: _halve_output(t.model.layers[1].input_layernorm),
+    "layer forward patched": lambda t: _halve_output(t.model.layers[1]),
+    "up_proj forward patched": lambda t: _halve_output(t.model.layers[1].mlp.up_proj),
+}
+
+
+@pytest.mark.parametrize("change", list(USER_CHANGES))
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_user_hooks_and_patched_forwards_run(family, change):
+    """A hook on a module the fused forwards call as an op (the MLP's activation, the rotary embedding), a module
+    swapped in for the activation, or a forward patched onto an instance (MLP, norm, decoder layer, projection): the
+    fused forwards step aside and the output stays the changed model's own (the change does change it)."""
+    target = make_tiny_target(family, seed=3)
+    draft = make_tiny_draft(target, seed=1)
+    ids = prompt(5, target.config.vocab_size)
+    before = tiny.hf_greedy(target, ids, 16)
+    USER_CHANGES[change](target)
+    ref = tiny.hf_greedy(target, ids, 16)
+    assert not torch.equal(ref, before), "the change does not change the output: the case tests nothing"
+    for method in ("ddtree", "autoregressive"):
+        assert_same_tokens(generate(target, draft, ids, 16, method=method), ref)
+
+
+def test_patched_gdn_forward_is_refused():
+    """A tree verify runs its own GDN forward in each linear_attn's place: a forward patched onto one is refused
+    before any work, naming the layer."""
+    target, draft = pair(RANDOM, HYBRID)
+    gdn = target.model.layers[2].linear_attn
+    _halve_output(gdn)
+    try:
+        with pytest.raises(ValueError, match=r"GDN layer 2's linear_attn has a forward set on the instance"):
+            generate(target, draft, prompt(1, target.config.vocab_size), 4)
+    finally:
+        del gdn.forward
+    assert_same_tokens(generate(target, draft, pair_prompt(RANDOM, HYBRID, 1), 8), hf_greedy(RANDOM, HYBRID, 1, 8))
+
+
 def test_moe_graph_rule():
     """Which sparse-MoE targets capture rounds: HF's grouped_mm experts forward with bfloat16 weights on an sm_90 or
     sm_100 GPU (torch's grouped GEMM kernel keeps the offsets on the device); elsewhere torch's grouped_mm and HF's
@@ -712,6 +767,15 @@ BAD_INPUTS = [
     ("batch size > 1 is not supported yet", dict(input_ids=torch.zeros(2, 4, dtype=torch.long))),
     ("attention_mask", dict(attention_mask=torch.tensor([[0, 1, 1, 1]]))),
     ("attention_mask", dict(attention_mask=torch.ones(1, 5))),
+    (r"attention_mask must hold ones \(1 or True\)", dict(attention_mask=torch.full((1, 4), 0.5))),
+    (r"attention_mask must hold ones \(1 or True\)", dict(attention_mask=torch.full((1, 4), float("nan")))),
+    (r"input_ids has no sequence \(shape \[0, 4\]\)", dict(input_ids=torch.zeros(0, 4, dtype=torch.long))),
+    (r"input_ids must lie in \[0, 256\), got values in \[0, 300\]",
+     dict(input_ids=torch.tensor([[0, 300]], dtype=torch.uint32))),
+    ("eos_token_id must be an int", dict(eos_token_id=np.array(2.5))),
+    ("draft does not match the target: .*vocab_size: the draft was made for a vocabulary of 200 tokens",
+     dict(draft=lambda: make_tiny_draft(make_tiny_target("qwen3_5", seed=3, vocab_size=200,
+                                                         layer_types=(LIN, LIN, LIN, FULL)), seed=1))),
     ("draft", dict(draft=None)),
     ("draft", dict(draft=_draft_of_another_target)),
     # taps the 4-layer target lacks: the draft's check names them (it named the target and its adapter's taps)
@@ -749,6 +813,9 @@ def test_numpy_scalars_are_the_python_numbers():
                      top_k=np.int64(20), top_p=np.float32(0.875), seed=np.uint64(3), eos_token_id=np.array([255]),
                      draft_top_k=np.int16(4))
     assert torch.equal(plain, numpy)
+    wide = generate(target, draft, prompt.to(torch.uint64), 12, tree_budget=8, temperature=0.75, top_k=20, top_p=0.875,
+                    seed=3, eos_token_id=np.array(255), draft_top_k=4)  # wide unsigned ids, a 0-d array EOS
+    assert torch.equal(plain, wide)
     eos = int(plain[0, 6])  # an EOS given as a NumPy integer stops there
     stopped = generate(target, draft, prompt, 12, tree_budget=8, temperature=0.75, top_k=20, top_p=0.875, seed=3,
                        eos_token_id=np.int64(eos), draft_top_k=4)
@@ -1221,6 +1288,39 @@ def test_cli_with_checkpoints(tmp_path, capsys):
     assert "ddtree, budget 8: 12 new tokens after a 5-token prompt" in out and "tokens/s" in out
     assert main([*common, "--method", "autoregressive"]) == 0
     assert "autoregressive: 12 new tokens" in capsys.readouterr().out
+
+
+def test_cli_checks_the_draft_before_loading_the_target(tmp_path, capsys, monkeypatch):
+    """With --target and --draft, a target path that holds no model, a draft path that holds none, and a draft made
+    for another target are usage errors (status 2), and the last two are found before the target's weights load."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from ddtree_ext.__main__ import main
+
+    target, _ = pair(RANDOM, HYBRID)
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
+    target.save_pretrained(target_dir)
+    other = make_tiny_draft(make_tiny_target("qwen3", seed=3, num_hidden_layers=6), seed=1)  # taps layer 4 of 6
+    draft_dir.mkdir()
+    other.config.to_json_file(draft_dir / "config.json")
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, draft_dir / "model.safetensors")
+
+    def no_target_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the draft was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_target_load)
+    common = ["generate", "--prompt", "hello", "--max-new-tokens", "4", "--device", "cpu"]
+    cases = [
+        (["--target", str(tmp_path / "none"), "--draft", str(draft_dir)], f"--target {tmp_path / 'none'}: "),
+        (["--target", str(target_dir), "--draft", str(tmp_path / "none")], "DFlashDraftModel.from_pretrained: path"),
+        (["--target", str(target_dir), "--draft", str(draft_dir)], "target_layer_ids: [4] out of range"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as info:
+            main([*common, *argv])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and message in err, err
 
 
 def test_rounds_release_their_graphs_when_generate_ends_or_raises(monkeypatch):
