@@ -297,6 +297,9 @@ class DFlashDraftModel(nn.Module):
         self.block_size: int = _draft_value(config, "block_size", 16)
         self.mask_token_id: int = _draft_value(config, "mask_token_id")
         self.target_layer_ids: list[int] = list(_draft_value(config, "target_layer_ids"))
+        # The vocabulary the draft was made for, checked against the target's; from_pretrained sets None for a
+        # config.json that states none (Qwen3Config would fill in its own default).
+        self.vocab_size: int | None = config.vocab_size
         self.input_embedding_scale = float(_draft_value(config, "input_embedding_scale", 1.0))
         self.output_multiplier = float(_draft_value(config, "output_multiplier", 1.0))
         softcap = _draft_value(config, "final_logit_softcapping")
@@ -333,7 +336,7 @@ class DFlashDraftModel(nn.Module):
                 f"{self.fc.in_features // len(self.target_layer_ids)}, the target's taps give "
                 f"{len(self.target_layer_ids)} x {hidden}"
             )
-        draft_vocab = getattr(self.config, "vocab_size", None)
+        draft_vocab = self.vocab_size
         if draft_vocab is not None and draft_vocab != target_config.vocab_size:
             problems.append(
                 f"vocab_size: the draft was made for a vocabulary of {draft_vocab} tokens, the target has "
@@ -353,7 +356,7 @@ class DFlashDraftModel(nn.Module):
                 f"target_layer_ids: the target's last layer ({num_layers - 1}) cannot be tapped: its HF hidden "
                 "state is post-norm, the target adapter records raw layer outputs"
             )
-        expected_layers = getattr(self.config, "num_target_layers", None)
+        expected_layers = _draft_value(self.config, "num_target_layers")
         if expected_layers is not None and expected_layers != num_layers:
             problems.append(
                 f"num_target_layers: the draft was trained for {expected_layers} target layers, target has {num_layers}"
@@ -580,6 +583,7 @@ class DFlashDraftModel(nn.Module):
 
         with torch.device("meta"):
             model = cls(config)
+        model.vocab_size = raw.get("vocab_size")
         expected = {name: p.shape for name, p in model.state_dict().items()}
         missing = sorted(set(expected) - set(tensors))
         unexpected = sorted(set(tensors) - set(expected))

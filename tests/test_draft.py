@@ -116,6 +116,25 @@ def test_from_pretrained_dtype(target, tmp_path):
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
+def test_from_pretrained_config_variants(target, tmp_path):
+    """A config that does not state its vocabulary is not checked against the target's (Qwen3Config's default 151936
+    is not taken for it); num_target_layers is read from dflash_config too, as SGLang reads it."""
+    draft = make_tiny_draft(target)
+    save_zlab_checkpoint(draft, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("vocab_size")
+    config.pop("num_target_layers", None)
+    config["dflash_config"]["num_target_layers"] = 6  # the tiny target has 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    assert loaded.vocab_size is None
+    with pytest.raises(ValueError, match="num_target_layers: the draft was trained for 6 target layers, target has 4"):
+        loaded.check_target(target.config)
+    config["dflash_config"]["num_target_layers"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    DFlashDraftModel.from_pretrained(tmp_path).check_target(target.config)
+
+
 def _edit_checkpoint(directory, edit):
     from safetensors.torch import load_file, save_file
 
