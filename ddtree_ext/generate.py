@@ -180,9 +180,10 @@ def generate(
             vocabulary takes the whole vocabulary).
         cuda_graph: replay each round from CUDA graphs (captured per attention width, see
             :mod:`ddtree_ext.round`); None (default) = on when the whole target sits on one CUDA
-            device and has no sparse MoE layers, False = run every stage eagerly (same buffers, same kernels,
-            same output), True = required (ValueError if the target is not on one CUDA device, or has MoE
-            layers whose experts forward reads the host: see ``TargetAdapter.moe_capturable``).
+            device and its sparse MoE layers, if any, keep to the device (``TargetAdapter.moe_capturable``),
+            False = run every stage eagerly (same buffers, same kernels, same output), True = required
+            (ValueError if the target is not on one CUDA device, or has MoE layers whose experts forward reads the
+            host: see ``TargetAdapter.moe_capturable``).
 
     Returns:
         int64 [1, T + new] on the target's device (prompt then new tokens), like HF ``generate``;
@@ -417,9 +418,8 @@ def _use_graphs(cuda_graph: Optional[bool], adapter: "TargetAdapter") -> bool:
             f"cannot capture it (only \"grouped_mm\", HF's default, with bfloat16 expert weights on an sm_90 or "
             f"sm_100 GPU keeps to the device); pass cuda_graph=None or False"
         )
-    # A MoE target's rounds default to eager: their capture is written to keep to the device (moe_capturable) but has
-    # not yet run on a GPU here, so it is opt-in.
-    return (possible and not adapter.is_moe) if cuda_graph is None else cuda_graph
+    # A MoE target's rounds are captured by default where its experts forward keeps to the device.
+    return (possible and adapter.moe_capturable) if cuda_graph is None else cuda_graph
 
 
 # ---- the acceptance rule ---------------------------------------------------------------------

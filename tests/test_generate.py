@@ -386,15 +386,15 @@ def test_moe_graph_rule():
 
 
 def test_moe_graph_default_and_refusal():
-    """cuda_graph=None on one CUDA device: graphs for a dense target, eager rounds for a MoE one (its capture is
-    opt-in); cuda_graph=True is taken for a capturable MoE and refused for one whose experts forward reads the host,
+    """cuda_graph=None on one CUDA device: graphs for a dense target and for a MoE one whose experts forward keeps to
+    the device, eager rounds for one that reads the host; cuda_graph=True is taken for a capturable MoE and refused for one whose experts forward reads the host,
     naming the experts implementation and the rule (stand-in adapters: no GPU needed)."""
     from types import SimpleNamespace
 
     from ddtree_ext.generate import _use_graphs
 
     cuda = torch.device("cuda", 0)
-    for is_moe, capturable, default in ((False, True, True), (True, True, False), (True, False, False)):
+    for is_moe, capturable, default in ((False, True, True), (True, True, True), (True, False, False)):
         adapter = SimpleNamespace(device=cuda, single_device=True, is_moe=is_moe, moe_capturable=capturable,
                                   experts_implementations=["grouped_mm"], layer_devices=[cuda], model=None)
         assert _use_graphs(None, adapter) is default

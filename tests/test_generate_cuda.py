@@ -88,9 +88,9 @@ def bf16_moe_pair():
 @pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64)])
 def test_moe_bf16_graph_rounds_equal_eager_rounds(method, budget):
     """The same MoE hybrid in bfloat16 on an sm_90 / sm_100 GPU: HF's default grouped_mm experts forward keeps the
-    routing on the device (torch's grouped GEMM kernel), so its rounds can be captured (opt-in: cuda_graph=True); the
-    replayed rounds, over 600 tokens with acceptance varying round to round, give exactly the eager rounds' tokens
-    (the default for a MoE target)."""
+    routing on the device (torch's grouped GEMM kernel), so its rounds are captured (by default, and with
+    cuda_graph=True); the replayed rounds, over 600 tokens with acceptance varying round to round, give exactly the
+    eager rounds' tokens (cuda_graph=False). Passed on an H100, 2026-12-06."""
     pytest.importorskip("transformers.models.qwen3_5_moe")
     from ddtree_ext.target import TargetAdapter
 
@@ -98,7 +98,7 @@ def test_moe_bf16_graph_rounds_equal_eager_rounds(method, budget):
     if not TargetAdapter(target).moe_capturable:
         pytest.skip(f"torch's grouped_mm falls back to host reads on {torch.cuda.get_device_name()}")
     eager, eager_stats = generate(target, draft, PROMPT.cuda(), NEW_TOKENS, method=method, tree_budget=budget,
-                                  return_stats=True)
+                                  return_stats=True, cuda_graph=False)
     assert eager_stats.graph_captures == 0
     out, stats = generate(target, draft, PROMPT.cuda(), NEW_TOKENS, method=method, tree_budget=budget,
                           return_stats=True, cuda_graph=True)
