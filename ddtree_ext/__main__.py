@@ -199,7 +199,8 @@ def _generate(args) -> int:
 
 def _demo(args) -> int:
     """A tiny random target of the --tiny family and its draft, all three methods on a fixed prompt (greedily, or
-    sampled with one seed): the outputs must agree. Takes --tiny, --budget, --max-new-tokens, --temperature, --top-k, --top-p, --seed, --dtype, --device."""
+    sampled with one seed): the outputs must agree. Takes --tiny, --trained-draft, --budget, --max-new-tokens,
+    --temperature, --top-k, --top-p, --seed, --dtype, --device."""
     import torch
 
     from ddtree_ext import generate
@@ -223,9 +224,11 @@ def _demo(args) -> int:
     # One seed gives all three methods the same uniforms, so sampled outputs agree too.
     seed = args.seed if args.seed is not None or not sampled else 0
     prompt = torch.randint(0, vocab_size, (1, DEMO_PROMPT_LEN), generator=torch.Generator().manual_seed(0)).to(device)
+    draft_kind = "trained" if args.trained_draft else "random"
     print(
         f"Built-in demo: tiny random {DEMO_FAMILIES[family]} target ({target.config.num_hidden_layers} layers: "
-        f"{', '.join(target.config.layer_types)}) and a tiny {'trained' if args.trained_draft else 'random'} DFlash draft (block size {draft.block_size}), "
+        f"{', '.join(target.config.layer_types)}) and a tiny {draft_kind} DFlash draft "
+        f"(block size {draft.block_size}), "
         f"{str(dtype).removeprefix('torch.')} on {device}; no tokenizer, so token ids are shown."
     )
     print(f"prompt: {prompt[0].tolist()}")

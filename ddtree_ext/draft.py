@@ -336,10 +336,9 @@ class DFlashDraftModel(nn.Module):
                 f"{self.fc.in_features // len(self.target_layer_ids)}, the target's taps give "
                 f"{len(self.target_layer_ids)} x {hidden}"
             )
-        draft_vocab = self.vocab_size
-        if draft_vocab is not None and draft_vocab != target_config.vocab_size:
+        if self.vocab_size is not None and self.vocab_size != target_config.vocab_size:
             problems.append(
-                f"vocab_size: the draft was made for a vocabulary of {draft_vocab} tokens, the target has "
+                f"vocab_size: the draft was made for a vocabulary of {self.vocab_size} tokens, the target has "
                 f"{target_config.vocab_size} (a draft of another tokenizer's model would propose meaningless tokens)"
             )
         if self.mask_token_id >= target_config.vocab_size:

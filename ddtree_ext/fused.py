@@ -1146,8 +1146,8 @@ SILU_ACTIVATIONS = ("silu", "swish")  # the HF activation names the fused SiLUs 
 
 
 def _silu_mlp(module: torch.nn.Module) -> bool:
-    act = getattr(getattr(module, "config", None), "hidden_act", None)
-    return act in SILU_ACTIVATIONS
+    """The MLP's activation is one of HF's SiLU modules (hooks aside: :func:`_plain_silu` asks per call)."""
+    return type(getattr(module, "act_fn", None)) in _silu_classes()
 
 
 @functools.lru_cache(maxsize=None)

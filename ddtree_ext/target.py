@@ -280,8 +280,8 @@ class TargetAdapter:
     def _check_gdn_layers(self, where: str) -> None:
         """Refuses GDN layers the tree ops cannot run (``where`` names the caller): weights in a dtype the ops do not
         take (HF computes its delta rule in float32 for any dtype, so a float64 hybrid has no exactness to gain), a
-        forward patched onto the instance (the tree forward would replace it), or a conv wider than the ops' window. Checked again by ``new_state``, before any forward: a model's dtype can change
-        after the adapter is made."""
+        forward patched onto the instance (the tree forward would replace it), or a conv wider than the ops' window.
+        Checked again by ``new_state``, before any forward: a model's dtype can change after the adapter is made."""
         for i in self.gdn_layer_ids:
             gdn = self.text_model.layers[i].linear_attn
             dtypes = {p.dtype for p in (gdn.in_proj_qkv.weight, gdn.conv1d.weight)}
