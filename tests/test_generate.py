@@ -148,6 +148,29 @@ def test_greedy_equals_hf_generate(name, method, budget):
         assert mean_tau > floor, f"the agreeing draft should get draft tokens accepted, mean tau {mean_tau:.2f}"
 
 
+# A long context: past 2048 slots the attention widths grow by a quarter octave (512 slots here), so these rounds
+# run at 2560, 3072 and 3584 slots.
+LONG_PROMPT_LEN, LONG_CONTEXT_NEW = 2300, 1000
+LONG_PROMPT_SEED = 12  # a prompt whose continuations the tiny drafts mostly, not always, accept
+
+
+@pytest.mark.parametrize("method,budget", [("autoregressive", None), ("dflash", None), ("ddtree", 64)],
+                         ids=["autoregressive", "dflash", "ddtree-64"])
+@pytest.mark.parametrize("name", ["qwen3", HYBRID])
+def test_long_context_equals_hf_generate_across_widths(name, method, budget):
+    """A 2300-token prompt and 1000 new tokens: the target's own greedy output over three widths past 2048 slots."""
+    from ddtree_ext.round import kv_bucket
+
+    target, draft = pair(AGREEING, name)
+    ids = prompt(LONG_PROMPT_SEED, target.config.vocab_size, LONG_PROMPT_LEN)
+    out, stats = generate(target, draft, ids, LONG_CONTEXT_NEW, method=method, tree_budget=budget or 64,
+                          return_stats=True)
+    assert_same_tokens(out, tiny.hf_greedy(target, ids, LONG_CONTEXT_NEW))
+    assert len({kv_bucket(start + 65) for start in round_starts(stats)}) >= 3
+    if method != "autoregressive":
+        assert stats.tau > 1.5 and len(set(stats.accept_lengths)) >= 2, stats.summary()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_greedy_rounds_read_logits_in_the_heads_dtype(temperature, monkeypatch):
     """A greedy round asks the verify for the LM head's own dtype (it reads their argmax only), a sampled one for

@@ -275,6 +275,48 @@ def test_graph_equals_eager_over_500_tokens_on_a_real_shaped_model(dtype):
             assert diff.numel() == 0, f"{method} vs HF: first mismatch at position {int(diff[0])}"
 
 
+# A long context: the widths past 2048 slots grow by a quarter octave (512 slots here), so the rounds run at 2560, 3072
+# and 3584 (a capture each) with the attention's keys split many ways.
+LONG_PROMPT_LEN, LONG_NEW_TOKENS = 2300, 1000
+
+
+@functools.lru_cache(maxsize=None)
+def long_prompt(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (1, LONG_PROMPT_LEN), generator=torch.Generator().manual_seed(12)).cuda()
+
+
+@functools.lru_cache(maxsize=None)
+def long_hf_greedy(family: str) -> torch.Tensor:
+    target = cuda_pair(family)[0]
+    return tiny.hf_greedy(target, long_prompt(target.config.vocab_size), LONG_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("dflash", 1), ("ddtree", 64)])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_long_context_rounds_equal_hf_generate_across_widths(family, method, budget):
+    """A 2300-token prompt and 1000 new tokens, rounds replayed from graphs: the target's own greedy output across
+    three widths past 2048 slots, with acceptance varying round to round."""
+    target, draft = cuda_pair(family)
+    prompt = long_prompt(target.config.vocab_size)
+    out, stats = generate(target, draft, prompt, LONG_NEW_TOKENS, method=method, tree_budget=budget,
+                          return_stats=True, cuda_graph=True)
+    diff = (out != long_hf_greedy(family))[0].nonzero()
+    assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"
+    assert stats.graph_captures >= 3 and sum(stats.round_replayed) > stats.rounds // 2, stats.summary()
+    if method != "autoregressive":
+        assert stats.tau > 1.5, stats.summary()
+        assert len(set(stats.accept_lengths)) >= 2, "acceptance should vary from round to round"
+
+
+def test_long_context_graph_equals_eager_on_a_real_shaped_model():
+    """The same long context on the real-shaped bf16 hybrid, whose attention (head_dim 256) runs the split-KV kernel
+    over 2560-3072 keys: replayed rounds give the eager rounds' tokens."""
+    target, draft = small_real_shaped_hybrid(torch.bfloat16)
+    prompt = long_prompt(4096)
+    for method, (_, stats) in assert_graphs_equal_eager(target, draft, prompt, 600).items():
+        assert stats.graph_captures >= 2, (method, stats.summary())
+
+
 @pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("ddtree", 64)])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_stacked_projections_on_cuda_equal_hf_generate(family, method, budget):
