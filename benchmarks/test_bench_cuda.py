@@ -255,21 +255,24 @@ def test_walk_sample(benchmark, ceilings, budget):
     bench(benchmark, ceilings, "walk_sample", f"N={n} V={VOCAB} bf16 top_k=20 top_p=0.95", calls, n * VOCAB * 2)
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 0.9), (64, 1.0), (0, 0.95), (100, 0.95)])
-def test_walk_sample_settings(benchmark, ceilings, top_k, top_p):
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (50, 0.9, 0.0), (64, 1.0, 0.0), (0, 0.95, 0.0),
+                                               (100, 0.95, 0.0), (0, 1.0, 0.05), (20, 0.95, 0.05)])
+def test_walk_sample_settings(benchmark, ceilings, top_k, top_p, min_p):
     """The other draw paths at budget 64: no filter (a max pass and the draw over each row), a top_k list with top_p,
     top_k = 64 (its list is k long, so the k-th's tie group reaches its end: every node counts it over the row, and
-    draws over the row where it runs past), and top_p alone and top_k above the lists (the radix selects, see
-    csrc/walk_cuda.cu)."""
+    draws over the row where it runs past), top_p alone and top_k above the lists (the radix selects, see
+    csrc/walk_cuda.cu), and min_p alone (its cut kernel, then the draw over each row above it) and after a list."""
     gen = torch.Generator().manual_seed(top_k)
     tree = built_tree(64, gen)
     n = 65
     logits = [torch.randn(1, n, VOCAB, dtype=torch.bfloat16, device=DEV) * 3 for _ in range(2)]
     uniform = torch.rand(1, 16, device=DEV)
     walk = ops.empty_walk(1, 16, DEV)
-    calls = [lambda x=x: ops.walk_sample(tree, x, uniform, temperature=0.6, top_k=top_k, top_p=top_p, out=walk)
+    calls = [lambda x=x: ops.walk_sample(tree, x, uniform, temperature=0.6, top_k=top_k, top_p=top_p, min_p=min_p,
+                                         out=walk)
              for x in logits]
-    bench(benchmark, ceilings, "walk_sample", f"N={n} V={VOCAB} bf16 top_k={top_k} top_p={top_p}", calls, n * VOCAB * 2)
+    label = f"N={n} V={VOCAB} bf16 top_k={top_k} top_p={top_p}" + (f" min_p={min_p}" if min_p else "")
+    bench(benchmark, ceilings, "walk_sample", label, calls, n * VOCAB * 2)
 
 
 # ---- commit ------------------------------------------------------------------------------------

@@ -142,10 +142,14 @@ void walk_greedy_cpu(const at::Tensor& node_token, const at::Tensor& first_child
                      const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
                      at::Tensor& next_token);
 void check_walk_sample(const at::Tensor& node_token, const at::Tensor& logits, const at::Tensor& uniform,
-                       double temperature, int64_t top_k, double top_p, const at::Tensor& accepted);
+                       double temperature, int64_t top_k, double top_p, double min_p, const at::Tensor& accepted);
+// min_p's cut relative to a row's max x: a token is kept when x >= max x + min_p_offset(min_p), the same float32 sum
+// on every device (log taken in double on the host, then rounded); -inf for min_p = 0 (off).
+float min_p_offset(double min_p);
 void walk_sample_cpu(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                      const at::Tensor& logits, const at::Tensor& uniform, double temperature, int64_t top_k,
-                     double top_p, at::Tensor& accepted, at::Tensor& accept_len, at::Tensor& next_token);
+                     double top_p, double min_p, at::Tensor& accepted, at::Tensor& accept_len,
+                     at::Tensor& next_token);
 
 // ---- commit: make the accepted path the new committed state, in place ------------------------
 void check_commit_path(const char* op, const at::Tensor& accepted, const at::Tensor& accept_len);
@@ -220,7 +224,8 @@ void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
                       at::Tensor& next_token);
 void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                       const at::Tensor& logits, const at::Tensor& uniform, double temperature, int64_t top_k,
-                      double top_p, at::Tensor& accepted, at::Tensor& accept_len, at::Tensor& next_token);
+                      double top_p, double min_p, at::Tensor& accepted, at::Tensor& accept_len,
+                      at::Tensor& next_token);
 void commit_gdn_state_cuda(at::TensorList state, at::TensorList stash_u, at::TensorList stash_k,
                            at::TensorList stash_cumg, const at::Tensor& accepted, const at::Tensor& accept_len);
 void commit_conv_state_cuda(at::TensorList conv_state, at::TensorList x, const at::Tensor& accepted,

@@ -88,7 +88,7 @@ void check_walk_greedy(const at::Tensor& node_token, const at::Tensor& target_to
 }
 
 void check_walk_sample(const at::Tensor& node_token, const at::Tensor& logits, const at::Tensor& uniform,
-                       double temperature, int64_t top_k, double top_p, const at::Tensor& accepted) {
+                       double temperature, int64_t top_k, double top_p, double min_p, const at::Tensor& accepted) {
   constexpr const char* op = "walk_sample";
   const int64_t batch = node_token.size(0), num_nodes = node_token.size(1);
   DDTREE_CHECK_FLOAT(op, logits);
@@ -110,6 +110,11 @@ void check_walk_sample(const at::Tensor& node_token, const at::Tensor& logits, c
                "), got ", temperature);
   DDTREE_CHECK(op, top_k >= 0, "top_k must be >= 0 (0 = off), got ", top_k);
   DDTREE_CHECK(op, top_p > 0 && top_p <= 1, "top_p must be in (0, 1] (1 = off), got ", top_p);
+  DDTREE_CHECK(op, min_p >= 0 && min_p <= 1, "min_p must be in [0, 1] (0 = off), got ", min_p);
+}
+
+float min_p_offset(double min_p) {
+  return min_p > 0 ? static_cast<float>(std::log(min_p)) : -std::numeric_limits<float>::infinity();
 }
 
 namespace {
@@ -188,18 +193,21 @@ void walk_row(const TreeRows& tree, int64_t b, TokenAt&& token_at, const WalkRow
 // Draws one token per call from a row of logits by the rule of reference.sample_token:
 // x = float32(logits) / temperature; top_k keeps every x at or above the k-th largest (all its ties, as
 // HF's warper does); top_p ranks those by x descending and keeps a token when the mass ranked strictly
-// above its value is below top_p of theirs (a tied group stays or goes whole); draw by inverse CDF over
-// the kept tokens in ascending id order. Both cuts are thresholds on x. Without filters that is a few
+// above its value is below top_p of theirs (a tied group stays or goes whole); min_p then keeps x >= max x +
+// min_p_offset(min_p) (HF's warper: probability at least min_p times the largest); draw by inverse CDF over
+// the kept tokens in ascending id order. All three cuts are thresholds on x. Without filters that is a few
 // streaming passes; the filters need only selections (nth_element, a mass-weighted quickselect), never a
 // sort of the vocabulary. One sampler per thread: it owns the scratch rows.
 template <typename scalar_t>
 class TokenSampler {
  public:
-  TokenSampler(int64_t vocab, double temperature, int64_t top_k, double top_p)
+  TokenSampler(int64_t vocab, double temperature, int64_t top_k, double top_p, double min_p)
       : vocab_(vocab),
         temperature_(static_cast<float>(temperature)),
         top_k_count_(top_k > 0 && top_k < vocab ? top_k : vocab),
         top_p_(top_p),
+        min_p_on_(min_p > 0),
+        min_p_offset_(min_p_offset(min_p)),
         scaled_(vocab),
         weight_(vocab) {}
 
@@ -210,7 +218,7 @@ class TokenSampler {
       max_x = std::max(max_x, scaled_[i]);
     }
     for (int64_t i = 0; i < vocab_; ++i) weight_[i] = std::exp(scaled_[i] - max_x);
-    const int64_t last_kept = top_k_count_ < vocab_ || top_p_ < 1.0 ? drop_filtered() : vocab_ - 1;
+    const int64_t last_kept = top_k_count_ < vocab_ || top_p_ < 1.0 || min_p_on_ ? drop_filtered(max_x) : vocab_ - 1;
     // The total and the scan add the same terms in the same order, so for u < 1 the scan always hits.
     double total = 0;
     for (int64_t i = 0; i < vocab_; ++i) total += weight_[i];
@@ -236,14 +244,14 @@ class TokenSampler {
     return greater(a.x, b.x) || (!greater(b.x, a.x) && a.id < b.id);
   }
 
-  // Zeroes the weight of every token top_k or top_p drops; returns the largest kept id. The kept set is
+  // Zeroes the weight of every token top_k, top_p or min_p drops; returns the largest kept id. The kept set is
   // every x not below a cut value, so selections find it.
-  int64_t drop_filtered() {
+  int64_t drop_filtered(float max_x) {
     ranked_.resize(vocab_);
     for (int64_t i = 0; i < vocab_; ++i) ranked_[i] = {scaled_[i], static_cast<int32_t>(i)};
     const auto first = ranked_.begin();
     auto last = ranked_.end();
-    float cut = 0.0f;  // set below: this runs only with top_k or top_p on
+    float cut = -std::numeric_limits<float>::infinity();
     if (top_k_count_ < vocab_) {
       // The k-th largest x; the top_k set is every token not below it, its whole tie group included.
       std::nth_element(first, first + (top_k_count_ - 1), last, ranks_above);
@@ -252,6 +260,11 @@ class TokenSampler {
     }
     // The last token top_p keeps in rank order; its value keeps its ties too.
     if (top_p_ < 1.0) cut = top_p_cut(first, last).x;
+    // After top_k and top_p, as HF orders its warpers. Written as the CUDA kernels write it (a NaN cut stays).
+    if (min_p_on_) {
+      const float floor = max_x + min_p_offset_;
+      if (floor > cut) cut = floor;
+    }
     int64_t last_kept = -1;
     for (int64_t i = 0; i < vocab_; ++i) {
       if (greater(cut, scaled_[i])) {
@@ -295,6 +308,8 @@ class TokenSampler {
   float temperature_;
   int64_t top_k_count_;
   double top_p_;
+  bool min_p_on_;
+  float min_p_offset_;
   std::vector<float> scaled_;  // x = logits / temperature
   std::vector<float> weight_;  // exp(x - max x), zero where dropped
   std::vector<Ranked> ranked_;
@@ -321,9 +336,10 @@ void walk_greedy_cpu(const at::Tensor& node_token, const at::Tensor& first_child
 
 void walk_sample_cpu(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                      const at::Tensor& logits, const at::Tensor& uniform, double temperature, int64_t top_k,
-                     double top_p, at::Tensor& accepted, at::Tensor& accept_len, at::Tensor& next_token) {
+                     double top_p, double min_p, at::Tensor& accepted, at::Tensor& accept_len,
+                     at::Tensor& next_token) {
   check_walk("walk_sample", node_token, first_child, next_sibling, accepted, accept_len, next_token);
-  check_walk_sample(node_token, logits, uniform, temperature, top_k, top_p, accepted);
+  check_walk_sample(node_token, logits, uniform, temperature, top_k, top_p, min_p, accepted);
   check_forward_links_cpu("walk_sample", "first_child", first_child);
   check_forward_links_cpu("walk_sample", "next_sibling", next_sibling);
   check_uniform_values_cpu(uniform);
@@ -335,7 +351,7 @@ void walk_sample_cpu(const at::Tensor& node_token, const at::Tensor& first_child
   DDTREE_DISPATCH_FLOAT(logits.scalar_type(), "walk_sample", [&] {
     const scalar_t* logits_data = logits.const_data_ptr<scalar_t>();
     at::parallel_for(0, node_token.size(0), 1, [&](int64_t begin, int64_t end) {
-      TokenSampler<scalar_t> sample(vocab, temperature, top_k, top_p);
+      TokenSampler<scalar_t> sample(vocab, temperature, top_k, top_p, min_p);
       for (int64_t b = begin; b < end; ++b) {
         const float* row_uniform = uniform_data + b * out.max_accept;
         const scalar_t* row_logits = logits_data + b * stride_b;

@@ -15,6 +15,8 @@
 //     draw over the row above the cut;
 //   * the draw over a row: every chunk's total in parallel, then per node a scan over the totals and one
 //     chunk rescanned;
+//   * min_p (after top_k and top_p, as HF orders them) raises a node's cut to its max x + min_p_offset(min_p):
+//     where the cut is found (the top-k merge, the last select), or by its own kernel when it is the only filter;
 // Like the CPU op, weights are float32 exp(x - max x) and masses are summed in double, in a different
 // order, so a draw can differ from the CPU op's only when uniform * total (or top_p * mass) lands
 // within double rounding (or expf's last-bit differences) of a cumulative boundary; the radix selects
@@ -271,8 +273,17 @@ struct SampleArgs {
   float temperature;
   double top_p;            // 1 = off
   int top_k;               // 0 = off
+  float min_p_offset;      // min_p_offset(min_p): -inf = off
   int64_t* token;          // [B, N] contiguous workspace
 };
+
+// min_p's cut after top_k's and top_p's (HF's order): x >= m + min_p_offset, m the row's max x. The CPU op writes the
+// same comparison, so a NaN cut stays NaN.
+__device__ __forceinline__ float with_min_p(float cut, float m, const SampleArgs& a) {
+  if (a.min_p_offset == -INFINITY) return cut;
+  const float floor = m + a.min_p_offset;
+  return floor > cut ? floor : cut;
+}
 
 // Node (b, i) of this block and its uniform; false (and token -1) when no walk reaches the node.
 __device__ __forceinline__ bool sample_target(const SampleArgs& a, int b, int i, float& u) {
@@ -795,7 +806,7 @@ __global__ void __launch_bounds__(kSampleThreads) radix_select_kernel(SampleArgs
     // A failed mass select (no finite weight in the set: a +inf in the row) keeps the whole set: the row, or
     // top_k's (as the CPU op does; the draw then takes the set's largest id).
     const float keep_all = s.floor != nullptr ? cuda::from_ordered_bits(s.floor[slot].prefix) : -INFINITY;
-    d.cut[slot] = st.failed ? keep_all : cuda::from_ordered_bits(st.prefix);
+    d.cut[slot] = with_min_p(st.failed ? keep_all : cuda::from_ordered_bits(st.prefix), row_max_of_parts(d, slot), a);
     d.over_row[slot] = 1;
   }
 }
@@ -928,6 +939,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
       }
       if (r == above_kth && above < target) cut = kth;
     }
+    cut = with_min_p(cut, m, a);
     cut_shared = cut;
     const bool over_row = cut == kth && tied > tied_in_list;  // kth's group is kept and runs past the list
     over_row_shared = over_row;
@@ -993,7 +1005,22 @@ void launch_sample_top_k(const at::Tensor& logits, const SampleArgs& args, int64
   launch_draw_over_row<T, /*FILTERED=*/true>(logits, args, d, bsz, stream);
 }
 
-// No top_k, no top_p: the rows' maxima by segments, then the draw over every reachable node's row.
+// min_p alone: every reachable node draws over its row, keeping x >= its max x + min_p_offset. One thread a node.
+__global__ void __launch_bounds__(kSampleThreads) min_p_cut_kernel(SampleArgs a, DrawRowArgs d, int64_t rows) {
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * kSampleThreads + threadIdx.x;
+  if (slot >= rows) return;
+  const int depth = a.depth[slot];
+  const bool reached = depth >= 0 && depth < a.max_accept;
+  d.over_row[slot] = reached;
+  if (!reached) {
+    a.token[slot] = -1;
+    return;
+  }
+  d.cut[slot] = with_min_p(-INFINITY, row_max_of_parts(d, slot), a);
+}
+
+// No top_k, no top_p: the rows' maxima by segments, then the draw over every reachable node's row (above min_p's cut
+// where it is on).
 template <typename T>
 void launch_sample_full(const at::Tensor& logits, const SampleArgs& args, int64_t bsz, cudaStream_t stream) {
   const int64_t n = args.num_nodes;
@@ -1005,7 +1032,15 @@ void launch_sample_full(const at::Tensor& logits, const SampleArgs& args, int64_
           logits.data_ptr<T>(), logits.stride(0), logits.stride(1), args, static_cast<int>(segments), seg_len,
           part_max.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  launch_draw_over_row<T, /*FILTERED=*/false>(logits, args, over_row.args(part_max), bsz, stream);
+  const DrawRowArgs d = over_row.args(part_max);
+  if (args.min_p_offset == -INFINITY) {
+    launch_draw_over_row<T, /*FILTERED=*/false>(logits, args, d, bsz, stream);
+    return;
+  }
+  min_p_cut_kernel<<<static_cast<unsigned>(cuda::ceil_div(bsz * n, int64_t{kSampleThreads})), kSampleThreads, 0,
+                     stream>>>(args, d, bsz * n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_draw_over_row<T, /*FILTERED=*/true>(logits, args, d, bsz, stream);
 }
 
 }  // namespace
@@ -1048,10 +1083,11 @@ void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
 
 void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                       const at::Tensor& logits, const at::Tensor& uniform, double temperature, int64_t top_k,
-                      double top_p, at::Tensor& accepted, at::Tensor& accept_len, at::Tensor& next_token) {
+                      double top_p, double min_p, at::Tensor& accepted, at::Tensor& accept_len,
+                      at::Tensor& next_token) {
   constexpr const char* op = "walk_sample";
   check_walk(op, node_token, first_child, next_sibling, accepted, accept_len, next_token);
-  check_walk_sample(node_token, logits, uniform, temperature, top_k, top_p, accepted);
+  check_walk_sample(node_token, logits, uniform, temperature, top_k, top_p, min_p, accepted);
   const c10::cuda::CUDAGuard guard(node_token.device());
   const int64_t bsz = node_token.size(0), n = node_token.size(1), vocab = logits.size(2);
   if (bsz == 0 || accepted.size(1) == 0) return;
@@ -1069,7 +1105,7 @@ void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_chil
   const bool p_on = top_p < 1.0;
   const SampleArgs args{depth.data_ptr<int32_t>(), uniform.data_ptr<float>(), uniform.stride(0), uniform.stride(1),
                         static_cast<int>(n), static_cast<int>(uniform.size(1)), vocab,
-                        static_cast<float>(temperature), top_p, static_cast<int>(k_on),
+                        static_cast<float>(temperature), top_p, static_cast<int>(k_on), min_p_offset(min_p),
                         token.data_ptr<int64_t>()};
   const bool beyond_lists = k_on > kSampleMaxTopK || (k_on == 0 && p_on);
   DDTREE_CUDA_DISPATCH_FLOAT(logits.scalar_type(), op, [&] {

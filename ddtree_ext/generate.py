@@ -131,6 +131,7 @@ def generate(
     temperature: float = 0.0,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
     eos_token_id: Union[int, Sequence[int], None] = None,
     seed: Optional[int] = None,
     attention_mask: Optional[torch.Tensor] = None,
@@ -157,9 +158,11 @@ def generate(
         tree_budget: 1..256 tree nodes besides the root verified per DDTree round.
         temperature: 0 = greedy (argmax; ties go to the lower token id, like ``torch.argmax``);
             > 0 samples by :func:`ddtree_ext.ops.walk_sample`'s rule, after ``top_k`` (None or 0 = off;
-            unlike HF, no implicit 50) and ``top_p`` (None or 1 = off). Both are ignored when greedy. The kept
-            tokens are those of HF's warpers, ties at the top_k cut included; a group of equal logits at the
-            top_p cut is kept whole, where HF keeps whichever part its sort ranks higher.
+            unlike HF, no implicit 50), ``top_p`` (None or 1 = off) and ``min_p`` (None or 0 = off), in HF's
+            order. All are ignored when greedy. The kept tokens are those of HF's warpers, ties at the top_k cut
+            included; a group of equal logits at the top_p cut is kept whole, where HF keeps whichever part its
+            sort ranks higher; min_p keeps x = logit / temperature >= max x + log(min_p), HF's probability rule up
+            to float32 rounding at the boundary.
         eos_token_id: an id or a list of ids; generation stops after the first one emitted (the EOS
             is included in the output). None (the default) takes the target's
             ``generation_config.eos_token_id``, as HF's ``generate`` does (none there: no early stop; one that is
@@ -192,7 +195,7 @@ def generate(
     Raises:
         ValueError naming the argument, before any model forward, for: an unknown method, a
         budget outside 1..256, a negative temperature or one in (0, 1e-5) (logits / temperature would
-        overflow float32), top_p outside (0, 1], a negative top_k (one beyond the vocabulary keeps every
+        overflow float32), top_p outside (0, 1], min_p outside [0, 1], a negative top_k (one beyond the vocabulary keeps every
         token), a bool where a number is expected, a non-bool spine or return_stats, an EOS id outside the
         vocabulary (given, or the generation_config's when none is), a streamer without put() and end(), a
         draft that is not a DFlashDraftModel, a
@@ -208,9 +211,9 @@ def generate(
     meanwhile runs HF's code). A call from inside a call in the same thread (from a streamer) runs.
     """
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine,
-                   return_stats, streamer)
-    max_new_tokens, tree_budget, temperature, top_k, top_p, seed, draft_top_k = map(
-        _plain, (max_new_tokens, tree_budget, temperature, top_k, top_p, seed, draft_top_k))
+                   return_stats, streamer, min_p)
+    max_new_tokens, tree_budget, temperature, top_k, top_p, min_p, seed, draft_top_k = map(
+        _plain, (max_new_tokens, tree_budget, temperature, top_k, top_p, min_p, seed, draft_top_k))
     eos = _eos_set(eos_token_id)
     if method == "autoregressive":
         draft = None  # a draft passed along is not used, so not checked or held either
@@ -222,11 +225,11 @@ def generate(
     held = [adapter.text_model, *adapter.text_model.layers, adapter.lm_head, draft]
     with _one_call_per_model(held):
         return _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p,
-                         eos, seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph)
+                         min_p, eos, seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph)
 
 
-def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p, eos, seed,
-              attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph):
+def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p, min_p, eos,
+              seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph):
     """generate() after its option checks, holding the models (draft is None for method="autoregressive")."""
     speculative = draft is not None
     if any(i >= adapter.vocab_size for i in eos):
@@ -253,7 +256,7 @@ def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, te
     stats = GenerationStats(
         method=method, tree_budget=budget, prompt_tokens=prompt_len, spine_accept_lengths=[] if spine_len else None
     )
-    acceptor = _Acceptor(temperature, top_k, top_p, seed, prompt_len + max_new_tokens + max_accept + 1, device)
+    acceptor = _Acceptor(temperature, top_k, top_p, min_p, seed, prompt_len + max_new_tokens + max_accept + 1, device)
     clock = _StageClock(device, enabled=return_stats)
     out_tokens: List[int] = []
 
@@ -434,10 +437,11 @@ class _Acceptor:
     uniforms drawn up front on the CPU (same numbers on every device).
     """
 
-    def __init__(self, temperature, top_k, top_p, seed, length: int, device: torch.device):
+    def __init__(self, temperature, top_k, top_p, min_p, seed, length: int, device: torch.device):
         self.temperature = float(temperature)
         self.top_k = int(top_k or 0)
         self.top_p = 1.0 if top_p is None else float(top_p)
+        self.min_p = float(min_p or 0.0)
         self.uniform = None
         if self.temperature > 0:
             if seed is None:
@@ -465,7 +469,8 @@ class _Acceptor:
         steps = torch.arange(1, depth + 1, device=position.device)
         uniform = self.uniform.gather(1, position[:, None] + steps)
         return ops.walk_sample(
-            tree, logits, uniform, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, out=out
+            tree, logits, uniform, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            min_p=self.min_p, out=out,
         )
 
 
@@ -552,7 +557,8 @@ def _plain(x):
     return x
 
 
-def _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft_top_k) -> None:
+def _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft_top_k,
+                   min_p=None) -> None:
     """The options that need no model: the command line checks them before it loads one."""
     if method not in METHODS:
         raise ValueError(f"generate: method must be one of {METHODS}, got {method!r}")
@@ -572,15 +578,17 @@ def _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new
         raise ValueError(f"generate: top_k must be None or an int >= 0, got {top_k!r}")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
         raise ValueError(f"generate: top_p must be None or in (0, 1], got {top_p!r}")
+    if min_p is not None and (not _is_number(min_p) or not 0 <= min_p <= 1):
+        raise ValueError(f"generate: min_p must be None or in [0, 1], got {min_p!r}")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
         raise ValueError(f"generate: seed must be None or an int in [0, 2**64), got {seed!r}")
 
 
 def _check_options(
     method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine, return_stats,
-    streamer,
+    streamer, min_p=None,
 ) -> None:
-    _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft_top_k)
+    _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft_top_k, min_p)
     if not isinstance(spine, bool):
         raise ValueError(f"generate: spine must be a bool, got {spine!r}")
     if not isinstance(return_stats, bool):

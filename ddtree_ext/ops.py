@@ -793,6 +793,7 @@ def walk_sample(
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
     out: Optional[Walk] = None,
 ) -> Walk:
     """Sampling verification: at each node on the path draw the target's token, follow it if a child
@@ -801,13 +802,14 @@ def walk_sample(
 
     logits [B, N, V] (the target's logits at every node, float32, float16 or bfloat16), uniform [B, D] float32 in
     [0, 1) (uniform[b, d] draws the token at the d-th node of row b's path; D = max_accept),
-    temperature > 0, top_k (0 = off), top_p in (0, 1] (1 = off). The token is drawn from
-    softmax(logits / temperature) restricted to the top_k set (every logit at or above the k-th largest, all
+    temperature > 0, top_k (0 = off), top_p in (0, 1] (1 = off), min_p in [0, 1] (0 = off). The token is drawn
+    from softmax(logits / temperature) restricted to the top_k set (every logit at or above the k-th largest, all
     its ties included, as HF's top-k warper keeps), then to the tokens whose logit has less than top_p of the
     top_k set's probability strictly above it (the smallest set in descending order whose probability reaches
-    top_p, with every token tied with its last; HF's top-p warper keeps an arbitrary part of such a tie), by
-    inverse CDF in ascending token-id order: the first kept token whose cumulative probability exceeds
-    uniform * total.
+    top_p, with every token tied with its last; HF's top-p warper keeps an arbitrary part of such a tie), then to
+    the tokens with x = logit / temperature at least max x + log(min_p) (HF's min-p warper: probability at least
+    min_p times the largest; the sum rounds to float32, log(min_p) taken in double), by inverse CDF in ascending
+    token-id order: the first kept token whose cumulative probability exceeds uniform * total.
     """
     if not isinstance(uniform, torch.Tensor) or uniform.dim() != 2 or uniform.shape[1] < 1:
         got = list(uniform.shape) if isinstance(uniform, torch.Tensor) else type(uniform).__name__
@@ -816,7 +818,7 @@ def walk_sample(
         out = empty_walk(tree.token.shape[0], uniform.shape[-1], tree.token.device)
     load_ops().walk_sample(
         tree.token, tree.first_child, tree.next_sibling, logits, uniform, float(temperature), int(top_k),
-        float(top_p), *out,
+        float(top_p), float(min_p), *out,
     )
     return out
 

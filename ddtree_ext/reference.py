@@ -8,6 +8,7 @@ parallel forms the compiled ops use.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import List, Sequence
 
 import torch
@@ -389,9 +390,10 @@ def walk_greedy(tree: Tree, target_token: torch.Tensor, max_accept: int) -> Walk
     return _walk(tree, max_accept, lambda b, node, d: int(target_token[b, node]))
 
 
-def sample_token(logits: torch.Tensor, u: float, temperature: float, top_k: int = 0, top_p: float = 1.0) -> int:
-    """One draw from the target's processed distribution (the rule of :func:`ddtree_ext.ops.walk_sample`). Both cuts
-    are thresholds on x = logits / temperature, so tokens of equal x are kept or dropped together."""
+def sample_token(logits: torch.Tensor, u: float, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0) -> int:
+    """One draw from the target's processed distribution (the rule of :func:`ddtree_ext.ops.walk_sample`). Every cut
+    is a threshold on x = logits / temperature, so tokens of equal x are kept or dropped together."""
     x = logits.float() / temperature
     vocab = x.shape[0]
     keep = torch.ones(vocab, dtype=torch.bool)
@@ -403,6 +405,8 @@ def sample_token(logits: torch.Tensor, u: float, temperature: float, top_k: int 
         p = torch.softmax(xs, dim=0)
         before = torch.cumsum(p, 0) - p  # probability of the tokens ranked above
         keep &= x >= xs[before < top_p][-1]  # the last token kept in rank order, and its ties
+    if min_p > 0:  # after top_k and top_p, as HF orders them; the float32 sum the ops form
+        keep &= x >= x.max() + torch.tensor(math.log(min_p), dtype=torch.float32)
     probs = torch.softmax(x, dim=0) * keep
     cum = torch.cumsum(probs, 0)  # ascending token id
     hit = torch.nonzero(cum > u * cum[-1])
@@ -410,12 +414,13 @@ def sample_token(logits: torch.Tensor, u: float, temperature: float, top_k: int 
 
 
 def walk_sample(
-    tree: Tree, logits: torch.Tensor, uniform: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0
+    tree: Tree, logits: torch.Tensor, uniform: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+    min_p: float = 0.0,
 ) -> Walk:
     return _walk(
         tree,
         uniform.shape[-1],
-        lambda b, node, d: sample_token(logits[b, node], float(uniform[b, d]), temperature, top_k, top_p),
+        lambda b, node, d: sample_token(logits[b, node], float(uniform[b, d]), temperature, top_k, top_p, min_p),
     )
 
 

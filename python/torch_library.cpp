@@ -60,7 +60,7 @@ TORCH_LIBRARY(ddtree, m) {
       "Tensor(a!) accepted, Tensor(b!) accept_len, Tensor(c!) next_token) -> ()");
   m.def(
       "walk_sample(Tensor node_token, Tensor first_child, Tensor next_sibling, Tensor logits, Tensor uniform, "
-      "float temperature, int top_k, float top_p, Tensor(a!) accepted, Tensor(b!) accept_len, "
+      "float temperature, int top_k, float top_p, float min_p, Tensor(a!) accepted, Tensor(b!) accept_len, "
       "Tensor(c!) next_token) -> ()");
   // commit
   m.def(

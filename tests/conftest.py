@@ -52,13 +52,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert err <= RTOL[dtype], f"{name}: relative error {err:.3e} > {RTOL[dtype]:.1e} ({dtype})"
 
 
-def warped_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def warped_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0) -> torch.Tensor:
     """The distribution walk_sample draws from, float64 [R, V], out of Hugging Face's own warpers over float32 logits
-    [R, V] (generate upcasts them), in generate's order: temperature, top-k, top-p, then a softmax. One change: where
+    [R, V] (generate upcasts them), in generate's order: temperature, top-k, top-p, min-p, then a softmax. One change: where
     top-p's cut falls inside a group of equal logits, HF keeps the members its unstable sort happens to rank higher;
     here every token tied with a kept one is kept (HF keeps at least one of such a group exactly when the group is
     kept here)."""
     from transformers.generation.logits_process import (
+        MinPLogitsWarper,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
@@ -71,6 +73,8 @@ def warped_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
         kept = TopPLogitsWarper(top_p)(None, scores) > -float("inf")
         lowest_kept = scores.masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
         scores = scores.masked_fill(scores < lowest_kept, -float("inf"))
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
     return torch.softmax(scores.double(), -1)
 
 

@@ -731,6 +731,42 @@ def test_walk_sample(dtype, temperature, top_k, top_p):
         assert_fields_equal(got, reference.walk_sample(tree, logits, uniform, **kw), "vs reference")
 
 
+MIN_P_SETTINGS = [  # (temperature, top_k, top_p, min_p): min_p on each path of the CUDA op
+    (1.0, 0, 1.0, 0.05),  # min_p alone: its own cut kernel, then the draw over the row
+    (0.7, 0, 1.0, 0.5),
+    (0.7, 5, 1.0, 0.1),  # the lists
+    (0.8, 20, 0.95, 0.2),
+    (0.9, 0, 0.9, 0.1),  # the radix selects
+    (1.0, 100, 0.95, 0.02),
+    (1.0, 0, 1.0, 1.0),  # the max's tie group only
+]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", MIN_P_SETTINGS)
+def test_walk_sample_min_p(dtype, temperature, top_k, top_p, min_p):
+    """min_p after top_k and top_p: the CPU op's and the reference's draws on every path."""
+    gen = make_gen(top_k + 5 + round(top_p * 1000) + round(min_p * 100))
+    tree, logits = sample_case(3, 33, 3000, gen)
+    logits = logits.to(dtype)
+    for _ in range(3):
+        uniform = torch.rand(3, 9, generator=gen)
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        got = ops.walk_sample(to(tree, DEV), logits.to(DEV), uniform.to(DEV), out=poisoned(ops.empty_walk(3, 9, DEV)),
+                              **kw)
+        assert_fields_equal(got, ops.walk_sample(tree, logits, uniform, **kw), "vs CPU op")
+        assert_fields_equal(got, reference.walk_sample(tree, logits, uniform, **kw), "vs reference")
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.05), (0, 1.0, 1.0), (20, 0.95, 0.1), (64, 1.0, 0.3),
+                                               (0, 0.6, 0.01), (100, 0.9, 0.2)])
+def test_walk_sample_min_p_ties_keep_what_hf_warpers_keep(top_k, top_p, min_p):
+    """Tied logits (see test_walk_sample_ties_keep_what_hf_warpers_keep) with HF's MinPLogitsWarper last: its kept set
+    and weights, probed by inverse-CDF uniforms; the CPU op draws the same."""
+    gen = make_gen(top_k * 100 + int(top_p * 100) + int(min_p * 1000))
+    assert_tied_rows_draw_as_hf_warpers(gen, torch.bfloat16, temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p)
+
+
 def test_walk_sample_full_vocab():
     """Qwen3.6's vocabulary, with the usual sampling settings (top_p alone and top_k 100: the radix selects)."""
     gen = make_gen(21)
@@ -756,13 +792,15 @@ def test_walk_sample_radix_selects_draw_as_the_cpu_op(dtype):
         assert_fields_equal(got, ops.walk_sample(tree, logits, uniform, **kw), f"top_k {top_k}, top_p {top_p}")
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (0, 0.9), (20, 0.9), (100, 1.0), (100, 0.9)])
-def test_walk_sample_garbage_rows_draw_in_range(top_k, top_p):
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (0, 0.9, 0.0), (20, 0.9, 0.0), (100, 1.0, 0.0),
+                                               (100, 0.9, 0.0), (0, 1.0, 0.1), (20, 0.9, 0.1), (0, 0.9, 0.1)])
+def test_walk_sample_garbage_rows_draw_in_range(top_k, top_p, min_p):
     """Rows no distribution comes from (all -inf, all NaN, a NaN or a +inf among numbers, a masked tail) still
     draw a token of the vocabulary at every node, on every path, and fault nowhere (the walk stage of
     scripts/h200.sh runs this under memcheck)."""
     vocab, n = 5000, 6
-    gen = make_gen(top_k + int(top_p * 10))
+    gen = make_gen(top_k + int(top_p * 10) + int(min_p * 100))
+    kw = dict(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p)
     logits = torch.randn(1, n, vocab, generator=gen)
     logits[0, 0] = -float("inf")
     logits[0, 1] = float("nan")
@@ -775,14 +813,12 @@ def test_walk_sample_garbage_rows_draw_in_range(top_k, top_p):
         uniform = torch.full((1, n), u)
         for i in range(n):  # each row at the root of a one-node tree, then the chain over all of them
             row = logits[0, i].to(torch.bfloat16)
-            token = root_draws(row.to(DEV), uniform[0, :1], temperature=0.8, top_k=top_k, top_p=top_p)
+            token = root_draws(row.to(DEV), uniform[0, :1], **kw)
             assert 0 <= int(token) < vocab, f"row {i}, u {u}: drew {int(token)}"
             if i in (1, 3, 4):  # all NaN (the last id), a +inf among numbers (the kept set's largest id) and a
                 # masked tail: the CPU op's draw
-                assert torch.equal(token, root_draws(row, uniform[0, :1], temperature=0.8, top_k=top_k, top_p=top_p)), \
-                    f"row {i}, u {u}"
-        out = ops.walk_sample(to(tree, DEV), logits.to(torch.bfloat16).to(DEV), uniform.to(DEV), temperature=0.8,
-                              top_k=top_k, top_p=top_p)
+                assert torch.equal(token, root_draws(row, uniform[0, :1], **kw)), f"row {i}, u {u}"
+        out = ops.walk_sample(to(tree, DEV), logits.to(torch.bfloat16).to(DEV), uniform.to(DEV), **kw)
         assert 0 <= int(out.next_token) < vocab
 
 
@@ -797,10 +833,15 @@ def test_walk_sample_ties_keep_what_hf_warpers_keep(dtype, top_k, top_p):
     62000 tied at the top), a k-th's group that holds most of top_p's mass, a k-th of -inf. The kept set and weights
     are HF's warpers' (a group tied at top_p's cut kept whole), probed by inverse-CDF uniforms over the whole range;
     the CPU op draws the same."""
-    gen = make_gen(top_k * 100 + int(top_p * 100))
+    assert_tied_rows_draw_as_hf_warpers(make_gen(top_k * 100 + int(top_p * 100)), dtype, temperature=0.8, top_k=top_k,
+                                        top_p=top_p)
+
+
+def assert_tied_rows_draw_as_hf_warpers(gen, dtype, **kw):
+    """conftest.tied_rows of 3000 and 248320 tokens in ``dtype``: the CUDA op's draws at inverse-CDF probes are those
+    of HF's warpers with ``kw``; the CPU op's too, at 3000."""
     for vocab in (3000, 248320):
         rows = tied_rows(vocab, gen).to(dtype)
-        kw = dict(temperature=0.8, top_k=top_k, top_p=top_p)
         for row, probs in zip(rows, warped_probs(rows, **kw)):
             uniform, want = inverse_cdf_probes(probs)
             got = root_draws(row.to(DEV), uniform, **kw)
@@ -1866,7 +1907,7 @@ def _case_row_argmax():
     return OpCase(inputs, lambda x: [ops.row_argmax(x["x"]), ops.row_argmax(x["one"])])
 
 
-def _case_walk_sample(top_k, top_p):
+def _case_walk_sample(top_k, top_p, min_p=0.0):
     def inputs(gen):
         tree, logits = sample_case(2, 33, 3000, gen)
         return {**{f: t.to(DEV) for f, t in tree._asdict().items()}, "logits": logits.to(DEV),
@@ -1874,7 +1915,8 @@ def _case_walk_sample(top_k, top_p):
 
     def run(x):
         tree = Tree(*(x[f] for f in Tree._fields))
-        return list(ops.walk_sample(tree, x["logits"], x["uniform"], temperature=0.8, top_k=top_k, top_p=top_p))
+        return list(ops.walk_sample(tree, x["logits"], x["uniform"], temperature=0.8, top_k=top_k, top_p=top_p,
+                                    min_p=min_p))
 
     return OpCase(inputs, run)
 
@@ -1970,6 +2012,8 @@ OP_CASES = {
     "walk_sample_full": functools.partial(_case_walk_sample, 0, 1.0),
     "walk_sample_top_p": functools.partial(_case_walk_sample, 0, 0.9),
     "walk_sample_top_k_beyond_lists": functools.partial(_case_walk_sample, 100, 0.9),
+    "walk_sample_min_p": functools.partial(_case_walk_sample, 0, 1.0, 0.1),
+    "walk_sample_top_k_min_p": functools.partial(_case_walk_sample, 20, 0.9, 0.1),
     "commit": _case_commit,
     "layer": _case_layer,
     "gqa_attention": _case_attention,

@@ -190,7 +190,7 @@ def test_greedy_rounds_read_logits_in_the_heads_dtype(temperature, monkeypatch):
     generate(target, draft, pair_prompt(RANDOM, HYBRID, 5), 12, method="ddtree", tree_budget=8,
              temperature=temperature, seed=1)
     assert asked and set(asked) == {temperature > 0}
-    sampling = _Acceptor(1.0, None, None, 0, 8, torch.device("cpu"))
+    sampling = _Acceptor(1.0, None, None, None, 0, 8, torch.device("cpu"))
     with pytest.raises(ValueError, match="spine_len"):
         round_module.DecodeRound(None, None, None, None, sampling, method="ddtree", budget=4, max_accept=4,
                                  draft_top_k=2, spine=True, spine_len=3, use_graphs=False)
@@ -645,7 +645,7 @@ def test_sampling_reproducible_and_identical_across_methods(name):
     A low temperature keeps the agreeing draft useful, so sampled paths are deep."""
     target, draft = pair(AGREEING, name)
     ids = pair_prompt(AGREEING, name, 23)
-    kw = dict(temperature=0.3, top_k=40, top_p=0.95)
+    kw = dict(temperature=0.3, top_k=40, top_p=0.95, min_p=0.02)
     for seed in (0, 1):
         ref = generate(target, draft, ids, 120, method="autoregressive", seed=seed, **kw)
         for method, budget in [("dflash", 64), ("ddtree", 4), ("ddtree", 64)]:
@@ -707,8 +707,9 @@ def small_vocab_pair():
 
 @pytest.mark.parametrize(
     "processing",
-    [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)],
-    ids=["plain", "top_k-top_p"],
+    [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.7, top_k=5, top_p=0.9),
+     dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1)],
+    ids=["plain", "top_k-top_p", "min_p"],
 )
 def test_sampling_distribution_matches_the_target(processing):
     """Many seeded runs: the first 3 new tokens of DDTree, DFlash and autoregressive sampling each follow
@@ -773,6 +774,10 @@ BAD_INPUTS = [
     ("spine", dict(spine="no")),
     ("top_p", dict(top_p=0.0)),
     ("top_p", dict(top_p=1.5)),
+    ("min_p", dict(min_p=-0.1)),
+    ("min_p", dict(min_p=1.5)),
+    ("min_p", dict(min_p=True)),
+    ("min_p", dict(min_p=float("nan"))),
     ("top_k", dict(top_k=-1)),
     ("seed", dict(seed=-1)),
     ("max_new_tokens", dict(max_new_tokens=0)),
@@ -1264,6 +1269,8 @@ def test_cli_demo_trained_draft_shows_acceptance(capsys):
      # with --target, what needs no model is refused before loading it (these paths do not exist)
      (["--target", "no/such-target", "--draft", "no/such-draft", "--budget", "0"], "tree_budget"),
      (["--target", "no/such-target", "--draft", "no/such-draft", "--top-p", "2"], "top_p"),
+     (["--target", "no/such-target", "--draft", "no/such-draft", "--min-p", "-0.5"], "min_p"),
+     (["--min-p", "2"], "min_p"),
      (["--target", "no/such-target", "--method", "autoregressive", "--max-new-tokens", "-3"], "--max-new-tokens"),
      (["--target", "no/such-target", "--method", "autoregressive", "--prompt", ""], "--prompt must not be empty")],
 )

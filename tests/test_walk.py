@@ -177,6 +177,41 @@ def test_sample_large_vocab_strided_logits_vs_reference():
         assert_walk_equal(out, ref.walk_sample(tree, logits, uniform, **kw))
 
 
+# min_p after top_k and top_p (HF's order), alone and with each; 1.0 keeps only the max's tie group.
+MIN_P_FILTERS = [(0, 1.0, 0.05), (0, 1.0, 0.3), (0, 1.0, 1.0), (5, 1.0, 0.2), (0, 0.9, 0.1), (3, 0.8, 0.5),
+                 (1000, 0.95, 0.02)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k,top_p,min_p", MIN_P_FILTERS)
+def test_sample_min_p_vs_reference(dtype, top_k, top_p, min_p):
+    gen = torch.Generator().manual_seed(top_k * 7 + int(top_p * 100) + int(min_p * 1000))
+    batch, n, vocab, max_accept = 6, 17, 40, 6
+    tree = random_trees(batch, n, vocab, gen)
+    logits = child_biased_logits(tree, vocab, gen, dtype)
+    for temperature in (0.6, 1.0, 1.7):
+        uniform = torch.rand(batch, max_accept, generator=gen)
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        out = ops.walk_sample(tree, logits, uniform, **kw, out=poisoned_walk(batch, max_accept))
+        assert_walk_equal(out, ref.walk_sample(tree, logits, uniform, **kw))
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", MIN_P_FILTERS)
+def test_sample_min_p_keeps_what_hf_warpers_keep(top_k, top_p, min_p):
+    """The kept set and weights of HF's warpers with MinPLogitsWarper last, ties included, probed by inverse-CDF
+    uniforms over the whole range, for the op and the reference."""
+    gen = torch.Generator().manual_seed(top_k * 10 + int(top_p * 100) + int(min_p * 1000))
+    for vocab in (40, 3000):
+        rows = tied_rows(vocab, gen)
+        for temperature in (1.0, 0.7):
+            kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+            for row, probs in zip(rows, warped_probs(rows, **kw)):
+                uniform, want = inverse_cdf_probes(probs)
+                assert torch.equal(root_draws(row, uniform, **kw), want)
+                if vocab == 40:
+                    assert [ref.sample_token(row, float(x), **kw) for x in uniform[::16]] == want[::16].tolist()
+
+
 def test_sample_reproducible():
     gen = torch.Generator().manual_seed(8)
     tree = random_trees(4, 33, 16, gen)
@@ -187,8 +222,10 @@ def test_sample_reproducible():
     assert_walk_equal(ops.walk_sample(tree, logits, uniform, **kw, out=poisoned_walk(4, 8)), first)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.85), (1.0, 4, 0.8)])
-def test_sample_law(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p",
+                         [(1.0, 0, 1.0, 0.0), (0.7, 3, 1.0, 0.0), (1.3, 0, 0.85, 0.0), (1.0, 4, 0.8, 0.0),
+                          (1.0, 0, 1.0, 0.25), (1.2, 4, 0.9, 0.15)])
+def test_sample_law(temperature, top_k, top_p, min_p):
     """Lossless sampling: over many draws the committed (first, second) tokens follow the target's
     p(t1) p(t2 | t1). Tree of depth 2 holding every token at every node, so every draw is followed."""
     vocab, draws = 5, 20000
@@ -202,13 +239,13 @@ def test_sample_law(temperature, top_k, top_p):
     gen = torch.Generator().manual_seed(2024)
     logits_one = torch.randn(n, vocab, generator=gen) * 1.5
     uniform = torch.rand(draws, 3, generator=gen)
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     out = ops.walk_sample(tree, logits_one.expand(draws, n, vocab), uniform, **kw)
     assert (out.accept_len == 3).all()
     first, second = tree.token[0, out.accepted[:, 1].long()], tree.token[0, out.accepted[:, 2].long()]
     observed = torch.bincount(first * vocab + second, minlength=vocab * vocab).double()
 
-    probs = warped_probs(logits_one, temperature, top_k, top_p)  # [n, V]
+    probs = warped_probs(logits_one, temperature, top_k, top_p, min_p)  # [n, V]
     expected = (probs[0].unsqueeze(1) * probs[1 : 1 + vocab]).reshape(-1) * draws  # p(t1) p(t2 | t1)
     impossible = expected == 0
     assert observed[impossible].sum() == 0, "a filtered-out token was drawn"
@@ -275,6 +312,9 @@ SAMPLE_BAD = {  # name: (argument named in the error, change of the keyword argu
     "top_k": ("top_k", lambda kw: kw.update(top_k=-1)),
     "top_p_zero": ("top_p", lambda kw: kw.update(top_p=0.0)),
     "top_p_over_one": ("top_p", lambda kw: kw.update(top_p=1.5)),
+    "min_p_negative": ("min_p", lambda kw: kw.update(min_p=-0.1)),
+    "min_p_over_one": ("min_p", lambda kw: kw.update(min_p=1.5)),
+    "min_p_nan": ("min_p", lambda kw: kw.update(min_p=float("nan"))),
 }
 
 
@@ -348,5 +388,5 @@ def test_opcheck_walks():
     )
     torch.library.opcheck(
         o.walk_sample,
-        (tree.token, tree.first_child, tree.next_sibling, logits, uniform, 0.9, 3, 0.8, *ops.empty_walk(2, 4)),
+        (tree.token, tree.first_child, tree.next_sibling, logits, uniform, 0.9, 3, 0.8, 0.1, *ops.empty_walk(2, 4)),
     )
