@@ -132,6 +132,7 @@ def generate(
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
+    repetition_penalty: Optional[float] = None,
     eos_token_id: Union[int, Sequence[int], None] = None,
     seed: Optional[int] = None,
     attention_mask: Optional[torch.Tensor] = None,
@@ -163,13 +164,17 @@ def generate(
             included; a group of equal logits at the top_p cut is kept whole, where HF keeps whichever part its
             sort ranks higher; min_p keeps x = logit / temperature >= max x + log(min_p), HF's probability rule up
             to float32 rounding at the boundary.
+        repetition_penalty: HF's repetition penalty (> 0; 1 = off), greedy or sampled, before the temperature: at
+            every node the logit of each token already in the sequence (prompt, generated tokens, then the node's
+            path in the tree) is divided by it, or multiplied where negative, in float32. None (the default) takes
+            the target's ``generation_config.repetition_penalty``, as HF's ``generate`` does.
         eos_token_id: an id or a list of ids; generation stops after the first one emitted (the EOS
             is included in the output). None (the default) takes the target's
             ``generation_config.eos_token_id``, as HF's ``generate`` does (none there: no early stop; one that is
             not a valid id is refused, where HF warns); an empty list never stops early. Nothing else of the
-            generation_config is read: not its sampling settings (``temperature`` here is 0 unless given), not its
-            logits processing (a UserWarning names the settings of it that HF's greedy generate would apply, e.g.
-            repetition_penalty).
+            generation_config is read but ``repetition_penalty``: not its sampling settings (``temperature`` here is
+            0 unless given), not its other logits processing (a UserWarning names the settings of it that HF's
+            greedy generate would apply, e.g. no_repeat_ngram_size).
         seed: seeds the uniforms of sampling (reproducible output); None draws the seed from
             torch's global generator, so ``torch.manual_seed`` also makes a run reproducible. The uniforms come
             from torch's CPU generator, which keeps 32 bits of a seed: seeds equal modulo 2**32 draw alike.
@@ -195,7 +200,8 @@ def generate(
     Raises:
         ValueError naming the argument, before any model forward, for: an unknown method, a
         budget outside 1..256, a negative temperature or one in (0, 1e-5) (logits / temperature would
-        overflow float32), top_p outside (0, 1], min_p outside [0, 1], a negative top_k (one beyond the vocabulary keeps every
+        overflow float32), top_p outside (0, 1], min_p outside [0, 1], a repetition_penalty (given, or the
+        generation_config's when none is) that is not a finite number > 0, a negative top_k (one beyond the vocabulary keeps every
         token), a bool where a number is expected, a non-bool spine or return_stats, an EOS id outside the
         vocabulary (given, or the generation_config's when none is), a streamer without put() and end(), a
         draft that is not a DFlashDraftModel, a
@@ -211,25 +217,28 @@ def generate(
     meanwhile runs HF's code). A call from inside a call in the same thread (from a streamer) runs.
     """
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine,
-                   return_stats, streamer, min_p)
-    max_new_tokens, tree_budget, temperature, top_k, top_p, min_p, seed, draft_top_k = map(
-        _plain, (max_new_tokens, tree_budget, temperature, top_k, top_p, min_p, seed, draft_top_k))
+                   return_stats, streamer, min_p, repetition_penalty)
+    max_new_tokens, tree_budget, temperature, top_k, top_p, min_p, repetition_penalty, seed, draft_top_k = map(
+        _plain, (max_new_tokens, tree_budget, temperature, top_k, top_p, min_p, repetition_penalty, seed, draft_top_k))
     eos = _eos_set(eos_token_id)
     if method == "autoregressive":
         draft = None  # a draft passed along is not used, so not checked or held either
     adapter = _as_adapter(target, draft)
     if eos_token_id is None:
         eos = _config_eos_set(adapter)
+    if repetition_penalty is None:
+        repetition_penalty = _config_repetition_penalty(adapter)
     _warn_unapplied_processing(adapter.model)
     # Every decoder layer too: two models may share layers under different roots.
     held = [adapter.text_model, *adapter.text_model.layers, adapter.lm_head, draft]
     with _one_call_per_model(held):
         return _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p,
-                         min_p, eos, seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph)
+                         min_p, repetition_penalty, eos, seed, attention_mask, streamer, return_stats, spine,
+                         draft_top_k, cuda_graph)
 
 
-def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p, min_p, eos,
-              seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph):
+def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p, min_p,
+              repetition_penalty, eos, seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph):
     """generate() after its option checks, holding the models (draft is None for method="autoregressive")."""
     speculative = draft is not None
     if any(i >= adapter.vocab_size for i in eos):
@@ -256,7 +265,8 @@ def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, te
     stats = GenerationStats(
         method=method, tree_budget=budget, prompt_tokens=prompt_len, spine_accept_lengths=[] if spine_len else None
     )
-    acceptor = _Acceptor(temperature, top_k, top_p, min_p, seed, prompt_len + max_new_tokens + max_accept + 1, device)
+    acceptor = _Acceptor(temperature, top_k, top_p, min_p, seed, prompt_len + max_new_tokens + max_accept + 1, device,
+                         repetition_penalty=repetition_penalty, prompt=input_ids, vocab_size=adapter.vocab_size)
     clock = _StageClock(device, enabled=return_stats)
     out_tokens: List[int] = []
 
@@ -298,7 +308,8 @@ def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, te
             logits, context = adapter.prefill(input_ids, state)
             # The first new token: the target's at the last prompt position (a root-only tree there).
             first = ops.chain_tree(input_ids[:, -1:], state.prefix_len - 1)
-            root = acceptor.walk(first, logits[:, None], state.prefix_len - 1, ops.empty_walk(1, 1, device)).next_token
+            logits = acceptor.penalize(first, logits[:, None], 1)
+            root = acceptor.walk(first, logits, state.prefix_len - 1, ops.empty_walk(1, 1, device)).next_token
         decode.start(root, context)
 
         def launch(committed: int):
@@ -357,7 +368,7 @@ def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, te
 # a decoder-only model's prompt as the "encoder" input, and beam or contrastive search) picks other tokens than the
 # argmax, and the values with which it does not.
 _GREEDY_PROCESSING_OFF = {
-    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+    "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
     "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "suppress_tokens": (None,),
     "begin_suppress_tokens": (None,), "sequence_bias": (None,), "forced_bos_token_id": (None,),
     "forced_eos_token_id": (None,), "min_length": (None, 0), "min_new_tokens": (None, 0),
@@ -366,9 +377,19 @@ _GREEDY_PROCESSING_OFF = {
 }
 
 
+def _config_repetition_penalty(adapter) -> Optional[float]:
+    """The target's generation_config.repetition_penalty (None if unset), checked as generate() checks its own."""
+    value = getattr(getattr(adapter.model, "generation_config", None), "repetition_penalty", None)
+    if value is not None and (not _is_number(value) or not _is_finite(value) or value <= 0):
+        raise ValueError(
+            f"generate: the target's generation_config.repetition_penalty must be a finite number > 0, got {value!r} "
+            f"(pass repetition_penalty to override it)")
+    return None if value is None else float(value)
+
+
 def _warn_unapplied_processing(model) -> None:
     """A UserWarning when the target's generation_config asks HF's generate for logits processing that changes
-    greedy tokens (a repetition penalty, say): generate() applies none, so its output is HF's with them off."""
+    greedy tokens (no_repeat_ngram_size, say): generate() applies none, so its output is HF's with them off."""
     config = getattr(model, "generation_config", None)
     found = {}
     for name, off in _GREEDY_PROCESSING_OFF.items():
@@ -434,14 +455,22 @@ class _Acceptor:
 
     Greedy: :func:`ops.walk_greedy` on the target's argmax. Sampling: :func:`ops.walk_sample` with
     the uniform of sequence position p drawing the token at p, from one stream of ``length``
-    uniforms drawn up front on the CPU (same numbers on every device).
+    uniforms drawn up front on the CPU (same numbers on every device). A repetition penalty (HF's
+    ``RepetitionPenaltyLogitsProcessor``, applied before either) needs the tokens seen so far: the prompt's,
+    then each walk's, kept on the device in ``seen`` (:meth:`penalize`).
     """
 
-    def __init__(self, temperature, top_k, top_p, min_p, seed, length: int, device: torch.device):
+    def __init__(self, temperature, top_k, top_p, min_p, seed, length: int, device: torch.device,
+                 repetition_penalty=None, prompt: Optional[torch.Tensor] = None, vocab_size: int = 0):
         self.temperature = float(temperature)
         self.top_k = int(top_k or 0)
         self.top_p = 1.0 if top_p is None else float(top_p)
         self.min_p = float(min_p or 0.0)
+        self.penalty = None if repetition_penalty in (None, 1.0) else float(repetition_penalty)
+        self.seen = None  # [1, V + 1] bool: the tokens of the sequence so far (column V: a sink for padding)
+        if self.penalty is not None:
+            self.seen = torch.zeros(1, vocab_size + 1, dtype=torch.bool, device=device)
+            self.seen.scatter_(1, prompt.to(device), True)
         self.uniform = None
         if self.temperature > 0:
             if seed is None:
@@ -453,25 +482,55 @@ class _Acceptor:
     def greedy(self) -> bool:
         return self.uniform is None
 
+    def penalize(self, tree: ops.Tree, logits: torch.Tensor, max_depth: int) -> torch.Tensor:
+        """The logits [1, N, V] as HF's repetition penalty leaves them at every node, in float32 (HF upcasts before
+        it): a token in the sequence up to the node (what ``seen`` holds, then the node's path from the root, at
+        most ``max_depth`` nodes) has its logit divided by the penalty, or multiplied where negative. Without a
+        penalty, the logits as they are. No host reads."""
+        if self.penalty is None:
+            return logits
+        logits = logits.float()
+        batch, n, vocab = logits.shape
+        repeated = self.seen[:, None, :].expand(batch, n, vocab + 1).clone()
+        node = torch.arange(n, device=logits.device).expand(batch, n)
+        for _ in range(max_depth):  # the node itself, then its ancestors up to the root (parent -1)
+            reached = node >= 0
+            token = tree.token.gather(1, node.clamp(min=0))
+            repeated.scatter_(2, torch.where(reached, token, vocab)[..., None], True)
+            node = torch.where(reached, tree.parent.gather(1, node.clamp(min=0)).long(), -1)
+        penalized = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
+        return torch.where(repeated[..., :vocab], penalized, logits)
+
+    def _record(self, tree: ops.Tree, walk: ops.Walk) -> None:
+        """Adds the walk's tokens (its path, then the next token) to ``seen``."""
+        if self.penalty is None:
+            return
+        path = tree.token.gather(1, walk.accepted.clamp(min=0).long())
+        self.seen.scatter_(1, torch.where(walk.accepted >= 0, path, self.seen.shape[1] - 1), True)
+        self.seen.scatter_(1, walk.next_token[:, None], True)
+
     def walk(
         self, tree: ops.Tree, logits: torch.Tensor, position: torch.Tensor, out: ops.Walk,
         argmax: Optional[torch.Tensor] = None,
     ) -> ops.Walk:
         """Walk ``tree`` whose root sits at sequence position ``position`` ([1] int64 on the device;
         logits [1, N, V]: the target's at every node, float32 when sampling, any float dtype when greedy);
-        writes ``out`` (its width = the longest path) and returns it. ``argmax`` (greedy): ops.row_argmax(logits)
-        when the caller has it. No host reads."""
+        writes ``out`` (its width = the longest path) and returns it. The logits are :meth:`penalize`'s; ``argmax``
+        (greedy): ops.row_argmax(logits) when the caller has it. No host reads."""
         if self.greedy:
             target_argmax = ops.row_argmax(logits) if argmax is None else argmax
-            return ops.walk_greedy(tree, target_argmax, out.accepted.shape[1], out=out)
-        depth = out.accepted.shape[1]
-        # The node at depth d sits at position + d and draws the token at position + d + 1.
-        steps = torch.arange(1, depth + 1, device=position.device)
-        uniform = self.uniform.gather(1, position[:, None] + steps)
-        return ops.walk_sample(
-            tree, logits, uniform, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            min_p=self.min_p, out=out,
-        )
+            walk = ops.walk_greedy(tree, target_argmax, out.accepted.shape[1], out=out)
+        else:
+            depth = out.accepted.shape[1]
+            # The node at depth d sits at position + d and draws the token at position + d + 1.
+            steps = torch.arange(1, depth + 1, device=position.device)
+            uniform = self.uniform.gather(1, position[:, None] + steps)
+            walk = ops.walk_sample(
+                tree, logits, uniform, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                min_p=self.min_p, out=out,
+            )
+        self._record(tree, walk)
+        return walk
 
 
 # ---- timing ----------------------------------------------------------------------------------
@@ -558,7 +617,7 @@ def _plain(x):
 
 
 def _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft_top_k,
-                   min_p=None) -> None:
+                   min_p=None, repetition_penalty=None) -> None:
     """The options that need no model: the command line checks them before it loads one."""
     if method not in METHODS:
         raise ValueError(f"generate: method must be one of {METHODS}, got {method!r}")
@@ -580,15 +639,19 @@ def _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new
         raise ValueError(f"generate: top_p must be None or in (0, 1], got {top_p!r}")
     if min_p is not None and (not _is_number(min_p) or not 0 <= min_p <= 1):
         raise ValueError(f"generate: min_p must be None or in [0, 1], got {min_p!r}")
+    if repetition_penalty is not None and (
+            not _is_number(repetition_penalty) or not _is_finite(repetition_penalty) or repetition_penalty <= 0):
+        raise ValueError(f"generate: repetition_penalty must be None or a finite number > 0, got {repetition_penalty!r}")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
         raise ValueError(f"generate: seed must be None or an int in [0, 2**64), got {seed!r}")
 
 
 def _check_options(
     method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine, return_stats,
-    streamer, min_p=None,
+    streamer, min_p=None, repetition_penalty=None,
 ) -> None:
-    _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft_top_k, min_p)
+    _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft_top_k, min_p,
+                   repetition_penalty)
     if not isinstance(spine, bool):
         raise ValueError(f"generate: spine must be a bool, got {spine!r}")
     if not isinstance(return_stats, bool):

@@ -178,7 +178,7 @@ class DecodeRound:
         )
 
     def _walk(self) -> None:
-        logits = self.tmp["logits"]
+        logits = self.acceptor.penalize(self.tree, self.tmp["logits"], self.max_accept)
         argmax = ops.row_argmax(logits) if self.acceptor.greedy else None  # once, for the walk and the spine
         walk = self.acceptor.walk(self.tree, logits, self.state.prefix_len, self.walk, argmax=argmax)
         # Only the host reads the result row: it is composed on a side stream, beside the commit, which joins it.

@@ -259,9 +259,10 @@ def target_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> to
     return torch.cat([outputs[i] for i in layer_ids], dim=-1)
 
 
-def hf_greedy(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def hf_greedy(target, prompts: torch.Tensor, new_tokens: int, **processing) -> torch.Tensor:
     """The target's own greedy output from stock Hugging Face ``generate`` (exactly ``new_tokens`` new
-    tokens, no EOS stop): [B, prompt_len + new_tokens] int64. The reference every exactness test uses."""
+    tokens, no EOS stop): [B, prompt_len + new_tokens] int64. The reference every exactness test uses.
+    ``processing``: more of ``generate``'s arguments (e.g. ``repetition_penalty``)."""
     with torch.no_grad():
         return target.generate(
             prompts,
@@ -270,6 +271,7 @@ def hf_greedy(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
             min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
+            **processing,
         )
 
 

@@ -207,6 +207,37 @@ def test_greedy_tree_shapes(draft_top_k, spine):
     assert_same_tokens(out, hf_greedy(AGREEING, HYBRID, SWEEP_PROMPT, LONG)[:, : PROMPT_LEN + 300])
 
 
+@pytest.mark.parametrize("penalty", [1.3, 0.9])
+@pytest.mark.parametrize("method,budget", [("autoregressive", None), ("dflash", None), ("ddtree", 16), ("ddtree", 64)],
+                         ids=["autoregressive", "dflash", "ddtree-16", "ddtree-64"])
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_repetition_penalty_equals_hf_generate(name, method, budget, penalty):
+    """HF's repetition penalty over the prompt, the generated tokens and, in a tree, each node's path: the target's own
+    greedy output with it (HF's generate with repetition_penalty), which differs from the output without it."""
+    target, draft = pair(AGREEING, name)
+    ids = pair_prompt(AGREEING, name, 31)
+    ref = tiny.hf_greedy(target, ids, 200, repetition_penalty=penalty)
+    assert not torch.equal(ref, hf_greedy(AGREEING, name, 31, 200)), "the penalty should change the output"
+    out, stats = generate(target, draft, ids, 200, method=method, tree_budget=budget or 64, repetition_penalty=penalty,
+                          return_stats=True)
+    assert_same_tokens(out, ref)
+    if method != "autoregressive" and penalty > 1:  # paths below the root accepted: their tokens counted below them
+        assert max(stats.accept_lengths) >= 4 and stats.tau > 1.5, stats.summary()
+
+
+def test_repetition_penalty_from_the_generation_config():
+    """None takes the target's generation_config.repetition_penalty, as HF's generate does; 1.0 turns it off."""
+    target, draft = pair(AGREEING, HYBRID)
+    target = copy.deepcopy(target)
+    target.generation_config.repetition_penalty = 1.3
+    ids = pair_prompt(AGREEING, HYBRID, 31)
+    assert_same_tokens(generate(target, draft, ids, 120), tiny.hf_greedy(target, ids, 120))
+    assert_same_tokens(generate(target, draft, ids, 120, repetition_penalty=1.0), hf_greedy(AGREEING, HYBRID, 31, 120))
+    target.generation_config.repetition_penalty = -2.0
+    with pytest.raises(ValueError, match="generation_config.repetition_penalty"):
+        generate(target, draft, ids, 8)
+
+
 @pytest.mark.parametrize("method,budget", [("autoregressive", None), ("dflash", None), ("ddtree", 64)],
                          ids=["autoregressive", "dflash", "ddtree-64"])
 @pytest.mark.parametrize("name", list(TARGETS))
@@ -658,8 +689,11 @@ def test_sampling_reproducible_and_identical_across_methods(name):
     assert not torch.equal(generate(target, draft, ids, 120), ref)  # sampling is not the greedy output
 
 
-def exact_joint(target, ids: torch.Tensor, steps: int, **processing) -> dict:
-    """P(first ``steps`` new tokens) under the processed target distribution: {token tuple: prob}."""
+def exact_joint(target, ids: torch.Tensor, steps: int, repetition_penalty=None, **processing) -> dict:
+    """P(first ``steps`` new tokens) under the processed target distribution: {token tuple: prob}. A repetition
+    penalty goes first, HF's processor over the prompt and the prefix, then the warpers (conftest.warped_probs)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
     joint = {(): 1.0}
     with torch.no_grad():
         for _ in range(steps):
@@ -668,7 +702,11 @@ def exact_joint(target, ids: torch.Tensor, steps: int, **processing) -> dict:
             logits = target(batch).logits[:, -1]
             nxt = {}
             for k, row in zip(prefixes, logits):
-                probs = warped_probs(row[None], **processing)[0]
+                row = row[None].float()
+                if repetition_penalty is not None:
+                    seen = torch.cat([ids, torch.tensor([k], dtype=torch.long).view(1, -1)], 1)
+                    row = RepetitionPenaltyLogitsProcessor(repetition_penalty)(seen, row)
+                probs = warped_probs(row, **processing)[0]
                 for t in probs.nonzero()[:, 0].tolist():
                     nxt[k + (t,)] = joint[k] * float(probs[t])
             joint = nxt
@@ -708,8 +746,8 @@ def small_vocab_pair():
 @pytest.mark.parametrize(
     "processing",
     [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.7, top_k=5, top_p=0.9),
-     dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1)],
-    ids=["plain", "top_k-top_p", "min_p"],
+     dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1), dict(temperature=0.8, top_k=6, repetition_penalty=1.8)],
+    ids=["plain", "top_k-top_p", "min_p", "repetition_penalty"],
 )
 def test_sampling_distribution_matches_the_target(processing):
     """Many seeded runs: the first 3 new tokens of DDTree, DFlash and autoregressive sampling each follow
@@ -778,6 +816,10 @@ BAD_INPUTS = [
     ("min_p", dict(min_p=1.5)),
     ("min_p", dict(min_p=True)),
     ("min_p", dict(min_p=float("nan"))),
+    ("repetition_penalty", dict(repetition_penalty=0.0)),
+    ("repetition_penalty", dict(repetition_penalty=-1.2)),
+    ("repetition_penalty", dict(repetition_penalty=float("inf"))),
+    ("repetition_penalty", dict(repetition_penalty=True)),
     ("top_k", dict(top_k=-1)),
     ("seed", dict(seed=-1)),
     ("max_new_tokens", dict(max_new_tokens=0)),
@@ -979,8 +1021,8 @@ def test_a_ready_target_adapter_follows_the_attention_implementation():
 
 
 def test_generation_config_processing_is_named_in_a_warning():
-    """generate() applies no logits processing from the target's generation_config; where HF's greedy generate would
-    (a repetition penalty here), a warning says so. A stock generation_config gives none."""
+    """generate() applies no logits processing from the target's generation_config but its repetition penalty; where
+    HF's greedy generate would (a token suppression here), a warning says so. A stock generation_config gives none."""
     import warnings
 
     target, draft = pair(RANDOM, HYBRID)
@@ -996,11 +1038,12 @@ def test_generation_config_processing_is_named_in_a_warning():
         warnings.simplefilter("always")
         generate(target, draft, ids, 2)
     assert not [w for w in caught if "generation_config" in str(w.message)]
-    target.generation_config.repetition_penalty = 1.5
+    target.generation_config.repetition_penalty = 1.5  # applied: not named
     target.generation_config.suppress_tokens = [3]
-    with pytest.warns(UserWarning, match=r"repetition_penalty=1.5, suppress_tokens=\[3\].*the output is HF's with"):
+    with pytest.warns(UserWarning, match=r"sets suppress_tokens=\[3\], which.*the output is HF's with") as record:
         out = generate(target, draft, ids, 20)
-    assert_same_tokens(out, hf_greedy(RANDOM, HYBRID, 47, 20))
+    assert not [w for w in record if "repetition_penalty" in str(w.message)]
+    assert_same_tokens(out, tiny.hf_greedy(target, ids, 20, suppress_tokens=None))
 
 
 def hold_thread_a_in_its_first_verify(target, forwards=None):
@@ -1271,6 +1314,7 @@ def test_cli_demo_trained_draft_shows_acceptance(capsys):
      (["--target", "no/such-target", "--draft", "no/such-draft", "--top-p", "2"], "top_p"),
      (["--target", "no/such-target", "--draft", "no/such-draft", "--min-p", "-0.5"], "min_p"),
      (["--min-p", "2"], "min_p"),
+     (["--repetition-penalty", "0"], "repetition_penalty"),
      (["--target", "no/such-target", "--method", "autoregressive", "--max-new-tokens", "-3"], "--max-new-tokens"),
      (["--target", "no/such-target", "--method", "autoregressive", "--prompt", ""], "--prompt must not be empty")],
 )

@@ -190,15 +190,34 @@ def test_graphs_are_the_default_on_one_gpu():
     assert stats.graph_captures >= 1
 
 
+@pytest.mark.parametrize("penalty", [None, 1.3], ids=["plain", "repetition_penalty"])
 @pytest.mark.parametrize("method", ["ddtree", "autoregressive"])
-def test_sampled_graph_output_equals_eager(method):
-    """The uniforms are read at device positions inside the graph: same seed, same tokens."""
+def test_sampled_graph_output_equals_eager(method, penalty):
+    """The uniforms are read at device positions inside the graph, as are the tokens a repetition penalty counts: same
+    seed, same tokens."""
     target, draft = cuda_pair("qwen3_5")
-    kw = dict(method=method, temperature=0.8, top_k=20, seed=11)
+    kw = dict(method=method, temperature=0.8, top_k=20, seed=11, repetition_penalty=penalty)
     eager = generate(target, draft, PROMPT.cuda(), 300, cuda_graph=False, **kw)
     graphed, stats = generate(target, draft, PROMPT.cuda(), 300, cuda_graph=True, return_stats=True, **kw)
     assert torch.equal(eager, graphed)
     assert sum(stats.round_replayed) > stats.rounds // 2
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("dflash", 1), ("ddtree", 64)])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_repetition_penalty_on_cuda_equals_hf_generate(family, method, budget, cuda_graph):
+    """A repetition penalty in replayed rounds, whose graphs add each round's tokens to the ones it counts (launched
+    ahead of the round before's result): the target's own greedy output with it over 300 tokens."""
+    target, draft = cuda_pair(family)
+    out, stats = generate(target, draft, PROMPT.cuda(), 300, method=method, tree_budget=budget, return_stats=True,
+                          cuda_graph=cuda_graph, repetition_penalty=1.3)
+    ref = tiny.hf_greedy(target, PROMPT.cuda(), 300, repetition_penalty=1.3)
+    assert not torch.equal(ref, hf_greedy(family)[:, : ref.shape[1]]), "the penalty should change the output"
+    diff = (out != ref)[0].nonzero()
+    assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"
+    if cuda_graph:
+        assert sum(stats.round_replayed) > stats.rounds // 2, stats.summary()
 
 
 @pytest.mark.parametrize("method", ["ddtree", "autoregressive"])
@@ -306,6 +325,19 @@ def test_long_context_rounds_equal_hf_generate_across_widths(family, method, bud
     if method != "autoregressive":
         assert stats.tau > 1.5, stats.summary()
         assert len(set(stats.accept_lengths)) >= 2, "acceptance should vary from round to round"
+
+
+def test_repetition_penalty_graph_equals_eager_on_a_real_shaped_model():
+    """Greedy bf16 rounds with a repetition penalty read float32 logits (HF penalises after its upcast): replayed rounds
+    give the eager rounds' tokens."""
+    target, draft = small_real_shaped_hybrid(torch.bfloat16)
+    prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(4)).cuda()
+    for method, budget in (("ddtree", 64), ("autoregressive", 1)):
+        kw = dict(method=method, tree_budget=budget, repetition_penalty=1.2)
+        eager = generate(target, draft, prompt, 300, cuda_graph=False, **kw)
+        graphed = generate(target, draft, prompt, 300, cuda_graph=True, **kw)
+        assert torch.equal(eager, graphed), method
+        assert not torch.equal(graphed, generate(target, draft, prompt, 300, method=method, tree_budget=budget))
 
 
 def test_long_context_graph_equals_eager_on_a_real_shaped_model():
