@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     gen.add_argument("--min-p", type=float, default=None)
     gen.add_argument("--repetition-penalty", type=float, default=None,
                      help="HF's repetition penalty (1 = off; default: the target's generation_config)")
+    gen.add_argument("--presence-penalty", type=float, default=None, help="vLLM's and OpenAI's, in [-2, 2] (0 = off)")
+    gen.add_argument("--frequency-penalty", type=float, default=None, help="vLLM's and OpenAI's, in [-2, 2] (0 = off)")
     gen.add_argument("--seed", type=int, default=None, help="seed of the sampling uniforms")
     gen.add_argument("--dtype", choices=DTYPES, default="auto",
                      help="weights dtype (auto: the checkpoint's; the demo: float32, or bfloat16 / float16)")
@@ -133,7 +135,8 @@ def main(argv=None) -> int:
 
             _check_numbers(args.method, args.budget, args.temperature, args.top_k, args.top_p, args.seed,
                            DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
-                           draft_top_k=8, min_p=args.min_p, repetition_penalty=args.repetition_penalty)  # generate()'s default: the command line does not set it
+                           draft_top_k=8, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)  # generate()'s default: the command line does not set it
         return _demo(args) if args.target is None else _generate(args)
     except ValueError as e:  # generate()'s argument checks: a usage error, not a crash
         gen.error(str(e))
@@ -193,6 +196,8 @@ def _generate(args) -> int:
         top_p=args.top_p,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
         seed=args.seed,
         streamer=TextStreamer(tokenizer, skip_prompt=True),
         return_stats=True,
@@ -205,7 +210,8 @@ def _generate(args) -> int:
 def _demo(args) -> int:
     """A tiny random target of the --tiny family and its draft, all three methods on a fixed prompt (greedily, or
     sampled with one seed): the outputs must agree. Takes --tiny, --trained-draft, --budget, --max-new-tokens,
-    --temperature, --top-k, --top-p, --min-p, --repetition-penalty, --seed, --dtype, --device."""
+    --temperature, --top-k, --top-p, --min-p, --repetition-penalty, --presence-penalty, --frequency-penalty, --seed,
+    --dtype, --device."""
     import torch
 
     from ddtree_ext import generate
@@ -244,7 +250,8 @@ def _demo(args) -> int:
         ids, stats = generate(
             target, draft, prompt, new_tokens, method=method, tree_budget=args.budget, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-            seed=seed, return_stats=True,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=seed,
+            return_stats=True,
         )
         outputs[method] = ids[0, DEMO_PROMPT_LEN:].tolist()
         print(f"\n{method}: {outputs[method]}")

@@ -133,6 +133,8 @@ def generate(
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
     repetition_penalty: Optional[float] = None,
+    presence_penalty: Optional[float] = None,
+    frequency_penalty: Optional[float] = None,
     eos_token_id: Union[int, Sequence[int], None] = None,
     seed: Optional[int] = None,
     attention_mask: Optional[torch.Tensor] = None,
@@ -168,6 +170,10 @@ def generate(
             every node the logit of each token already in the sequence (prompt, generated tokens, then the node's
             path in the tree) is divided by it, or multiplied where negative, in float32. None (the default) takes
             the target's ``generation_config.repetition_penalty``, as HF's ``generate`` does.
+        presence_penalty, frequency_penalty: vLLM's and OpenAI's penalties (in [-2, 2]; None or 0 = off; HF's
+            ``generate`` has none), after the repetition penalty, as vLLM applies them: at every node the presence
+            penalty, and the frequency penalty times the count, are subtracted from the logit of each token generated
+            so far (the prompt is not counted; the node's path is), in float32.
         eos_token_id: an id or a list of ids; generation stops after the first one emitted (the EOS
             is included in the output). None (the default) takes the target's
             ``generation_config.eos_token_id``, as HF's ``generate`` does (none there: no early stop; one that is
@@ -201,7 +207,8 @@ def generate(
         ValueError naming the argument, before any model forward, for: an unknown method, a
         budget outside 1..256, a negative temperature or one in (0, 1e-5) (logits / temperature would
         overflow float32), top_p outside (0, 1], min_p outside [0, 1], a repetition_penalty (given, or the
-        generation_config's when none is) that is not a finite number > 0, a negative top_k (one beyond the vocabulary keeps every
+        generation_config's when none is) that is not a finite number > 0, a presence_penalty or frequency_penalty
+        outside [-2, 2], a negative top_k (one beyond the vocabulary keeps every
         token), a bool where a number is expected, a non-bool spine or return_stats, an EOS id outside the
         vocabulary (given, or the generation_config's when none is), a streamer without put() and end(), a
         draft that is not a DFlashDraftModel, a
@@ -217,9 +224,11 @@ def generate(
     meanwhile runs HF's code). A call from inside a call in the same thread (from a streamer) runs.
     """
     _check_options(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine,
-                   return_stats, streamer, min_p, repetition_penalty)
-    max_new_tokens, tree_budget, temperature, top_k, top_p, min_p, repetition_penalty, seed, draft_top_k = map(
-        _plain, (max_new_tokens, tree_budget, temperature, top_k, top_p, min_p, repetition_penalty, seed, draft_top_k))
+                   return_stats, streamer, min_p, repetition_penalty, presence_penalty, frequency_penalty)
+    (max_new_tokens, tree_budget, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+     frequency_penalty, seed, draft_top_k) = map(_plain, (
+        max_new_tokens, tree_budget, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, seed, draft_top_k))
     eos = _eos_set(eos_token_id)
     if method == "autoregressive":
         draft = None  # a draft passed along is not used, so not checked or held either
@@ -233,12 +242,12 @@ def generate(
     held = [adapter.text_model, *adapter.text_model.layers, adapter.lm_head, draft]
     with _one_call_per_model(held):
         return _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p,
-                         min_p, repetition_penalty, eos, seed, attention_mask, streamer, return_stats, spine,
-                         draft_top_k, cuda_graph)
+                         min_p, (repetition_penalty, presence_penalty, frequency_penalty), eos, seed, attention_mask,
+                         streamer, return_stats, spine, draft_top_k, cuda_graph)
 
 
 def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, temperature, top_k, top_p, min_p,
-              repetition_penalty, eos, seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph):
+              penalties, eos, seed, attention_mask, streamer, return_stats, spine, draft_top_k, cuda_graph):
     """generate() after its option checks, holding the models (draft is None for method="autoregressive")."""
     speculative = draft is not None
     if any(i >= adapter.vocab_size for i in eos):
@@ -266,7 +275,7 @@ def _generate(adapter, draft, input_ids, max_new_tokens, method, tree_budget, te
         method=method, tree_budget=budget, prompt_tokens=prompt_len, spine_accept_lengths=[] if spine_len else None
     )
     acceptor = _Acceptor(temperature, top_k, top_p, min_p, seed, prompt_len + max_new_tokens + max_accept + 1, device,
-                         repetition_penalty=repetition_penalty, prompt=input_ids, vocab_size=adapter.vocab_size)
+                         *penalties, prompt=input_ids, vocab_size=adapter.vocab_size)
     clock = _StageClock(device, enabled=return_stats)
     out_tokens: List[int] = []
 
@@ -455,22 +464,30 @@ class _Acceptor:
 
     Greedy: :func:`ops.walk_greedy` on the target's argmax. Sampling: :func:`ops.walk_sample` with
     the uniform of sequence position p drawing the token at p, from one stream of ``length``
-    uniforms drawn up front on the CPU (same numbers on every device). A repetition penalty (HF's
-    ``RepetitionPenaltyLogitsProcessor``, applied before either) needs the tokens seen so far: the prompt's,
-    then each walk's, kept on the device in ``seen`` (:meth:`penalize`).
+    uniforms drawn up front on the CPU (same numbers on every device). The penalties (HF's repetition penalty, vLLM's
+    presence and frequency penalties), applied before either, count the tokens so far on the device: the prompt's
+    (repetition only), then each walk's (:meth:`penalize`).
     """
 
     def __init__(self, temperature, top_k, top_p, min_p, seed, length: int, device: torch.device,
-                 repetition_penalty=None, prompt: Optional[torch.Tensor] = None, vocab_size: int = 0):
+                 repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+                 prompt: Optional[torch.Tensor] = None, vocab_size: int = 0):
         self.temperature = float(temperature)
         self.top_k = int(top_k or 0)
         self.top_p = 1.0 if top_p is None else float(top_p)
         self.min_p = float(min_p or 0.0)
-        self.penalty = None if repetition_penalty in (None, 1.0) else float(repetition_penalty)
-        self.seen = None  # [1, V + 1] bool: the tokens of the sequence so far (column V: a sink for padding)
-        if self.penalty is not None:
+        self.repetition = None if repetition_penalty in (None, 1.0) else float(repetition_penalty)
+        self.presence = float(presence_penalty or 0.0)
+        self.frequency = float(frequency_penalty or 0.0)
+        # Column V of both is a sink for padding. seen [1, V + 1] bool: the tokens of the sequence so far (the
+        # repetition penalty's); generated [1, V + 1] float32: how often each token was generated (the presence and
+        # frequency penalties count generated tokens only, as vLLM and OpenAI do).
+        self.seen = self.generated = None
+        if self.repetition is not None:
             self.seen = torch.zeros(1, vocab_size + 1, dtype=torch.bool, device=device)
             self.seen.scatter_(1, prompt.to(device), True)
+        if self.presence or self.frequency:
+            self.generated = torch.zeros(1, vocab_size + 1, dtype=torch.float32, device=device)
         self.uniform = None
         if self.temperature > 0:
             if seed is None:
@@ -482,32 +499,54 @@ class _Acceptor:
     def greedy(self) -> bool:
         return self.uniform is None
 
+    @property
+    def penalized(self) -> bool:
+        return self.seen is not None or self.generated is not None
+
     def penalize(self, tree: ops.Tree, logits: torch.Tensor, max_depth: int) -> torch.Tensor:
-        """The logits [1, N, V] as HF's repetition penalty leaves them at every node, in float32 (HF upcasts before
-        it): a token in the sequence up to the node (what ``seen`` holds, then the node's path from the root, at
-        most ``max_depth`` nodes) has its logit divided by the penalty, or multiplied where negative. Without a
-        penalty, the logits as they are. No host reads."""
-        if self.penalty is None:
+        """The logits [1, N, V] as the penalties leave them at every node, in float32 (HF and vLLM upcast before them),
+        over the sequence up to the node: the tokens counted so far, then the node's path from the root (at most
+        ``max_depth`` nodes; the root's token is counted already). First HF's repetition penalty (a token anywhere in
+        the sequence has its logit divided by it, or multiplied where negative), then, as vLLM applies them, the
+        frequency penalty times each generated token's count and the presence penalty for each generated token are
+        subtracted. Without penalties, the logits as they are. No host reads."""
+        if not self.penalized:
             return logits
         logits = logits.float()
         batch, n, vocab = logits.shape
-        repeated = self.seen[:, None, :].expand(batch, n, vocab + 1).clone()
+        sink = torch.tensor(vocab, device=logits.device)
+        seen = None if self.seen is None else self.seen[:, None, :].expand(batch, n, vocab + 1).clone()
+        counts = None if self.generated is None else self.generated[:, None, :].expand(batch, n, vocab + 1).clone()
         node = torch.arange(n, device=logits.device).expand(batch, n)
         for _ in range(max_depth):  # the node itself, then its ancestors up to the root (parent -1)
             reached = node >= 0
             token = tree.token.gather(1, node.clamp(min=0))
-            repeated.scatter_(2, torch.where(reached, token, vocab)[..., None], True)
-            node = torch.where(reached, tree.parent.gather(1, node.clamp(min=0)).long(), -1)
-        penalized = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
-        return torch.where(repeated[..., :vocab], penalized, logits)
+            parent = torch.where(reached, tree.parent.gather(1, node.clamp(min=0)).long(), -1)
+            if seen is not None:
+                seen.scatter_(2, torch.where(reached, token, sink)[..., None], True)
+            if counts is not None:  # below the root only
+                counts.scatter_add_(2, torch.where(parent >= 0, token, sink)[..., None], torch.ones_like(counts[..., :1]))
+            node = parent
+        if seen is not None:
+            penalized = torch.where(logits < 0, logits * self.repetition, logits / self.repetition)
+            logits = torch.where(seen[..., :vocab], penalized, logits)
+        if counts is not None:
+            logits = logits - self.frequency * counts[..., :vocab]
+            logits = logits - self.presence * (counts[..., :vocab] > 0).float()
+        return logits
 
     def _record(self, tree: ops.Tree, walk: ops.Walk) -> None:
-        """Adds the walk's tokens (its path, then the next token) to ``seen``."""
-        if self.penalty is None:
+        """Counts the walk's tokens: its path below the root, then the next token (the root was counted before)."""
+        if not self.penalized:
             return
+        sink = self.seen.shape[1] - 1 if self.seen is not None else self.generated.shape[1] - 1
         path = tree.token.gather(1, walk.accepted.clamp(min=0).long())
-        self.seen.scatter_(1, torch.where(walk.accepted >= 0, path, self.seen.shape[1] - 1), True)
-        self.seen.scatter_(1, walk.next_token[:, None], True)
+        below_root = torch.where(walk.accepted[:, 1:] >= 0, path[:, 1:], sink)
+        new = torch.cat([below_root, walk.next_token[:, None]], 1)
+        if self.seen is not None:
+            self.seen.scatter_(1, new, True)
+        if self.generated is not None:
+            self.generated.scatter_add_(1, new, torch.ones_like(new, dtype=torch.float32))
 
     def walk(
         self, tree: ops.Tree, logits: torch.Tensor, position: torch.Tensor, out: ops.Walk,
@@ -617,7 +656,7 @@ def _plain(x):
 
 
 def _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft_top_k,
-                   min_p=None, repetition_penalty=None) -> None:
+                   min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None) -> None:
     """The options that need no model: the command line checks them before it loads one."""
     if method not in METHODS:
         raise ValueError(f"generate: method must be one of {METHODS}, got {method!r}")
@@ -642,16 +681,19 @@ def _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new
     if repetition_penalty is not None and (
             not _is_number(repetition_penalty) or not _is_finite(repetition_penalty) or repetition_penalty <= 0):
         raise ValueError(f"generate: repetition_penalty must be None or a finite number > 0, got {repetition_penalty!r}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if value is not None and (not _is_number(value) or not -2 <= value <= 2):
+            raise ValueError(f"generate: {name} must be None or in [-2, 2] (vLLM's and OpenAI's range), got {value!r}")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
         raise ValueError(f"generate: seed must be None or an int in [0, 2**64), got {seed!r}")
 
 
 def _check_options(
     method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft, draft_top_k, spine, return_stats,
-    streamer, min_p=None, repetition_penalty=None,
+    streamer, min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
 ) -> None:
     _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new_tokens, draft_top_k, min_p,
-                   repetition_penalty)
+                   repetition_penalty, presence_penalty, frequency_penalty)
     if not isinstance(spine, bool):
         raise ValueError(f"generate: spine must be a bool, got {spine!r}")
     if not isinstance(return_stats, bool):

@@ -78,6 +78,24 @@ def warped_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
     return torch.softmax(scores.double(), -1)
 
 
+def vllm_penalties(prompt_len: int, presence: float = 0.0, frequency: float = 0.0):
+    """vLLM's (and OpenAI's) presence and frequency penalties as a Hugging Face logits processor list, for generate's
+    ``logits_processor`` (HF applies it after its own repetition penalty, as vLLM orders them): each token's count
+    among the generated tokens (the ids past ``prompt_len``) times ``frequency``, and ``presence`` where it is
+    nonzero, subtracted from its float32 logit."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Penalties(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            generated = input_ids[:, prompt_len:]
+            counts = torch.zeros(scores.shape[0], scores.shape[1] + 1, dtype=torch.float32, device=scores.device)
+            counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=torch.float32))
+            counts = counts[:, :-1]
+            return scores - frequency * counts - presence * (counts > 0).float()
+
+    return LogitsProcessorList([Penalties()])
+
+
 def inverse_cdf_probes(probs: torch.Tensor, grid: int = 2048, margin: float = 1e-6) -> tuple:
     """(uniforms, tokens) probing a sampler that draws by inverse CDF in ascending id order from one row of
     probabilities [V] (float64): an even grid of ``grid`` uniforms plus the middle of each interval of a token

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import warped_probs
+from conftest import vllm_penalties, warped_probs
 from ddtree_ext import generate, stack_projections, tiny
 from ddtree_ext.generate import MAX_TREE_BUDGET, GenerationStats
 from ddtree_ext.target import TargetAdapter
@@ -223,6 +223,27 @@ def test_repetition_penalty_equals_hf_generate(name, method, budget, penalty):
     assert_same_tokens(out, ref)
     if method != "autoregressive" and penalty > 1:  # paths below the root accepted: their tokens counted below them
         assert max(stats.accept_lengths) >= 4 and stats.tau > 1.5, stats.summary()
+
+
+@pytest.mark.parametrize("presence,frequency,repetition", [(1.5, 0.0, None), (0.0, 0.3, None), (0.8, 0.2, 1.2),
+                                                           (-0.5, 0.0, None)])
+@pytest.mark.parametrize("method,budget", [("autoregressive", None), ("dflash", None), ("ddtree", 64)],
+                         ids=["autoregressive", "dflash", "ddtree-64"])
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_presence_and_frequency_penalties_follow_vllms_rule(name, method, budget, presence, frequency, repetition):
+    """vLLM's presence and frequency penalties (after HF's repetition penalty, as vLLM orders them), counted over the
+    generated tokens and, in a tree, each node's path: the target's greedy output under that rule (HF's generate with
+    the rule as a logits processor), which differs from the output without it."""
+    target, draft = pair(AGREEING, name)
+    ids = pair_prompt(AGREEING, name, 31)
+    ref = tiny.hf_greedy(target, ids, 150, repetition_penalty=repetition,
+                         logits_processor=vllm_penalties(ids.shape[1], presence, frequency))
+    assert not torch.equal(ref, hf_greedy(AGREEING, name, 31, 150)), "the penalties should change the output"
+    out, stats = generate(target, draft, ids, 150, method=method, tree_budget=budget or 64, presence_penalty=presence,
+                          frequency_penalty=frequency, repetition_penalty=repetition, return_stats=True)
+    assert_same_tokens(out, ref)
+    if method != "autoregressive":
+        assert max(stats.accept_lengths) >= 2, stats.summary()  # paths below the root were accepted
 
 
 def test_repetition_penalty_from_the_generation_config():
@@ -689,9 +710,11 @@ def test_sampling_reproducible_and_identical_across_methods(name):
     assert not torch.equal(generate(target, draft, ids, 120), ref)  # sampling is not the greedy output
 
 
-def exact_joint(target, ids: torch.Tensor, steps: int, repetition_penalty=None, **processing) -> dict:
-    """P(first ``steps`` new tokens) under the processed target distribution: {token tuple: prob}. A repetition
-    penalty goes first, HF's processor over the prompt and the prefix, then the warpers (conftest.warped_probs)."""
+def exact_joint(target, ids: torch.Tensor, steps: int, repetition_penalty=None, presence_penalty=0.0,
+                frequency_penalty=0.0, **processing) -> dict:
+    """P(first ``steps`` new tokens) under the processed target distribution: {token tuple: prob}. The penalties go
+    first (HF's repetition processor over the prompt and the prefix, then vLLM's presence and frequency penalties over
+    the prefix: conftest.vllm_penalties), then the warpers (conftest.warped_probs)."""
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
     joint = {(): 1.0}
@@ -706,6 +729,8 @@ def exact_joint(target, ids: torch.Tensor, steps: int, repetition_penalty=None, 
                 if repetition_penalty is not None:
                     seen = torch.cat([ids, torch.tensor([k], dtype=torch.long).view(1, -1)], 1)
                     row = RepetitionPenaltyLogitsProcessor(repetition_penalty)(seen, row)
+                sequence = torch.cat([ids, torch.tensor([k], dtype=torch.long).view(1, -1)], 1)
+                row = vllm_penalties(ids.shape[1], presence_penalty, frequency_penalty)(sequence, row)
                 probs = warped_probs(row, **processing)[0]
                 for t in probs.nonzero()[:, 0].tolist():
                     nxt[k + (t,)] = joint[k] * float(probs[t])
@@ -746,8 +771,9 @@ def small_vocab_pair():
 @pytest.mark.parametrize(
     "processing",
     [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.7, top_k=5, top_p=0.9),
-     dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1), dict(temperature=0.8, top_k=6, repetition_penalty=1.8)],
-    ids=["plain", "top_k-top_p", "min_p", "repetition_penalty"],
+     dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1), dict(temperature=0.8, top_k=6, repetition_penalty=1.8),
+     dict(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.5)],
+    ids=["plain", "top_k-top_p", "min_p", "repetition_penalty", "presence-frequency"],
 )
 def test_sampling_distribution_matches_the_target(processing):
     """Many seeded runs: the first 3 new tokens of DDTree, DFlash and autoregressive sampling each follow
@@ -820,6 +846,10 @@ BAD_INPUTS = [
     ("repetition_penalty", dict(repetition_penalty=-1.2)),
     ("repetition_penalty", dict(repetition_penalty=float("inf"))),
     ("repetition_penalty", dict(repetition_penalty=True)),
+    ("presence_penalty", dict(presence_penalty=2.5)),
+    ("presence_penalty", dict(presence_penalty=float("nan"))),
+    ("presence_penalty", dict(presence_penalty=True)),
+    ("frequency_penalty", dict(frequency_penalty=-3)),
     ("top_k", dict(top_k=-1)),
     ("seed", dict(seed=-1)),
     ("max_new_tokens", dict(max_new_tokens=0)),
@@ -1315,6 +1345,7 @@ def test_cli_demo_trained_draft_shows_acceptance(capsys):
      (["--target", "no/such-target", "--draft", "no/such-draft", "--min-p", "-0.5"], "min_p"),
      (["--min-p", "2"], "min_p"),
      (["--repetition-penalty", "0"], "repetition_penalty"),
+     (["--presence-penalty", "3"], "presence_penalty"),
      (["--target", "no/such-target", "--method", "autoregressive", "--max-new-tokens", "-3"], "--max-new-tokens"),
      (["--target", "no/such-target", "--method", "autoregressive", "--prompt", ""], "--prompt must not be empty")],
 )

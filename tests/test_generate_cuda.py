@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from conftest import programmatic_launches, requires_cuda
+from conftest import programmatic_launches, requires_cuda, vllm_penalties
 from ddtree_ext import generate, tiny
 from ddtree_ext.round import EAGER_ROUNDS_BEFORE_CAPTURE
 from ddtree_ext.tiny import make_agreeing_draft, make_predictable_target, make_tiny_draft
@@ -203,16 +203,25 @@ def test_sampled_graph_output_equals_eager(method, penalty):
     assert sum(stats.round_replayed) > stats.rounds // 2
 
 
+PENALTIES = {"repetition": dict(repetition_penalty=1.3), "presence-frequency": dict(presence_penalty=1.5,
+                                                                                     frequency_penalty=0.2)}
+
+
+@pytest.mark.parametrize("penalties", list(PENALTIES))
 @pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("dflash", 1), ("ddtree", 64)])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_repetition_penalty_on_cuda_equals_hf_generate(family, method, budget, cuda_graph):
-    """A repetition penalty in replayed rounds, whose graphs add each round's tokens to the ones it counts (launched
-    ahead of the round before's result): the target's own greedy output with it over 300 tokens."""
+def test_penalties_on_cuda_equal_hf_generate(family, method, budget, cuda_graph, penalties):
+    """Penalties in replayed rounds, whose graphs add each round's tokens to the ones they count (launched ahead of
+    the round before's result): the target's own greedy output with them over 300 tokens (HF's repetition penalty;
+    vLLM's presence and frequency penalties as conftest.vllm_penalties)."""
     target, draft = cuda_pair(family)
+    kw = PENALTIES[penalties]
     out, stats = generate(target, draft, PROMPT.cuda(), 300, method=method, tree_budget=budget, return_stats=True,
-                          cuda_graph=cuda_graph, repetition_penalty=1.3)
-    ref = tiny.hf_greedy(target, PROMPT.cuda(), 300, repetition_penalty=1.3)
+                          cuda_graph=cuda_graph, **kw)
+    vllm_rule = vllm_penalties(PROMPT.shape[1], kw.get("presence_penalty", 0.0), kw.get("frequency_penalty", 0.0))
+    ref = tiny.hf_greedy(target, PROMPT.cuda(), 300, repetition_penalty=kw.get("repetition_penalty"),
+                         logits_processor=vllm_rule)
     assert not torch.equal(ref, hf_greedy(family)[:, : ref.shape[1]]), "the penalty should change the output"
     diff = (out != ref)[0].nonzero()
     assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"
