@@ -513,8 +513,7 @@ class _Acceptor:
         if not self.penalized:
             return logits
         logits = logits.float()
-        batch, n, vocab = logits.shape
-        sink = torch.tensor(vocab, device=logits.device)
+        batch, n, vocab = logits.shape  # column vocab: the sink (a Python number: no host-to-device copy in a capture)
         seen = None if self.seen is None else self.seen[:, None, :].expand(batch, n, vocab + 1).clone()
         counts = None if self.generated is None else self.generated[:, None, :].expand(batch, n, vocab + 1).clone()
         node = torch.arange(n, device=logits.device).expand(batch, n)
@@ -523,9 +522,9 @@ class _Acceptor:
             token = tree.token.gather(1, node.clamp(min=0))
             parent = torch.where(reached, tree.parent.gather(1, node.clamp(min=0)).long(), -1)
             if seen is not None:
-                seen.scatter_(2, torch.where(reached, token, sink)[..., None], True)
+                seen.scatter_(2, torch.where(reached, token, vocab)[..., None], True)
             if counts is not None:  # below the root only
-                counts.scatter_add_(2, torch.where(parent >= 0, token, sink)[..., None], torch.ones_like(counts[..., :1]))
+                counts.scatter_add_(2, torch.where(parent >= 0, token, vocab)[..., None], torch.ones_like(counts[..., :1]))
             node = parent
         if seen is not None:
             penalized = torch.where(logits < 0, logits * self.repetition, logits / self.repetition)

@@ -246,6 +246,29 @@ def test_presence_and_frequency_penalties_follow_vllms_rule(name, method, budget
         assert max(stats.accept_lengths) >= 2, stats.summary()  # paths below the root were accepted
 
 
+def test_penalties_make_no_tensor_from_host_values(monkeypatch):
+    """A round's penalties run inside a captured CUDA graph, where a tensor made from a host value (a host-to-device
+    copy) fails the capture: penalize and _record make none (torch.tensor and torch.as_tensor raise while they run)."""
+    from ddtree_ext.generate import _Acceptor
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor made from host values in a round's penalties")
+
+    for name in ("penalize", "_record"):
+        method = getattr(_Acceptor, name)
+
+        def guarded(self, *args, _method=method, **kwargs):
+            with monkeypatch.context() as m:
+                m.setattr(torch, "tensor", refuse)
+                m.setattr(torch, "as_tensor", refuse)
+                return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(_Acceptor, name, guarded)
+    target, draft = pair(AGREEING, HYBRID)
+    generate(target, draft, pair_prompt(AGREEING, HYBRID, 31), 40, repetition_penalty=1.2, presence_penalty=0.5,
+             frequency_penalty=0.1)
+
+
 def test_repetition_penalty_from_the_generation_config():
     """None takes the target's generation_config.repetition_penalty, as HF's generate does; 1.0 turns it off."""
     target, draft = pair(AGREEING, HYBRID)
