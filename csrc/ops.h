@@ -143,8 +143,7 @@ void walk_greedy_cpu(const at::Tensor& node_token, const at::Tensor& first_child
                      at::Tensor& next_token);
 void check_walk_sample(const at::Tensor& node_token, const at::Tensor& logits, const at::Tensor& uniform,
                        double temperature, int64_t top_k, double top_p, double min_p, const at::Tensor& accepted);
-// min_p's cut relative to a row's max x: a token is kept when x >= max x + min_p_offset(min_p), the same float32 sum
-// on every device (log taken in double on the host, then rounded); -inf for min_p = 0 (off).
+// float32(log(min_p)), the log taken in double on the host; -inf for min_p = 0 (off). See min_p_cut (min_p.h).
 float min_p_offset(double min_p);
 void walk_sample_cpu(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                      const at::Tensor& logits, const at::Tensor& uniform, double temperature, int64_t top_k,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "min_p.h"
 #include "ops.h"
 
 namespace ddtree {
@@ -193,8 +194,8 @@ void walk_row(const TreeRows& tree, int64_t b, TokenAt&& token_at, const WalkRow
 // Draws one token per call from a row of logits by the rule of reference.sample_token:
 // x = float32(logits) / temperature; top_k keeps every x at or above the k-th largest (all its ties, as
 // HF's warper does); top_p ranks those by x descending and keeps a token when the mass ranked strictly
-// above its value is below top_p of theirs (a tied group stays or goes whole); min_p then keeps x >= max x +
-// min_p_offset(min_p) (HF's warper: probability at least min_p times the largest); draw by inverse CDF over
+// above its value is below top_p of theirs (a tied group stays or goes whole); min_p then keeps x >= min_p_cut
+// (HF's warper: probability at least min_p times the largest); draw by inverse CDF over
 // the kept tokens in ascending id order. All three cuts are thresholds on x. Without filters that is a few
 // streaming passes; the filters need only selections (nth_element, a mass-weighted quickselect), never a
 // sort of the vocabulary. One sampler per thread: it owns the scratch rows.
@@ -262,7 +263,7 @@ class TokenSampler {
     if (top_p_ < 1.0) cut = top_p_cut(first, last).x;
     // After top_k and top_p, as HF orders its warpers. Written as the CUDA kernels write it (a NaN cut stays).
     if (min_p_on_) {
-      const float floor = max_x + min_p_offset_;
+      const float floor = min_p_cut(max_x, min_p_offset_);
       if (floor > cut) cut = floor;
     }
     int64_t last_kept = -1;

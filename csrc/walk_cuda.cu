@@ -15,7 +15,7 @@
 //     draw over the row above the cut;
 //   * the draw over a row: every chunk's total in parallel, then per node a scan over the totals and one
 //     chunk rescanned;
-//   * min_p (after top_k and top_p, as HF orders them) raises a node's cut to its max x + min_p_offset(min_p):
+//   * min_p (after top_k and top_p, as HF orders them) raises a node's cut to min_p_cut (min_p.h):
 //     where the cut is found (the top-k merge, the last select), or by its own kernel when it is the only filter;
 // Like the CPU op, weights are float32 exp(x - max x) and masses are summed in double, in a different
 // order, so a draw can differ from the CPU op's only when uniform * total (or top_p * mass) lands
@@ -23,6 +23,7 @@
 // sum top_p's masses in fixed point, a wider rounding (see there).
 
 #include "cuda_common.cuh"
+#include "min_p.h"
 #include "ops.h"
 #include "row_topk.cuh"
 
@@ -277,11 +278,11 @@ struct SampleArgs {
   int64_t* token;          // [B, N] contiguous workspace
 };
 
-// min_p's cut after top_k's and top_p's (HF's order): x >= m + min_p_offset, m the row's max x. The CPU op writes the
-// same comparison, so a NaN cut stays NaN.
+// min_p's cut after top_k's and top_p's (HF's order): x >= min_p_cut(m, min_p_offset), m the row's max x. The CPU op
+// writes the same comparison, so a NaN cut stays NaN.
 __device__ __forceinline__ float with_min_p(float cut, float m, const SampleArgs& a) {
   if (a.min_p_offset == -INFINITY) return cut;
-  const float floor = m + a.min_p_offset;
+  const float floor = min_p_cut(m, a.min_p_offset);
   return floor > cut ? floor : cut;
 }
 

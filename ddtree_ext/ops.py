@@ -807,8 +807,8 @@ def walk_sample(
     its ties included, as HF's top-k warper keeps), then to the tokens whose logit has less than top_p of the
     top_k set's probability strictly above it (the smallest set in descending order whose probability reaches
     top_p, with every token tied with its last; HF's top-p warper keeps an arbitrary part of such a tie), then to
-    the tokens with x = logit / temperature at least max x + log(min_p) (HF's min-p warper: probability at least
-    min_p times the largest; the sum rounds to float32, log(min_p) taken in double), by inverse CDF in ascending
+    the tokens with x = logit / temperature whose float32 x - max x is at least float32(log(min_p)) (HF's min-p
+    warper: probability at least min_p times the largest; log(min_p) taken in double), by inverse CDF in ascending
     token-id order: the first kept token whose cumulative probability exceeds uniform * total.
     """
     if not isinstance(uniform, torch.Tensor) or uniform.dim() != 2 or uniform.shape[1] < 1:

@@ -405,12 +405,14 @@ def sample_token(logits: torch.Tensor, u: float, temperature: float, top_k: int 
         p = torch.softmax(xs, dim=0)
         before = torch.cumsum(p, 0) - p  # probability of the tokens ranked above
         keep &= x >= xs[before < top_p][-1]  # the last token kept in rank order, and its ties
-    if min_p > 0:  # after top_k and top_p, as HF orders them; the float32 sum the ops form
-        keep &= x >= x.max() + torch.tensor(math.log(min_p), dtype=torch.float32)
+    if min_p > 0:  # after top_k and top_p, as HF orders them: fl(x - max x) >= float32(log(min_p)), NaNs aside
+        top = torch.where(torch.isnan(x), -torch.inf, x).max()
+        keep &= (x - top) >= torch.tensor(math.log(min_p), dtype=torch.float32)
     probs = torch.softmax(x, dim=0) * keep
     cum = torch.cumsum(probs, 0)  # ascending token id
     hit = torch.nonzero(cum > u * cum[-1])
-    return int(hit[0]) if hit.numel() else int(torch.nonzero(keep).max())
+    kept = torch.nonzero(keep)
+    return int(hit[0]) if hit.numel() else int(kept.max()) if kept.numel() else vocab - 1
 
 
 def walk_sample(

@@ -767,6 +767,22 @@ def test_walk_sample_min_p_ties_keep_what_hf_warpers_keep(top_k, top_p, min_p):
     assert_tied_rows_draw_as_hf_warpers(gen, torch.bfloat16, temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p)
 
 
+@pytest.mark.parametrize("top_k", [0, 20, 100])
+def test_walk_sample_min_p_near_its_cut_at_large_logits(top_k):
+    """Logits around 1e6 (a low temperature), many tokens within a float32 step of min_p's cut
+    (tests/test_walk.py::large_logit_rows): each path's draws are HF's warpers' and the CPU op's."""
+    gen = make_gen(5 + top_k)
+    steps = torch.randint(-80, 1, (4, 3000), generator=gen).float()
+    steps[:, 0] = 0.0
+    rows = 1e6 + steps / 16
+    kw = dict(temperature=1.0, top_k=top_k, min_p=0.1)
+    for row, probs in zip(rows, warped_probs(rows, **kw)):
+        uniform, want = inverse_cdf_probes(probs)
+        got = root_draws(row.to(DEV), uniform, **kw)
+        assert torch.equal(got, want), f"{int((got != want).sum())} of {len(want)} probes differ"
+        assert torch.equal(root_draws(row, uniform, **kw), got), "vs CPU op"
+
+
 def test_walk_sample_full_vocab():
     """Qwen3.6's vocabulary, with the usual sampling settings (top_p alone and top_k 100: the radix selects)."""
     gen = make_gen(21)

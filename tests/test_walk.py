@@ -212,6 +212,28 @@ def test_sample_min_p_keeps_what_hf_warpers_keep(top_k, top_p, min_p):
                     assert [ref.sample_token(row, float(x), **kw) for x in uniform[::16]] == want[::16].tolist()
 
 
+def large_logit_rows(vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows [4, V] around 1e6 (what a low temperature makes of ordinary logits), in steps of 1/16, float32's spacing
+    there: many tokens sit within a step of min_p's cut, where max x + log(min_p) rounds by a whole step."""
+    steps = torch.randint(-80, 1, (4, vocab), generator=gen).float()
+    steps[:, 0] = 0.0  # the max
+    return 1e6 + steps / 16
+
+
+@pytest.mark.parametrize("min_p", [0.1, 0.05, 0.3])
+def test_sample_min_p_near_its_cut_at_large_logits_keeps_what_hf_keeps(min_p):
+    """HF's min-p warper compares probabilities, i.e. exp(x - max x) with min_p: x - max x is exact near the top,
+    so the op's cut is on it (x - max x >= log(min_p) in float32), not on max x + log(min_p), which rounds to a
+    different step here."""
+    gen = torch.Generator().manual_seed(int(min_p * 100))
+    rows = large_logit_rows(3000, gen)
+    kw = dict(temperature=1.0, min_p=min_p)
+    for row, probs in zip(rows, warped_probs(rows, **kw)):
+        uniform, want = inverse_cdf_probes(probs)
+        assert torch.equal(root_draws(row, uniform, **kw), want)
+        assert [ref.sample_token(row, float(x), **kw) for x in uniform[::64]] == want[::64].tolist()
+
+
 def test_sample_reproducible():
     gen = torch.Generator().manual_seed(8)
     tree = random_trees(4, 33, 16, gen)
