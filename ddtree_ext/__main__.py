@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--min-p", type=float, default=None, help="HF's min_p, in [0, 1] (0 = off)")
     gen.add_argument("--repetition-penalty", type=float, default=None,
                      help="HF's repetition penalty (1 = off; default: the target's generation_config)")
     gen.add_argument("--presence-penalty", type=float, default=None, help="vLLM's and OpenAI's, in [-2, 2] (0 = off)")
@@ -135,8 +135,9 @@ def main(argv=None) -> int:
 
             _check_numbers(args.method, args.budget, args.temperature, args.top_k, args.top_p, args.seed,
                            DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
-                           draft_top_k=8, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)  # generate()'s default: the command line does not set it
+                           draft_top_k=8,  # generate()'s default: the command line does not set it
+                           min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
         return _demo(args) if args.target is None else _generate(args)
     except ValueError as e:  # generate()'s argument checks: a usage error, not a crash
         gen.error(str(e))

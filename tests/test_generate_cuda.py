@@ -337,8 +337,8 @@ def test_long_context_rounds_equal_hf_generate_across_widths(family, method, bud
 
 
 def test_repetition_penalty_graph_equals_eager_on_a_real_shaped_model():
-    """Greedy bf16 rounds with a repetition penalty read float32 logits (HF penalises after its upcast): replayed rounds
-    give the eager rounds' tokens."""
+    """Greedy bf16 rounds with a repetition penalty penalise float32 copies of their logits (HF penalises after its
+    upcast): replayed rounds give the eager rounds' tokens."""
     target, draft = small_real_shaped_hybrid(torch.bfloat16)
     prompt = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(4)).cuda()
     for method, budget in (("ddtree", 64), ("autoregressive", 1)):
