@@ -275,6 +275,25 @@ def test_walk_sample_settings(benchmark, ceilings, top_k, top_p, min_p):
     bench(benchmark, ceilings, "walk_sample", label, calls, n * VOCAB * 2)
 
 
+@pytest.mark.parametrize("budget", [64, 256])
+def test_penalties(benchmark, ceilings, budget):
+    """A round's repetition, presence and frequency penalties (generate._Acceptor.penalize) over a budget-64 or -256
+    tree's bf16 logits, 2000 tokens counted so far. Floor: the logits read once and the float32 result written once
+    (the op makes a few more passes and temporaries of that size)."""
+    from ddtree_ext.generate import _Acceptor
+
+    gen = torch.Generator().manual_seed(budget)
+    tree = built_tree(budget, gen)
+    n = budget + 1
+    prompt = torch.randint(0, VOCAB, (1, 2000), generator=gen).to(DEV)
+    acceptor = _Acceptor(0.0, None, None, None, None, 1, DEV, repetition_penalty=1.1, presence_penalty=0.5,
+                         frequency_penalty=0.1, prompt=prompt, vocab_size=VOCAB)
+    acceptor.generated[0, :VOCAB].copy_(torch.randint(0, 3, (VOCAB,), generator=gen).float().to(DEV))
+    logits = [torch.randn(1, n, VOCAB, dtype=torch.bfloat16, device=DEV) * 3 for _ in range(2)]
+    calls = [lambda x=x: acceptor.penalize(tree, x, 16) for x in logits]
+    bench(benchmark, ceilings, "penalties", f"N={n} V={VOCAB} bf16 -> float32", calls, n * VOCAB * (2 + 4))
+
+
 # ---- commit ------------------------------------------------------------------------------------
 
 
