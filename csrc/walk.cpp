@@ -248,19 +248,21 @@ class TokenSampler {
   // Zeroes the weight of every token top_k, top_p or min_p drops; returns the largest kept id. The kept set is
   // every x not below a cut value, so selections find it.
   int64_t drop_filtered(float max_x) {
-    ranked_.resize(vocab_);
-    for (int64_t i = 0; i < vocab_; ++i) ranked_[i] = {scaled_[i], static_cast<int32_t>(i)};
-    const auto first = ranked_.begin();
-    auto last = ranked_.end();
     float cut = -std::numeric_limits<float>::infinity();
-    if (top_k_count_ < vocab_) {
-      // The k-th largest x; the top_k set is every token not below it, its whole tie group included.
-      std::nth_element(first, first + (top_k_count_ - 1), last, ranks_above);
-      cut = first[top_k_count_ - 1].x;
-      last = std::partition(first + top_k_count_, last, [cut](const Ranked& r) { return !greater(cut, r.x); });
+    if (top_k_count_ < vocab_ || top_p_ < 1.0) {  // selections over the ranked row (min_p needs only max_x)
+      ranked_.resize(vocab_);
+      for (int64_t i = 0; i < vocab_; ++i) ranked_[i] = {scaled_[i], static_cast<int32_t>(i)};
+      const auto first = ranked_.begin();
+      auto last = ranked_.end();
+      if (top_k_count_ < vocab_) {
+        // The k-th largest x; the top_k set is every token not below it, its whole tie group included.
+        std::nth_element(first, first + (top_k_count_ - 1), last, ranks_above);
+        cut = first[top_k_count_ - 1].x;
+        last = std::partition(first + top_k_count_, last, [cut](const Ranked& r) { return !greater(cut, r.x); });
+      }
+      // The last token top_p keeps in rank order; its value keeps its ties too.
+      if (top_p_ < 1.0) cut = top_p_cut(first, last).x;
     }
-    // The last token top_p keeps in rank order; its value keeps its ties too.
-    if (top_p_ < 1.0) cut = top_p_cut(first, last).x;
     // After top_k and top_p, as HF orders its warpers. Written as the CUDA kernels write it (a NaN cut stays).
     if (min_p_on_) {
       const float floor = min_p_cut(max_x, min_p_offset_);
