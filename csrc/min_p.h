@@ -24,4 +24,12 @@ DDTREE_HOST_DEVICE inline float min_p_cut(float m, float offset) {
   return c;
 }
 
+// A node's cut after min_p (applied after top_k's and top_p's, as HF orders its warpers): the larger of `cut` and
+// min_p_cut(m, offset), a NaN cut kept; `cut` as it is when min_p is off (offset -inf).
+DDTREE_HOST_DEVICE inline float apply_min_p(float cut, float m, float offset) {
+  if (offset == -INFINITY) return cut;
+  const float floor = min_p_cut(m, offset);
+  return floor > cut ? floor : cut;
+}
+
 }  // namespace ddtree

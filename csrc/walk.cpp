@@ -207,7 +207,6 @@ class TokenSampler {
         temperature_(static_cast<float>(temperature)),
         top_k_count_(top_k > 0 && top_k < vocab ? top_k : vocab),
         top_p_(top_p),
-        min_p_on_(min_p > 0),
         min_p_offset_(min_p_offset(min_p)),
         scaled_(vocab),
         weight_(vocab) {}
@@ -219,7 +218,9 @@ class TokenSampler {
       max_x = std::max(max_x, scaled_[i]);
     }
     for (int64_t i = 0; i < vocab_; ++i) weight_[i] = std::exp(scaled_[i] - max_x);
-    const int64_t last_kept = top_k_count_ < vocab_ || top_p_ < 1.0 || min_p_on_ ? drop_filtered(max_x) : vocab_ - 1;
+    const bool min_p_on = min_p_offset_ > -std::numeric_limits<float>::infinity();
+    const bool filtered = top_k_count_ < vocab_ || top_p_ < 1.0 || min_p_on;
+    const int64_t last_kept = filtered ? drop_filtered(max_x) : vocab_ - 1;
     // The total and the scan add the same terms in the same order, so for u < 1 the scan always hits.
     double total = 0;
     for (int64_t i = 0; i < vocab_; ++i) total += weight_[i];
@@ -263,11 +264,7 @@ class TokenSampler {
       // The last token top_p keeps in rank order; its value keeps its ties too.
       if (top_p_ < 1.0) cut = top_p_cut(first, last).x;
     }
-    // After top_k and top_p, as HF orders its warpers. Written as the CUDA kernels write it (a NaN cut stays).
-    if (min_p_on_) {
-      const float floor = min_p_cut(max_x, min_p_offset_);
-      if (floor > cut) cut = floor;
-    }
+    cut = apply_min_p(cut, max_x, min_p_offset_);  // the CUDA kernels' rule
     int64_t last_kept = -1;
     for (int64_t i = 0; i < vocab_; ++i) {
       if (greater(cut, scaled_[i])) {
@@ -311,8 +308,7 @@ class TokenSampler {
   float temperature_;
   int64_t top_k_count_;
   double top_p_;
-  bool min_p_on_;
-  float min_p_offset_;
+  float min_p_offset_;  // -inf: min_p off
   std::vector<float> scaled_;  // x = logits / temperature
   std::vector<float> weight_;  // exp(x - max x), zero where dropped
   std::vector<Ranked> ranked_;

@@ -15,7 +15,7 @@
 //     draw over the row above the cut;
 //   * the draw over a row: every chunk's total in parallel, then per node a scan over the totals and one
 //     chunk rescanned;
-//   * min_p (after top_k and top_p, as HF orders them) raises a node's cut to min_p_cut (min_p.h):
+//   * min_p (after top_k and top_p, as HF orders them) raises a node's cut by apply_min_p (min_p.h):
 //     where the cut is found (the top-k merge, the last select), or by its own kernel when it is the only filter;
 // Like the CPU op, weights are float32 exp(x - max x) and masses are summed in double, in a different
 // order, so a draw can differ from the CPU op's only when uniform * total (or top_p * mass) lands
@@ -277,14 +277,6 @@ struct SampleArgs {
   float min_p_offset;      // min_p_offset(min_p): -inf = off
   int64_t* token;          // [B, N] contiguous workspace
 };
-
-// min_p's cut after top_k's and top_p's (HF's order): x >= min_p_cut(m, min_p_offset), m the row's max x. The CPU op
-// writes the same comparison, so a NaN cut stays NaN.
-__device__ __forceinline__ float with_min_p(float cut, float m, const SampleArgs& a) {
-  if (a.min_p_offset == -INFINITY) return cut;
-  const float floor = min_p_cut(m, a.min_p_offset);
-  return floor > cut ? floor : cut;
-}
 
 // Node (b, i) of this block and its uniform; false (and token -1) when no walk reaches the node.
 __device__ __forceinline__ bool sample_target(const SampleArgs& a, int b, int i, float& u) {
@@ -807,7 +799,8 @@ __global__ void __launch_bounds__(kSampleThreads) radix_select_kernel(SampleArgs
     // A failed mass select (no finite weight in the set: a +inf in the row) keeps the whole set: the row, or
     // top_k's (as the CPU op does; the draw then takes the set's largest id).
     const float keep_all = s.floor != nullptr ? cuda::from_ordered_bits(s.floor[slot].prefix) : -INFINITY;
-    d.cut[slot] = with_min_p(st.failed ? keep_all : cuda::from_ordered_bits(st.prefix), row_max_of_parts(d, slot), a);
+    d.cut[slot] = apply_min_p(st.failed ? keep_all : cuda::from_ordered_bits(st.prefix), row_max_of_parts(d, slot),
+                              a.min_p_offset);
     d.over_row[slot] = 1;
   }
 }
@@ -940,7 +933,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_top_k_draw_kernel(const
       }
       if (r == above_kth && above < target) cut = kth;
     }
-    cut = with_min_p(cut, m, a);
+    cut = apply_min_p(cut, m, a.min_p_offset);
     cut_shared = cut;
     const bool over_row = cut == kth && tied > tied_in_list;  // kth's group is kept and runs past the list
     over_row_shared = over_row;
@@ -1006,7 +999,7 @@ void launch_sample_top_k(const at::Tensor& logits, const SampleArgs& args, int64
   launch_draw_over_row<T, /*FILTERED=*/true>(logits, args, d, bsz, stream);
 }
 
-// min_p alone: every reachable node draws over its row, keeping x >= its max x + min_p_offset. One thread a node.
+// min_p alone: every reachable node draws over its row, keeping x >= min_p_cut (min_p.h). One thread a node.
 __global__ void __launch_bounds__(kSampleThreads) min_p_cut_kernel(SampleArgs a, DrawRowArgs d, int64_t rows) {
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * kSampleThreads + threadIdx.x;
   if (slot >= rows) return;
@@ -1017,7 +1010,7 @@ __global__ void __launch_bounds__(kSampleThreads) min_p_cut_kernel(SampleArgs a,
     a.token[slot] = -1;
     return;
   }
-  d.cut[slot] = with_min_p(-INFINITY, row_max_of_parts(d, slot), a);
+  d.cut[slot] = apply_min_p(-INFINITY, row_max_of_parts(d, slot), a.min_p_offset);
 }
 
 // No top_k, no top_p: the rows' maxima by segments, then the draw over every reachable node's row (above min_p's cut

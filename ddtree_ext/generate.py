@@ -386,10 +386,14 @@ _GREEDY_PROCESSING_OFF = {
 }
 
 
+def _is_repetition_penalty(value) -> bool:
+    return _is_number(value) and _is_finite(value) and value > 0
+
+
 def _config_repetition_penalty(adapter) -> Optional[float]:
     """The target's generation_config.repetition_penalty (None if unset), checked as generate() checks its own."""
     value = getattr(getattr(adapter.model, "generation_config", None), "repetition_penalty", None)
-    if value is not None and (not _is_number(value) or not _is_finite(value) or value <= 0):
+    if value is not None and not _is_repetition_penalty(value):
         raise ValueError(
             f"generate: the target's generation_config.repetition_penalty must be a finite number > 0, got {value!r} "
             f"(pass repetition_penalty to override it)")
@@ -692,9 +696,9 @@ def _check_numbers(method, tree_budget, temperature, top_k, top_p, seed, max_new
         raise ValueError(f"generate: top_p must be None or in (0, 1], got {top_p!r}")
     if min_p is not None and (not _is_number(min_p) or not 0 <= min_p <= 1):
         raise ValueError(f"generate: min_p must be None or in [0, 1], got {min_p!r}")
-    if repetition_penalty is not None and (
-            not _is_number(repetition_penalty) or not _is_finite(repetition_penalty) or repetition_penalty <= 0):
-        raise ValueError(f"generate: repetition_penalty must be None or a finite number > 0, got {repetition_penalty!r}")
+    if repetition_penalty is not None and not _is_repetition_penalty(repetition_penalty):
+        raise ValueError(
+            f"generate: repetition_penalty must be None or a finite number > 0, got {repetition_penalty!r}")
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if value is not None and (not _is_number(value) or not -2 <= value <= 2):
             raise ValueError(f"generate: {name} must be None or in [-2, 2] (vLLM's and OpenAI's range), got {value!r}")

@@ -55,10 +55,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 def warped_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0) -> torch.Tensor:
     """The distribution walk_sample draws from, float64 [R, V], out of Hugging Face's own warpers over float32 logits
-    [R, V] (generate upcasts them), in generate's order: temperature, top-k, top-p, min-p, then a softmax. One change: where
-    top-p's cut falls inside a group of equal logits, HF keeps the members its unstable sort happens to rank higher;
-    here every token tied with a kept one is kept (HF keeps at least one of such a group exactly when the group is
-    kept here)."""
+    [R, V] (generate upcasts them), in generate's order: temperature, top-k, top-p, min-p, then a softmax. One change:
+    where top-p's cut falls inside a group of equal logits, HF keeps the members its unstable sort happens to rank
+    higher; here every token tied with a kept one is kept (HF keeps at least one of such a group exactly when the
+    group is kept here)."""
     from transformers.generation.logits_process import (
         MinPLogitsWarper,
         TemperatureLogitsWarper,
@@ -131,6 +131,14 @@ def tied_rows(vocab: int, gen: torch.Generator) -> torch.Tensor:
     few = torch.full((vocab,), -float("inf"))
     few[torch.randperm(vocab, generator=gen)[:3]] = torch.tensor([1.0, 0.5, 0.5])
     return torch.stack([ints, sparse, peaked, -peaked, wide, few])
+
+
+def large_logit_rows(vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows [4, V] around 1e6 (what a low temperature makes of ordinary logits), in steps of 1/16, float32's spacing
+    there: many tokens sit within a step of min_p's cut, where max x + log(min_p) rounds by a whole step."""
+    steps = torch.randint(-80, 1, (4, vocab), generator=gen).float()
+    steps[:, 0] = 0.0  # the max
+    return 1e6 + steps / 16
 
 
 def root_draws(logits: torch.Tensor, uniform: torch.Tensor, batch: int = 1024, **kw) -> torch.Tensor:

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (RTOL, assert_close, built_for_hopper, inverse_cdf_probes, poison, programmatic_launches,
-                      random_parents, rel_err, requires_cuda, root_draws, tied_rows, warped_probs)
+from conftest import (RTOL, assert_close, built_for_hopper, inverse_cdf_probes, large_logit_rows, poison,
+                      programmatic_launches, random_parents, rel_err, requires_cuda, root_draws, tied_rows, warped_probs)
 from ddtree_ext import build_info, ops, reference
 from ddtree_ext.ops import GDNTreeOutput, TopK, Tree, Walk
 
@@ -770,11 +770,8 @@ def test_walk_sample_min_p_ties_keep_what_hf_warpers_keep(top_k, top_p, min_p):
 @pytest.mark.parametrize("top_k", [0, 20, 100])
 def test_walk_sample_min_p_near_its_cut_at_large_logits(top_k):
     """Logits around 1e6 (a low temperature), many tokens within a float32 step of min_p's cut
-    (tests/test_walk.py::large_logit_rows): each path's draws are HF's warpers' and the CPU op's."""
-    gen = make_gen(5 + top_k)
-    steps = torch.randint(-80, 1, (4, 3000), generator=gen).float()
-    steps[:, 0] = 0.0
-    rows = 1e6 + steps / 16
+    (conftest.large_logit_rows): each path's draws are HF's warpers' and the CPU op's."""
+    rows = large_logit_rows(3000, make_gen(5 + top_k))
     kw = dict(temperature=1.0, top_k=top_k, min_p=0.1)
     for row, probs in zip(rows, warped_probs(rows, **kw)):
         uniform, want = inverse_cdf_probes(probs)

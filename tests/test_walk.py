@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import inverse_cdf_probes, poison, random_parents, root_draws, tied_rows, warped_probs
+from conftest import (
+    inverse_cdf_probes,
+    large_logit_rows,
+    poison,
+    random_parents,
+    root_draws,
+    tied_rows,
+    warped_probs,
+)
 from ddtree_ext import ops
 from ddtree_ext import reference as ref
 from ddtree_ext._loader import load_ops
@@ -210,14 +218,6 @@ def test_sample_min_p_keeps_what_hf_warpers_keep(top_k, top_p, min_p):
                 assert torch.equal(root_draws(row, uniform, **kw), want)
                 if vocab == 40:
                     assert [ref.sample_token(row, float(x), **kw) for x in uniform[::16]] == want[::16].tolist()
-
-
-def large_logit_rows(vocab: int, gen: torch.Generator) -> torch.Tensor:
-    """Rows [4, V] around 1e6 (what a low temperature makes of ordinary logits), in steps of 1/16, float32's spacing
-    there: many tokens sit within a step of min_p's cut, where max x + log(min_p) rounds by a whole step."""
-    steps = torch.randint(-80, 1, (4, vocab), generator=gen).float()
-    steps[:, 0] = 0.0  # the max
-    return 1e6 + steps / 16
 
 
 @pytest.mark.parametrize("min_p", [0.1, 0.05, 0.3])
