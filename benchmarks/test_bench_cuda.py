@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ddtree_ext import ops
+from ddtree_ext import reference as ref
 
 CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -277,9 +278,10 @@ def test_walk_sample_settings(benchmark, ceilings, top_k, top_p, min_p):
 
 @pytest.mark.parametrize("budget", [64, 256])
 def test_penalties(benchmark, ceilings, budget):
-    """A round's repetition, presence and frequency penalties (generate._Acceptor.penalize) over a budget-64 or -256
-    tree's bf16 logits, 2000 tokens counted so far. Floor: the logits read once and the float32 result written once
-    (the op makes a few more passes and temporaries of that size)."""
+    """A round's repetition, presence and frequency penalties (ops.penalize_logits, through generate's
+    _Acceptor.penalize) over a budget-64 or -256 tree's bf16 logits, 2000 tokens counted so far. Floor: the logits
+    read once and the float32 result written once. Baseline: the torch composition the op replaced (masks over the
+    tree's ancestor bits, then the penalties' arithmetic as separate passes over [N, V] float32)."""
     from ddtree_ext.generate import _Acceptor
 
     gen = torch.Generator().manual_seed(budget)
@@ -291,7 +293,33 @@ def test_penalties(benchmark, ceilings, budget):
     acceptor.generated[0, :VOCAB].copy_(torch.randint(0, 3, (VOCAB,), generator=gen).float().to(DEV))
     logits = [torch.randn(1, n, VOCAB, dtype=torch.bfloat16, device=DEV) * 3 for _ in range(2)]
     calls = [lambda x=x: acceptor.penalize(tree, x, 16) for x in logits]
-    bench(benchmark, ceilings, "penalties", f"N={n} V={VOCAB} bf16 -> float32", calls, n * VOCAB * (2 + 4))
+    baseline = [lambda x=x: _torch_penalties(acceptor, tree, x, 16) for x in logits]
+    bench(benchmark, ceilings, "penalties", f"N={n} V={VOCAB} bf16 -> float32", calls, n * VOCAB * (2 + 4),
+          baseline=baseline)
+
+
+def _torch_penalties(acceptor, tree, logits, max_depth):
+    """The penalties as torch operations (generate's implementation before ops.penalize_logits): every node gets
+    the counted tokens' penalties by broadcast, then its path's tokens (ranked from the ancestor bits) are redone
+    with its own counts."""
+    logits = logits.float()
+    batch, n, vocab = logits.shape
+    depth = min(max_depth - 1, n)
+    j = torch.arange(n, device=logits.device)
+    on_path = (tree.ancestor_mask[:, :, j // 64] >> (j % 64)) & 1 != 0
+    rank = torch.where(on_path & (tree.parent >= 0)[:, None, :], tree.depth[:, None, :].long() + 1, 0)
+    rank, pick = rank.topk(depth, dim=2)
+    valid = rank > 0
+    path = torch.where(valid, tree.token.gather(1, pick.view(batch, -1)).view(batch, n, depth), 0)
+    occurrences = ((path[..., :, None] == path[..., None, :]) & valid[..., None, :]).sum(-1)
+    original = logits.gather(2, path)
+    settings = (acceptor.repetition, acceptor.presence, acceptor.frequency)
+    logits = ref.penalty_rule(logits, acceptor.seen[:, None, :vocab], acceptor.generated[:, None, :vocab], *settings)
+    flat = path.view(batch, -1)
+    seen = acceptor.seen.gather(1, flat).view_as(path) | (occurrences > 0)
+    counts = acceptor.generated.gather(1, flat).view_as(path) + occurrences
+    logits.scatter_(2, path, ref.penalty_rule(original, seen, counts, *settings))
+    return logits
 
 
 # ---- commit ------------------------------------------------------------------------------------

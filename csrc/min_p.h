@@ -3,11 +3,7 @@
 
 #include <math.h>
 
-#if defined(__CUDACC__)
-#define DDTREE_HOST_DEVICE __host__ __device__
-#else
-#define DDTREE_HOST_DEVICE
-#endif
+#include "host_device.h"
 
 namespace ddtree {
 

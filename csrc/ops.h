@@ -130,6 +130,22 @@ void gqa_attention_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tens
 void gqa_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                        double scale, at::Tensor& out, int64_t num_splits);
 
+// ---- penalize: the repetition, presence and frequency penalties at every tree node -------------
+struct Penalties;
+void check_penalize_logits(const at::Tensor& logits, const at::Tensor& node_token, const at::Tensor& parent,
+                           const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
+                           double repetition_penalty, double presence_penalty, double frequency_penalty,
+                           int64_t max_depth, const at::Tensor& out);
+// The tables' rows and the float32 penalties of a checked call; by_reciprocal: positive logits are multiplied by
+// float32(1 / float32(r)) instead of divided by r, as torch's CUDA division by a Python number does.
+Penalties make_penalties(const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
+                         double repetition_penalty, double presence_penalty, double frequency_penalty,
+                         bool by_reciprocal);
+void penalize_logits_cpu(const at::Tensor& logits, const at::Tensor& node_token, const at::Tensor& parent,
+                         const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
+                         double repetition_penalty, double presence_penalty, double frequency_penalty,
+                         int64_t max_depth, at::Tensor& out);
+
 // ---- walk: follow the target's tokens down the tree ------------------------------------------
 void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& first_child,
                 const at::Tensor& next_sibling, const at::Tensor& accepted, const at::Tensor& accept_len,
@@ -221,6 +237,10 @@ void row_argmax_cuda(const at::Tensor& x, at::Tensor& out);
 void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                       const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
                       at::Tensor& next_token);
+void penalize_logits_cuda(const at::Tensor& logits, const at::Tensor& node_token, const at::Tensor& parent,
+                          const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
+                          double repetition_penalty, double presence_penalty, double frequency_penalty,
+                          int64_t max_depth, at::Tensor& out);
 void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                       const at::Tensor& logits, const at::Tensor& uniform, double temperature, int64_t top_k,
                       double top_p, double min_p, at::Tensor& accepted, at::Tensor& accept_len,

@@ -25,6 +25,7 @@ _OPS = (
     "linear_gemv",
     "gqa_attention",
     "gdn_gates",
+    "penalize_logits",
     "row_argmax",
     "walk_greedy",
     "walk_sample",

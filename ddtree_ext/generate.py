@@ -510,48 +510,16 @@ class _Acceptor:
     def penalize(self, tree: ops.Tree, logits: torch.Tensor, max_depth: int) -> torch.Tensor:
         """The logits [1, N, V] as the penalties leave them at every node, in float32 (HF and vLLM upcast before them),
         over the sequence up to the node: the tokens counted so far (the root's among them), then the node's path
-        below the root (at most ``max_depth - 1`` nodes). First HF's repetition penalty (a token anywhere in the
-        sequence has its logit divided by it, or multiplied where negative), then, as vLLM applies them, the
-        frequency penalty times each generated token's count and the presence penalty for each generated token are
-        subtracted. The tokens counted so far act on every node at once; the few on a node's path are then redone
-        there from the node's own counts, by the same arithmetic. Without penalties, the logits as they are. No host
-        reads."""
+        below the root (at most ``max_depth - 1`` nodes): :func:`ops.penalize_logits`. Without penalties, the logits
+        as they are. No host reads."""
         if not self.penalized:
             return logits
-        logits = logits.float()
-        batch, n, vocab = logits.shape
-        depth = min(max_depth - 1, n)
-        if depth > 0:
-            # path[b, i, :]: the tokens of node i's path below the root, deepest first (token 0 past the end: any
-            # token is redone right, a token off the path to what the first pass gives it).
-            j = torch.arange(n, device=logits.device)
-            on_path = (tree.ancestor_mask[:, :, j // 64] >> (j % 64)) & 1 != 0  # [B, N, N]: j an ancestor of i or i
-            rank = torch.where(on_path & (tree.parent >= 0)[:, None, :], tree.depth[:, None, :].long() + 1, 0)
-            rank, pick = rank.topk(depth, dim=2)
-            valid = rank > 0
-            path = torch.where(valid, tree.token.gather(1, pick.view(batch, -1)).view(batch, n, depth), 0)
-            occurrences = ((path[..., :, None] == path[..., None, :]) & valid[..., None, :]).sum(-1)
-            original = logits.gather(2, path)
-        logits = self._penalties(
-            logits, None if self.seen is None else self.seen[:, None, :vocab],
-            None if self.generated is None else self.generated[:, None, :vocab])
-        if depth > 0:
-            flat = path.view(batch, -1)
-            seen = None if self.seen is None else self.seen.gather(1, flat).view_as(path) | (occurrences > 0)
-            counts = None if self.generated is None else self.generated.gather(1, flat).view_as(path) + occurrences
-            logits.scatter_(2, path, self._penalties(original, seen, counts))
-        return logits
-
-    def _penalties(self, logits: torch.Tensor, seen: Optional[torch.Tensor], counts: Optional[torch.Tensor]):
-        """The penalties' arithmetic on float32 logits, given each token's presence in the sequence (``seen``, bool)
-        and its count among the generated tokens (``counts``, float32), broadcast against the logits. A new tensor."""
-        if seen is not None:
-            repeated = torch.where(logits < 0, logits * self.repetition, logits / self.repetition)
-            logits = torch.where(seen, repeated, logits)
-        if counts is not None:
-            logits = logits - self.frequency * counts
-            logits = logits - self.presence * (counts > 0).float()
-        return logits
+        vocab = logits.shape[-1]
+        return ops.penalize_logits(
+            tree, logits, seen=None if self.seen is None else self.seen[:, :vocab],
+            counts=None if self.generated is None else self.generated[:, :vocab],
+            repetition_penalty=1.0 if self.repetition is None else self.repetition,
+            presence_penalty=self.presence, frequency_penalty=self.frequency, max_depth=max_depth)
 
     def _record(self, tree: ops.Tree, walk: ops.Walk) -> None:
         """Counts the walk's tokens: its path below the root, then the next token (the root was counted before)."""

@@ -743,6 +743,53 @@ def gdn_gates(
     return g, beta
 
 
+# ---- penalize ----------------------------------------------------------------------------------
+
+
+def penalize_logits(
+    tree: Tree,
+    logits: torch.Tensor,
+    *,
+    seen: Optional[torch.Tensor] = None,
+    counts: Optional[torch.Tensor] = None,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    max_depth: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The target's logits at every tree node after HF's repetition penalty and vLLM's presence and frequency
+    penalties, each node over its own sequence: the tokens counted so far (``seen``, ``counts``) plus the tokens of
+    the nodes on its path below the root (the node itself included, the root not: it was counted already).
+
+    logits [B, N, V] (float32, float16 or bfloat16, last dim contiguous) -> out [B, N, V] float32 (contiguous; must
+    not overlap the inputs). seen [B, V] bool: the tokens in the sequence so far (None: no repetition penalty);
+    counts [B, V] float32: how often each token was generated so far (None: no presence or frequency penalty); both
+    with a contiguous last dim. max_depth (default N): the longest path counted, root included; a node's path is cut
+    to its max_depth - 1 nearest nodes. For node i and token t, with s = seen[b, t] or t on i's path and
+    c = counts[b, t] + t's occurrences on i's path, all in float32:
+
+    * repetition (HF's ``RepetitionPenaltyLogitsProcessor``), where s: x * r if x < 0 else x / r, the division as
+      torch divides a float32 tensor by a Python number on the device (on CUDA: x * float32(1 / r));
+    * then (vLLM's order) x - frequency_penalty * c, then x - presence_penalty where c > 0.
+
+    Bit for bit what those torch operations give on the same device. repetition_penalty must be finite and > 0,
+    the other two finite. On the CPU, parents must be -1 (the root) or an earlier node and path tokens in [0, V);
+    on CUDA (no host reads) an invalid parent ends the path and an out-of-range token is skipped.
+    """
+    _check_dim("penalize_logits", "logits", logits, 3, "[B, N, V]")
+    if max_depth is None:
+        max_depth = max(tree.token.shape[-1], 1) if tree.token.dim() else 1
+    max_depth = _check_count("penalize_logits", "max_depth", max_depth, 1)
+    if out is None:
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    load_ops().penalize_logits(
+        logits, tree.token, tree.parent, seen, counts, float(repetition_penalty), float(presence_penalty),
+        float(frequency_penalty), max_depth, out,
+    )
+    return out
+
+
 # ---- walk ------------------------------------------------------------------------------------
 
 

@@ -351,6 +351,42 @@ def gdn_gates(x, weight_a, weight_b, A_log, dt_bias):
     return g, b.sigmoid().float()
 
 
+# ---- penalize --------------------------------------------------------------------------------
+
+
+def penalty_rule(x: torch.Tensor, seen, counts, repetition_penalty: float, presence_penalty: float,
+                 frequency_penalty: float) -> torch.Tensor:
+    """The penalties on float32 logits ``x`` given each token's presence in the sequence (``seen``, bool, or None:
+    no repetition penalty) and its count among the generated tokens (``counts``, float32, or None: no presence or
+    frequency penalty), broadcast against x: HF's repetition processor's torch operations, then vLLM's."""
+    if seen is not None:
+        x = torch.where(seen, torch.where(x < 0, x * repetition_penalty, x / repetition_penalty), x)
+    if counts is not None:
+        x = x - frequency_penalty * counts
+        x = x - presence_penalty * (counts > 0).float()
+    return x
+
+
+def penalize_logits(tree: Tree, logits: torch.Tensor, *, seen=None, counts=None, repetition_penalty: float = 1.0,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0, max_depth=None) -> torch.Tensor:
+    settings = (repetition_penalty, presence_penalty, frequency_penalty)
+    batch, n, _ = logits.shape
+    limit = min((n if max_depth is None else max_depth) - 1, n - 1)
+    x = logits.float()
+    out = penalty_rule(x, None if seen is None else seen[:, None], None if counts is None else counts[:, None],
+                       *settings)
+    for b in range(batch):
+        for i in range(n):
+            path = path_to(tree.parent, b, i)[1:][::-1][:limit]  # below the root, nearest first
+            tokens = tree.token[b, path]
+            for t in tokens.unique():
+                occurrences = (tokens == t).sum()
+                node_seen = None if seen is None else torch.ones((), dtype=torch.bool, device=x.device)
+                node_count = None if counts is None else counts[b, t] + occurrences
+                out[b, i, t] = penalty_rule(x[b, i, t], node_seen, node_count, *settings)
+    return out
+
+
 # ---- walk ------------------------------------------------------------------------------------
 
 

@@ -53,6 +53,10 @@ TORCH_LIBRARY(ddtree, m) {
   m.def(
       "gdn_gates(Tensor x, Tensor weight_a, Tensor weight_b, Tensor A_log, Tensor dt_bias, Tensor(a!) g, "
       "Tensor(b!) beta) -> ()");
+  // penalize
+  m.def(
+      "penalize_logits(Tensor logits, Tensor node_token, Tensor parent, Tensor? seen, Tensor? counts, "
+      "float repetition_penalty, float presence_penalty, float frequency_penalty, int max_depth, Tensor(a!) out) -> ()");
   // walk
   m.def("row_argmax(Tensor x, Tensor(a!) out) -> ()");
   m.def(
@@ -93,6 +97,7 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("linear_cublaslt_describe", &ddtree::linear_cublaslt_describe_cpu);
   m.impl("gqa_attention", &ddtree::gqa_attention_cpu);
   m.impl("gdn_gates", &ddtree::gdn_gates_cpu);
+  m.impl("penalize_logits", &ddtree::penalize_logits_cpu);
   m.impl("row_argmax", &ddtree::row_argmax_cpu);
   m.impl("walk_greedy", &ddtree::walk_greedy_cpu);
   m.impl("walk_sample", &ddtree::walk_sample_cpu);

@@ -187,6 +187,22 @@ def random_parents(n: int, gen: torch.Generator, shape: str = "random", max_dept
     return parent
 
 
+def penalty_case(batch, n, vocab, gen, dtype=torch.float32, shape="random"):
+    """(tree, logits [B, N, V], seen [B, V] bool, counts [B, V] float32) for penalize_logits, on the CPU: random
+    trees over a small vocabulary (a token repeats along a path), logits with exact zeros, negative zeros and ties,
+    and tables of the tokens seen and generated so far."""
+    from ddtree_ext import reference
+
+    parent = torch.stack([random_parents(n, gen, shape) for _ in range(batch)])
+    token = torch.randint(0, vocab, (batch, n), generator=gen)
+    tree = reference.tree_from_parents(parent, token, torch.zeros(batch, dtype=torch.int64))
+    logits = (torch.randn(batch, n, vocab, generator=gen) * 3).round(decimals=1)
+    logits[..., 0] = -0.0
+    seen = torch.rand(batch, vocab, generator=gen) < 0.3
+    counts = torch.randint(0, 4, (batch, vocab), generator=gen).float() * (torch.rand(batch, vocab, generator=gen) < 0.4)
+    return tree, logits.to(dtype), seen, counts
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Run the suite on one intra-op thread: the tiny models gain nothing from more, and on a busy

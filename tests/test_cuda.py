@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (RTOL, assert_close, built_for_hopper, inverse_cdf_probes, large_logit_rows, poison,
-                      programmatic_launches, random_parents, rel_err, requires_cuda, root_draws, tied_rows, warped_probs)
+from conftest import (RTOL, assert_close, built_for_hopper, inverse_cdf_probes, large_logit_rows, penalty_case,
+                      poison, programmatic_launches, random_parents, rel_err, requires_cuda, root_draws, tied_rows, warped_probs)
 from ddtree_ext import build_info, ops, reference
 from ddtree_ext.ops import GDNTreeOutput, TopK, Tree, Walk
 
@@ -593,6 +593,98 @@ def test_tree_gated_delta_rule_chain_matches_fla(kernel):
     accept_len = torch.full((2,), n, dtype=torch.int32, device=DEV)
     ops.commit_gdn_state(states, [got.stash_u], [got.stash_k], [got.stash_cumg], accepted, accept_len)
     assert rel_err(states[0], final) <= tol
+
+
+# ---- penalize ------------------------------------------------------------------------------------
+
+# (repetition_penalty, presence_penalty, frequency_penalty, seen given, counts given)
+PENALTY_SETTINGS = [(1.3, 0.0, 0.0, True, False), (1.0, 0.5, 0.2, False, True), (0.7, -1.5, 0.3, True, True),
+                    (1.2, 2.0, -2.0, True, True)]
+
+
+def run_penalize(tree, logits, seen, counts, setting, device, max_depth=None, fn=None):
+    repetition, presence, frequency, use_seen, use_counts = setting
+    kw = dict(seen=seen.to(device) if use_seen else None, counts=counts.to(device) if use_counts else None,
+              repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency, max_depth=max_depth)
+    if fn is not None:
+        return fn(to(tree, device), logits.to(device), **kw)
+    out = poison(torch.empty(logits.shape, dtype=torch.float32, device=device))
+    return ops.penalize_logits(to(tree, device), logits.to(device), out=out, **kw)
+
+
+def assert_bits_equal(got, want, what=""):
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape, what
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), what
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("vocab", [13, 64, 1002, 1000])  # odd widths take the one-element path, others 4-element packs
+@pytest.mark.parametrize("setting", PENALTY_SETTINGS, ids=lambda s: "-".join(map(str, s)))
+def test_penalize_logits(dtype, vocab, setting):
+    """Bit for bit the reference's torch operations run on the GPU (torch's CUDA division by a Python number
+    included), over random trees with repeated tokens on paths, max_depth cuts, strided node rows, and tables with
+    a sink column (generate's)."""
+    gen = make_gen(vocab + 7 * PENALTY_SETTINGS.index(setting))
+    tree, logits, seen, counts = penalty_case(3, 23, vocab, gen, dtype)
+    for max_depth in (None, 1, 4):
+        want = run_penalize(tree, logits, seen, counts, setting, DEV, max_depth, fn=reference.penalize_logits)
+        assert_bits_equal(run_penalize(tree, logits, seen, counts, setting, DEV, max_depth), want, f"depth {max_depth}")
+    want = run_penalize(tree, logits, seen, counts, setting, DEV, fn=reference.penalize_logits)
+    wide = torch.zeros(3, 46, vocab + 1, dtype=dtype, device=DEV)
+    wide[:, ::2, 1:] = logits.to(DEV)
+    sink = lambda t: torch.cat([t, t[:, :1]], 1).to(DEV)[:, :vocab]  # noqa: E731
+    assert_bits_equal(run_penalize(tree, wide[:, ::2, 1:], sink(seen), sink(counts), setting, DEV), want, "views")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_penalize_logits_real_shape_and_graph_replay(dtype):
+    """A budget-64 tree from build_tree over Qwen3.6's vocabulary with generate's [1, V + 1] tables; then the op
+    captured in a CUDA graph and replayed on new tokens, counts and logits written into the captured inputs."""
+    gen = make_gen(64)
+    vocab, setting = 248320, (1.1, 0.5, 0.1, True, True)
+    logp = (-torch.rand(1, 16, 8, generator=gen) * 4).sort(-1, descending=True).values
+    tokens = torch.randint(0, 64, (1, 16, 8), generator=gen)  # few distinct tokens: repeats on paths
+    tree = ops.build_tree(*to([logp, tokens, torch.tensor([3]), torch.tensor([100])], DEV), 64)
+    logits = (torch.randn(1, 65, vocab, generator=gen) * 3).to(dtype).to(DEV)
+    seen = torch.zeros(1, vocab + 1, dtype=torch.bool, device=DEV)
+    seen[0, torch.randint(0, vocab, (3000,), generator=gen).to(DEV)] = True
+    counts = torch.zeros(1, vocab + 1, device=DEV)
+    counts[0, :64] = torch.randint(0, 3, (64,), generator=gen).float().to(DEV)
+    args = (tree, logits, seen[:, :vocab], counts[:, :vocab], setting, DEV)
+    assert_bits_equal(run_penalize(*args, max_depth=17), run_penalize(*args, max_depth=17, fn=reference.penalize_logits))
+    out = torch.empty(1, 65, vocab, device=DEV)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.penalize_logits(tree, logits, seen=seen[:, :vocab], counts=counts[:, :vocab], repetition_penalty=1.1,
+                            presence_penalty=0.5, frequency_penalty=0.1, max_depth=17, out=out)
+    for _ in range(2):
+        tree.token.copy_(torch.randint(0, 64, tree.token.shape, generator=gen).to(DEV))
+        counts[0, :64] += 1
+        logits.copy_((torch.randn(1, 65, vocab, generator=gen) * 3).to(dtype))
+        poison(out)
+        graph.replay()
+        assert_bits_equal(out, run_penalize(*args, max_depth=17, fn=reference.penalize_logits), "replay")
+
+
+def test_penalize_logits_garbage_trees_stay_in_bounds():
+    """Parents that are not topological and tokens outside [0, V) (the CPU op refuses them; CUDA cannot read them
+    back): an invalid parent ends the path, an out-of-range token is skipped, nothing is read or written out of
+    bounds, and a node whose path is valid gets its penalties right."""
+    gen = make_gen(5)
+    tree, logits, seen, counts = penalty_case(2, 9, 20, gen)
+    setting = (1.3, 0.5, 0.25, True, True)
+    want = run_penalize(tree, logits, seen, counts, setting, DEV, fn=reference.penalize_logits)
+    parent, token = tree.parent.clone(), tree.token.clone()
+    leaves = [i for i in range(9) if (tree.parent[1] == i).sum() == 0 and i > 0]
+    parent[0, 0] = 5  # the root's parent: later than the root
+    token[1, leaves[0]] = -3
+    token[1, leaves[-1]] = 10**9
+    got = run_penalize(tree._replace(parent=parent, token=token), logits, seen, counts, setting, DEV)
+    torch.cuda.synchronize()
+    row_ok = [i for i in range(9) if i not in leaves[:1] + leaves[-1:]]
+    assert_bits_equal(got[0], want[0], "the root's parent ignored")
+    assert_bits_equal(got[1, row_ok], want[1, row_ok], "nodes off the bad tokens' paths")
+    assert torch.isfinite(got).all()
 
 
 # ---- walk --------------------------------------------------------------------------------------
@@ -2164,6 +2256,11 @@ def test_all_ops_small():
     assert_fields_equal(run_walk_greedy(tree, target, 5, DEV), run_walk_greedy(tree, target, 5, "cpu"), "walk")
     logits = argmax_rows(3, 1000, torch.float32, gen, specials=True)
     assert torch.equal(ops.row_argmax(logits.to(DEV)).cpu(), ops.row_argmax(logits))
+    for vocab in (301, 300):  # one-element and 4-element paths
+        ptree, plogits, pseen, pcounts = penalty_case(2, 13, vocab, gen, torch.bfloat16)
+        setting = PENALTY_SETTINGS[vocab % 2 + 2]
+        assert_bits_equal(run_penalize(ptree, plogits, pseen, pcounts, setting, DEV),
+                          run_penalize(ptree, plogits, pseen, pcounts, setting, DEV, fn=reference.penalize_logits))
     stree, slogits = sample_case(2, 13, 500, gen)
     uniform = torch.rand(2, 5, generator=gen)
     for kw in (dict(temperature=0.8, top_k=8, top_p=0.9), dict(temperature=1.0), dict(temperature=0.8, top_p=0.9),
