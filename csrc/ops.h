@@ -137,7 +137,8 @@ void check_penalize_logits(const at::Tensor& logits, const at::Tensor& node_toke
                            double repetition_penalty, double presence_penalty, double frequency_penalty,
                            int64_t max_depth, const at::Tensor& out);
 // The tables' rows and the float32 penalties of a checked call; by_reciprocal: positive logits are multiplied by
-// float32(1 / float32(r)) instead of divided by r, as torch's CUDA division by a Python number does.
+// float32(1 / r) (the reciprocal taken in double) instead of divided by float32(r), as torch's CUDA division by a
+// Python number does.
 Penalties make_penalties(const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
                          double repetition_penalty, double presence_penalty, double frequency_penalty,
                          bool by_reciprocal);

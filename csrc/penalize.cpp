@@ -88,7 +88,7 @@ Penalties make_penalties(const c10::optional<at::Tensor>& seen, const c10::optio
   p.count_stride = counts.has_value() ? counts->stride(0) : 0;
   p.repetition = static_cast<float>(repetition_penalty);
   p.divide = !by_reciprocal;
-  p.divisor = by_reciprocal ? 1.0f / p.repetition : p.repetition;
+  p.divisor = by_reciprocal ? static_cast<float>(1.0 / repetition_penalty) : p.repetition;
   p.presence = static_cast<float>(presence_penalty);
   p.frequency = static_cast<float>(frequency_penalty);
   return p;

@@ -130,9 +130,10 @@ bool aligned_rows(const void* p, int64_t rows, int64_t stride, int64_t element_b
 
 }  // namespace
 
-// On CUDA, torch divides a float32 tensor by a Python number as a multiplication by float32(1 / float32(r))
-// (div_true_kernel_cuda with a CPU scalar), so positive logits are multiplied by that: HF's repetition penalty
-// runs through that path, and the result must equal what its processor gives bit for bit.
+// On CUDA, torch divides a float32 tensor by a Python number r as a multiplication by float32(1 / r), the reciprocal
+// taken in double (div_true_kernel_cuda with a CPU scalar; for r = 1.1 that is not 1 / float32(r)), so positive
+// logits are multiplied by that: HF's repetition penalty runs through that path, and the result must equal what its
+// processor gives bit for bit (checked against torch on the GPU by tests/test_cuda.py).
 void penalize_logits_cuda(const at::Tensor& logits, const at::Tensor& node_token, const at::Tensor& parent,
                           const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
                           double repetition_penalty, double presence_penalty, double frequency_penalty,

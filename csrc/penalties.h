@@ -15,7 +15,7 @@ struct Penalties {
   const float* counts;  // how often each token was generated so far; null: no presence or frequency penalty
   int64_t count_stride;
   float repetition;     // float32(repetition_penalty), the factor for negative logits
-  float divisor;        // positive logits: x / divisor where `divide`, else x * divisor (= float32(1 / repetition))
+  float divisor;        // positive logits: x / divisor where `divide`, else x * divisor (= float32(1 / r), in double)
   bool divide;
   float presence;       // float32(presence_penalty)
   float frequency;      // float32(frequency_penalty)

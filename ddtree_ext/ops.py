@@ -770,7 +770,8 @@ def penalize_logits(
     c = counts[b, t] + t's occurrences on i's path, all in float32:
 
     * repetition (HF's ``RepetitionPenaltyLogitsProcessor``), where s: x * r if x < 0 else x / r, the division as
-      torch divides a float32 tensor by a Python number on the device (on CUDA: x * float32(1 / r));
+      torch divides a float32 tensor by a Python number on the device (on CUDA: x * float32(1 / r), the reciprocal
+      taken in double);
     * then (vLLM's order) x - frequency_penalty * c, then x - presence_penalty where c > 0.
 
     Bit for bit what those torch operations give on the same device. repetition_penalty must be finite and > 0,

@@ -597,9 +597,10 @@ def test_tree_gated_delta_rule_chain_matches_fla(kernel):
 
 # ---- penalize ------------------------------------------------------------------------------------
 
-# (repetition_penalty, presence_penalty, frequency_penalty, seen given, counts given)
-PENALTY_SETTINGS = [(1.3, 0.0, 0.0, True, False), (1.0, 0.5, 0.2, False, True), (0.7, -1.5, 0.3, True, True),
-                    (1.2, 2.0, -2.0, True, True)]
+# (repetition_penalty, presence_penalty, frequency_penalty, seen given, counts given). For 1.1 and 1.05 the float32
+# reciprocal of float32(r) is not float32(1 / r): torch's CUDA division by a Python number takes the latter.
+PENALTY_SETTINGS = [(1.1, 0.0, 0.0, True, False), (1.0, 0.5, 0.2, False, True), (0.7, -1.5, 0.3, True, True),
+                    (1.05, 2.0, -2.0, True, True), (1.3, 0.4, 0.1, True, True)]
 
 
 def run_penalize(tree, logits, seen, counts, setting, device, max_depth=None, fn=None):

@@ -15,6 +15,7 @@ from ddtree_ext._loader import load_ops
 
 # (repetition_penalty, presence_penalty, frequency_penalty, which tables): negative penalties too (a reward).
 SETTINGS = [
+    (1.1, 0.0, 0.0, "seen"),
     (1.3, 0.0, 0.0, "seen"),
     (1.0, 0.5, 0.2, "counts"),
     (0.7, -1.5, 0.3, "both"),
