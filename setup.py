@@ -72,7 +72,9 @@ def make_extension():
     use_cuda = want_cuda(torch.version.cuda is not None, CUDA_HOME)
     define = [("DDTREE_VERSION", f'"{VERSION}"')]
     # at::parallel_for is inline OpenMP in torch's headers: without -fopenmp the CPU ops run on one thread.
-    cxx_flags = ["-O3", "-fopenmp"]
+    # -ffp-contract=off: GCC's default fuses a product and a sum into one FMA where the target has one (aarch64,
+    # -march=native), a rounding torch's separate operations don't have (the penalties must match them bit for bit).
+    cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
     link_flags = ["-fopenmp"]
     include_dirs = [str(ROOT / "csrc")]
     if use_cuda:

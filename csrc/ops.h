@@ -234,14 +234,14 @@ void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         double scale, at::Tensor& out, int64_t num_splits);
 void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
                     const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta);
-void row_argmax_cuda(const at::Tensor& x, at::Tensor& out);
-void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
-                      const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
-                      at::Tensor& next_token);
 void penalize_logits_cuda(const at::Tensor& logits, const at::Tensor& node_token, const at::Tensor& parent,
                           const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
                           double repetition_penalty, double presence_penalty, double frequency_penalty,
                           int64_t max_depth, at::Tensor& out);
+void row_argmax_cuda(const at::Tensor& x, at::Tensor& out);
+void walk_greedy_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
+                      const at::Tensor& target_token, at::Tensor& accepted, at::Tensor& accept_len,
+                      at::Tensor& next_token);
 void walk_sample_cuda(const at::Tensor& node_token, const at::Tensor& first_child, const at::Tensor& next_sibling,
                       const at::Tensor& logits, const at::Tensor& uniform, double temperature, int64_t top_k,
                       double top_p, double min_p, at::Tensor& accepted, at::Tensor& accept_len,

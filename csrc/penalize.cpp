@@ -5,6 +5,7 @@
 // checks (tree links, path tokens) before writing.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -158,6 +159,7 @@ void penalize_logits_cpu(const at::Tensor& logits, const at::Tensor& node_token,
         for (int64_t v = 0; v < vocab; ++v) {
           yr[v] = apply_penalties(static_cast<float>(xr[v]), sr && sr[v], cr ? cr[v] : 0.0f, penalties);
         }
+        if (penalties.seen == nullptr && penalties.counts == nullptr) continue;  // nothing to redo
         // The path's tokens again, from the node's own counts: present, and counted once more per occurrence.
         path_nodes(parents + b * num_nodes, i, limit, node_path);
         const int64_t* tr = token + b * num_nodes;

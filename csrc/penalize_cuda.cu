@@ -81,16 +81,16 @@ __global__ void __launch_bounds__(kRowThreads) penalize_rows_kernel(
   }
 }
 
-// One warp per node (b, i): lane 0 collects the node's path below the root (nearest first, at most `limit` nodes)
-// into shared memory; each lane then takes path entries and rewrites out[b, i, t] for the first occurrence of each
-// token t. Invalid parents end the path (cuda::checked_parent); tokens outside [0, V) are skipped.
+// One warp per node (b, i): lane 0 collects the tokens of the node's path below the root (nearest first, at most
+// `limit` nodes) into shared memory, after their count; each lane then takes path entries and rewrites out[b, i, t]
+// for the first occurrence of each token t. An invalid parent makes its node a root (cuda::checked_parent: its own
+// token is not counted); tokens outside [0, V) are stored as -1 and skipped.
 template <typename T>
 __global__ void __launch_bounds__(kWarp) penalize_paths_kernel(
     const T* __restrict__ logits, int64_t logit_batch_stride, int64_t logit_node_stride,
     const int64_t* __restrict__ node_token, const int32_t* __restrict__ parent, int64_t num_nodes, int64_t vocab,
     int limit, Penalties penalties, float* __restrict__ out) {
-  extern __shared__ int64_t path_token[];
-  __shared__ int path_len;
+  extern __shared__ int32_t path[];  // [0]: the path's length; [1 + k]: its k-th token
   cuda::allow_dependent_launch();
   cuda::wait_for_preceding_grid();  // the rows kernel ahead has written every row
   const int64_t row = blockIdx.x, b = row / num_nodes, i = row % num_nodes;
@@ -100,23 +100,25 @@ __global__ void __launch_bounds__(kWarp) penalize_paths_kernel(
     int len = 0;
     for (int64_t node = i; len < limit;) {
       const int p = cuda::checked_parent(par[node], static_cast<int>(node));
-      if (p < 0) break;  // node is the root (or its parent is invalid): not on the path
-      path_token[len++] = token[node];
+      if (p < 0) break;  // node is the root: not on the path
+      const int64_t t = token[node];
+      path[1 + len++] = t >= 0 && t < vocab ? static_cast<int32_t>(t) : -1;
       node = p;
     }
-    path_len = len;
+    path[0] = len;
   }
   __syncthreads();
-  const int len = path_len;
+  const int len = path[0];
+  const int32_t* tokens = path + 1;
   const T* x = logits + b * logit_batch_stride + i * logit_node_stride;
   for (int k = threadIdx.x; k < len; k += kWarp) {
-    const int64_t t = path_token[k];
-    if (t < 0 || t >= vocab) continue;
+    const int32_t t = tokens[k];
+    if (t < 0) continue;
     bool first = true;
-    for (int j = 0; j < k && first; ++j) first = path_token[j] != t;
+    for (int j = 0; j < k && first; ++j) first = tokens[j] != t;
     if (!first) continue;
     float occurrences = 0.0f;
-    for (int j = k; j < len; ++j) occurrences += path_token[j] == t ? 1.0f : 0.0f;
+    for (int j = k; j < len; ++j) occurrences += tokens[j] == t ? 1.0f : 0.0f;
     const float count = penalties.counts != nullptr ? penalties.counts[b * penalties.count_stride + t] : 0.0f;
     // float32 count + occurrences, as the torch composition adds them, before the penalties' arithmetic.
     out[row * vocab + t] = apply_penalties(cuda::to_float(x[t]), true, __fadd_rn(count, occurrences), penalties);
@@ -148,9 +150,11 @@ void penalize_logits_cuda(const at::Tensor& logits, const at::Tensor& node_token
   DDTREE_CHECK(op, rows <= std::numeric_limits<int32_t>::max(), "logits must have fewer than 2^31 node rows, got ",
                rows);
   const int64_t limit = std::min(max_depth - 1, num_nodes - 1);
-  const size_t smem = static_cast<size_t>(std::max<int64_t>(limit, 1)) * sizeof(int64_t);
-  DDTREE_CHECK(op, smem <= cuda::max_dynamic_smem(), "paths of up to ", limit,
-               " nodes need more shared memory than this GPU offers (pass a smaller max_depth)");
+  // The paths kernel's only shared memory: the path's length and tokens, int32 (checked before any launch).
+  const size_t smem = static_cast<size_t>(limit + 1) * sizeof(int32_t);
+  DDTREE_CHECK(op, smem <= cuda::max_dynamic_smem(), "max_depth must keep paths within this GPU's shared memory (",
+               cuda::max_dynamic_smem() / sizeof(int32_t) - 1, " nodes), got paths of up to ", limit,
+               " nodes (max_depth ", max_depth, ", ", num_nodes, " nodes a tree)");
   const Penalties penalties = make_penalties(seen, counts, repetition_penalty, presence_penalty, frequency_penalty,
                                              /*by_reciprocal=*/true);
   DDTREE_CUDA_DISPATCH_FLOAT(logits.scalar_type(), op, [&] {
@@ -169,7 +173,7 @@ void penalize_logits_cuda(const at::Tensor& logits, const at::Tensor& node_token
     cuda::launch_programmatic(rows_kernel, grid, dim3(kRowThreads), 0, x, logits.stride(0), logits.stride(1),
                               num_nodes, rows, vocab, penalties, y);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (limit > 0) {
+    if (limit > 0 && (penalties.seen != nullptr || penalties.counts != nullptr)) {  // else nothing to redo
       cuda::allow_dynamic_smem(penalize_paths_kernel<scalar_t>, smem);
       cuda::launch_programmatic(penalize_paths_kernel<scalar_t>, dim3(static_cast<unsigned>(rows)), dim3(kWarp), smem,
                                 x, logits.stride(0), logits.stride(1), node_token.data_ptr<int64_t>(),

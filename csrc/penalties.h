@@ -23,9 +23,9 @@ struct Penalties {
 
 // HF's repetition penalty (a token in the sequence: x * r where x < 0, x / r otherwise), then vLLM's frequency and
 // presence penalties (x - f * count, then x - p where count > 0), one float32 operation at a time as the torch ops
-// round them: __fmul_rn/__fsub_rn on the GPU keep nvcc from fusing a product and a difference into one FMA, whose
-// single rounding the torch ops don't have. `divide` picks how torch divides a float32 tensor by a Python number on
-// the op's device (see penalize.cpp).
+// round them: no product and difference fused into one FMA, whose single rounding the torch ops don't have
+// (__fmul_rn/__fsub_rn on the GPU; on the host the build passes -ffp-contract=off). `divide` picks how torch divides
+// a float32 tensor by a Python number on the op's device (see make_penalties).
 DDTREE_HOST_DEVICE inline float apply_penalties(float x, bool seen, float count, const Penalties& s) {
 #if defined(__CUDA_ARCH__)
   if (s.seen != nullptr && seen) x = x < 0.0f ? __fmul_rn(x, s.repetition) : s.divide ? __fdiv_rn(x, s.divisor)

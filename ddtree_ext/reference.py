@@ -369,6 +369,10 @@ def penalty_rule(x: torch.Tensor, seen, counts, repetition_penalty: float, prese
 
 def penalize_logits(tree: Tree, logits: torch.Tensor, *, seen=None, counts=None, repetition_penalty: float = 1.0,
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, max_depth=None) -> torch.Tensor:
+    """Every node's row by :func:`penalty_rule` over the tables, then each token on the node's path (its nearest
+    ``max_depth - 1`` nodes below the root) again with the node's own presence and count."""
+    if max_depth is not None and max_depth < 1:
+        raise ValueError(f"penalize_logits: max_depth must be >= 1, got {max_depth}")
     settings = (repetition_penalty, presence_penalty, frequency_penalty)
     batch, n, _ = logits.shape
     limit = min((n if max_depth is None else max_depth) - 1, n - 1)

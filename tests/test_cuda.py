@@ -635,6 +635,8 @@ def test_penalize_logits(dtype, vocab, setting):
     wide[:, ::2, 1:] = logits.to(DEV)
     sink = lambda t: torch.cat([t, t[:, :1]], 1).to(DEV)[:, :vocab]  # noqa: E731
     assert_bits_equal(run_penalize(tree, wide[:, ::2, 1:], sink(seen), sink(counts), setting, DEV), want, "views")
+    shifted = lambda t: torch.cat([t[:, :1], t], 1).to(DEV)[:, 1:]  # noqa: E731  (rows one element off 16 bytes)
+    assert_bits_equal(run_penalize(tree, logits, shifted(seen), shifted(counts), setting, DEV), want, "shifted tables")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -667,24 +669,58 @@ def test_penalize_logits_real_shape_and_graph_replay(dtype):
         assert_bits_equal(out, run_penalize(*args, max_depth=17, fn=reference.penalize_logits), "replay")
 
 
+def test_penalize_logits_more_rows_than_a_grid_dimension():
+    """B * N > 65535 node rows (the rows kernel loops over grid.y): the CPU op's values (a penalty of 2, whose
+    reciprocal is exact, so both devices' divisions agree)."""
+    gen = make_gen(8)
+    tree, logits, seen, counts = penalty_case(260, 257, 8, gen, torch.bfloat16)
+    setting = (2.0, 0.5, 0.25, True, True)
+    assert_bits_equal(run_penalize(tree, logits, seen, counts, setting, DEV, max_depth=5).cpu(),
+                      run_penalize(tree, logits, seen, counts, setting, "cpu", max_depth=5))
+
+
+def test_penalize_logits_bad_input_writes_nothing():
+    """A table on another device, and paths longer than shared memory holds: a ValueError before any launch."""
+    gen = make_gen(3)
+    tree, logits, seen, counts = to(penalty_case(2, 9, 12, gen), DEV)
+    out = poison(torch.empty(logits.shape, device=DEV))
+    before = out.clone()
+    with pytest.raises(ValueError, match="penalize_logits: seen must be on cuda"):
+        ops.penalize_logits(tree, logits, seen=seen.cpu(), counts=counts, out=out)
+    n = 70000  # max_depth = N: paths of up to 69999 nodes, more int32 than a block's shared memory
+    big = Tree(torch.zeros(1, n, dtype=torch.int64, device=DEV), torch.full((1, n), -1, dtype=torch.int32, device=DEV),
+               *[None] * 6)  # the op reads the tokens and parents only
+    big_out = poison(torch.empty(1, n, 4, device=DEV))
+    big_before = big_out.clone()
+    with pytest.raises(ValueError, match="penalize_logits: max_depth must keep paths within"):
+        ops.penalize_logits(big, torch.zeros(1, n, 4, device=DEV), counts=torch.zeros(1, 4, device=DEV), out=big_out)
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int32), before.view(torch.int32))
+    assert torch.equal(big_out.view(torch.int32), big_before.view(torch.int32))
+
+
 def test_penalize_logits_garbage_trees_stay_in_bounds():
     """Parents that are not topological and tokens outside [0, V) (the CPU op refuses them; CUDA cannot read them
-    back): an invalid parent ends the path, an out-of-range token is skipped, nothing is read or written out of
-    bounds, and a node whose path is valid gets its penalties right."""
+    back): a node with an invalid parent counts as a root, an out-of-range token is skipped, nothing is read or
+    written out of bounds, and a node whose path is valid gets its penalties right."""
     gen = make_gen(5)
     tree, logits, seen, counts = penalty_case(2, 9, 20, gen)
     setting = (1.3, 0.5, 0.25, True, True)
     want = run_penalize(tree, logits, seen, counts, setting, DEV, fn=reference.penalize_logits)
+    tables_only = run_penalize(tree, logits, seen, counts, setting, DEV, max_depth=1, fn=reference.penalize_logits)
     parent, token = tree.parent.clone(), tree.token.clone()
-    leaves = [i for i in range(9) if (tree.parent[1] == i).sum() == 0 and i > 0]
+    leaves = [[i for i in range(1, 9) if (tree.parent[b] == i).sum() == 0] for b in range(2)]
     parent[0, 0] = 5  # the root's parent: later than the root
-    token[1, leaves[0]] = -3
-    token[1, leaves[-1]] = 10**9
+    parent[0, leaves[0][-1]] = leaves[0][-1]  # a leaf its own parent: a root, its path empty
+    token[1, leaves[1][0]] = -3
+    token[1, leaves[1][-1]] = 10**9
     got = run_penalize(tree._replace(parent=parent, token=token), logits, seen, counts, setting, DEV)
     torch.cuda.synchronize()
-    row_ok = [i for i in range(9) if i not in leaves[:1] + leaves[-1:]]
-    assert_bits_equal(got[0], want[0], "the root's parent ignored")
-    assert_bits_equal(got[1, row_ok], want[1, row_ok], "nodes off the bad tokens' paths")
+    rows_ok = [i for i in range(9) if i != leaves[0][-1]]
+    assert_bits_equal(got[0, rows_ok], want[0, rows_ok], "the root's parent ignored")
+    assert_bits_equal(got[0, leaves[0][-1]], tables_only[0, leaves[0][-1]], "a leaf that is its own parent")
+    rows_ok = [i for i in range(9) if i not in (leaves[1][0], leaves[1][-1])]
+    assert_bits_equal(got[1, rows_ok], want[1, rows_ok], "nodes off the bad tokens' paths")
     assert torch.isfinite(got).all()
 
 

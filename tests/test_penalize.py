@@ -96,6 +96,24 @@ def test_penalize_paths_by_hand():
     assert rep[0, :, 4].tolist() == [-1.0, -2.0, -2.0, -2.0, -2.0] and (rep[0, :, 5] == -1.0).all()
 
 
+def test_penalize_edge_shapes():
+    """max_depth past N (whole paths), a root-only tree, an empty batch, and a repetition penalty of 1 (the identity)
+    with tables: the reference's results."""
+    gen = torch.Generator().manual_seed(9)
+    tree, logits, seen, counts = penalty_case(2, 9, 12, gen)
+    kw = dict(seen=seen, counts=counts, repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.2)
+    assert torch.equal(ops.penalize_logits(tree, logits, max_depth=100, **kw), ops.penalize_logits(tree, logits, **kw))
+    assert torch.equal(ops.penalize_logits(tree, logits, max_depth=100, **kw),
+                       ref.penalize_logits(tree, logits, max_depth=100, **kw))
+    root = ref.tree_from_parents(torch.full((2, 1), -1, dtype=torch.int32), torch.tensor([[3], [5]]),
+                                 torch.zeros(2, dtype=torch.int64))
+    assert torch.equal(ops.penalize_logits(root, logits[:, :1], **kw), ref.penalize_logits(root, logits[:, :1], **kw))
+    empty = ref.tree_from_parents(torch.zeros(0, 9, dtype=torch.int32), torch.zeros(0, 9, dtype=torch.int64),
+                                  torch.zeros(0, dtype=torch.int64))
+    assert ops.penalize_logits(empty, logits[:0], **{**kw, "seen": seen[:0], "counts": counts[:0]}).shape == (0, 9, 12)
+    assert torch.equal(ops.penalize_logits(tree, logits, seen=seen, repetition_penalty=1.0), logits)
+
+
 def test_penalize_without_tables_upcasts():
     gen = torch.Generator().manual_seed(1)
     tree, logits, _, _ = penalty_case(2, 9, 11, gen, torch.bfloat16)
