@@ -733,6 +733,24 @@ def test_sampling_reproducible_and_identical_across_methods(name):
     assert not torch.equal(generate(target, draft, ids, 120), ref)  # sampling is not the greedy output
 
 
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_sampling_with_penalties_identical_across_methods(name):
+    """The penalties as well: every node of a tree is penalised over its own path, so the token a DDTree or DFlash
+    round draws at position p is the one autoregressive sampling draws there with the p-th uniform, over 200 tokens
+    (the counts carried across many rounds)."""
+    target, draft = pair(AGREEING, name)
+    ids = pair_prompt(AGREEING, name, 23)
+    kw = dict(temperature=0.3, top_k=40, seed=4, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)
+    ref = generate(target, draft, ids, 200, method="autoregressive", **kw)
+    assert not torch.equal(ref, generate(target, draft, ids, 200, method="autoregressive", temperature=0.3, top_k=40,
+                                         seed=4))  # the penalties change the output
+    for method, budget in [("dflash", 64), ("ddtree", 64)]:
+        out, stats = generate(target, draft, ids, 200, method=method, tree_budget=budget, return_stats=True, **kw)
+        assert_same_tokens(out, ref)
+        # Tokens drawn below the root (their nodes penalised over their paths) in many rounds.
+        assert sum(length >= 2 for length in stats.accept_lengths) >= 10, stats.accept_lengths
+
+
 def exact_joint(target, ids: torch.Tensor, steps: int, repetition_penalty=None, presence_penalty=0.0,
                 frequency_penalty=0.0, **processing) -> dict:
     """P(first ``steps`` new tokens) under the processed target distribution: {token tuple: prob}. The penalties go
