@@ -67,6 +67,16 @@ void check_penalize_logits(const at::Tensor& logits, const at::Tensor& node_toke
                "presence_penalty must be finite in float32, got ", presence_penalty);
   DDTREE_CHECK(op, std::isfinite(static_cast<float>(frequency_penalty)),
                "frequency_penalty must be finite in float32, got ", frequency_penalty);
+  // A penalty without the table it reads would be silently ignored.
+  DDTREE_CHECK(op, seen_table.has_value() || repetition_penalty == 1.0,
+               "repetition_penalty needs seen (the tokens in the sequence so far), got ", repetition_penalty,
+               " without it");
+  DDTREE_CHECK(op, count_table.has_value() || presence_penalty == 0.0,
+               "presence_penalty needs counts (how often each token was generated), got ", presence_penalty,
+               " without it");
+  DDTREE_CHECK(op, count_table.has_value() || frequency_penalty == 0.0,
+               "frequency_penalty needs counts (how often each token was generated), got ", frequency_penalty,
+               " without it");
   DDTREE_CHECK(op, max_depth >= 1, "max_depth must be >= 1 (the longest path counted, root included), got ",
                max_depth);
   DDTREE_CHECK_DTYPE(op, out, at::kFloat);

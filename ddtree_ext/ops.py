@@ -763,9 +763,9 @@ def penalize_logits(
     the nodes on its path below the root (the node itself included, the root not: it was counted already).
 
     logits [B, N, V] (float32, float16 or bfloat16, last dim contiguous) -> out [B, N, V] float32 (contiguous; must
-    not overlap the inputs). seen [B, V] bool: the tokens in the sequence so far (None: no repetition penalty);
-    counts [B, V] float32: how often each token was generated so far (None: no presence or frequency penalty); both
-    with a contiguous last dim. max_depth (default N): the longest path counted, root included; a node's path is cut
+    not overlap the inputs). seen [B, V] bool: the tokens in the sequence so far (None: no repetition penalty, which
+    must then be 1); counts [B, V] float32: how often each token was generated so far (None: no presence or frequency
+    penalty, which must then be 0); both with a contiguous last dim. max_depth (default N): the longest path counted, root included; a node's path is cut
     to its max_depth - 1 nearest nodes. For node i and token t, with s = seen[b, t] or t on i's path and
     c = counts[b, t] + t's occurrences on i's path, all in float32:
 

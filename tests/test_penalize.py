@@ -20,7 +20,7 @@ SETTINGS = [
     (1.0, 0.5, 0.2, "counts"),
     (0.7, -1.5, 0.3, "both"),
     (1.2, 2.0, -2.0, "both"),
-    (1.1, 0.4, 0.1, "neither"),
+    (1.0, 0.0, 0.0, "neither"),
 ]
 
 
@@ -117,7 +117,7 @@ def test_penalize_edge_shapes():
 def test_penalize_without_tables_upcasts():
     gen = torch.Generator().manual_seed(1)
     tree, logits, _, _ = penalty_case(2, 9, 11, gen, torch.bfloat16)
-    assert torch.equal(ops.penalize_logits(tree, logits, repetition_penalty=3.0, presence_penalty=1.0), logits.float())
+    assert torch.equal(ops.penalize_logits(tree, logits), logits.float())
 
 
 def test_penalize_views_and_out():
@@ -187,6 +187,11 @@ PENALIZE_BAD = {  # name: (the argument the error names, change of (tree, keywor
     "presence_inf": ("presence_penalty", lambda t, kw: (t, {**kw, "presence_penalty": float("inf")})),
     "frequency_overflow": ("frequency_penalty", lambda t, kw: (t, {**kw, "frequency_penalty": 1e39})),
     "max_depth": ("max_depth", lambda t, kw: (t, {**kw, "max_depth": 0})),
+    "repetition_without_seen": ("repetition_penalty needs seen", lambda t, kw: (t, {**kw, "seen": None})),
+    "presence_without_counts": ("presence_penalty needs counts",
+                                lambda t, kw: (t, {**kw, "counts": None, "frequency_penalty": 0.0})),
+    "frequency_without_counts": ("frequency_penalty needs counts",
+                                 lambda t, kw: (t, {**kw, "counts": None, "presence_penalty": 0.0})),
 }
 
 
