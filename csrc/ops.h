@@ -40,6 +40,11 @@ void check_tree_attention_mask(const at::Tensor& ancestor_mask, const at::Tensor
 void tree_attention_mask_cpu(const at::Tensor& ancestor_mask, const at::Tensor& prefix_len, at::Tensor& mask);
 
 // ---- verify: GDN layers on a tree ------------------------------------------------------------
+// Values of parent [B, N] int32: every row a tree in topological order, -1 at the root (node 0) and
+// 0 <= parent[i] < i elsewhere. Reads the data, so only the CPU implementations call it (the check_* functions are
+// metadata-only).
+void check_parent_values(const char* op, const at::Tensor& parent);
+
 void check_tree_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                        const at::Tensor& conv_state, const at::Tensor& parent, const at::Tensor& out,
                        const char* op = "tree_conv1d");
@@ -136,12 +141,9 @@ void check_penalize_logits(const at::Tensor& logits, const at::Tensor& node_toke
                            const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
                            double repetition_penalty, double presence_penalty, double frequency_penalty,
                            int64_t max_depth, const at::Tensor& out);
-// The tables' rows and the float32 penalties of a checked call; by_reciprocal: positive logits are multiplied by
-// float32(1 / r) (the reciprocal taken in double) instead of divided by float32(r), as torch's CUDA division by a
-// Python number does.
+// The tables' rows and the float32 penalties of a checked call (penalties.h).
 Penalties make_penalties(const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
-                         double repetition_penalty, double presence_penalty, double frequency_penalty,
-                         bool by_reciprocal);
+                         double repetition_penalty, double presence_penalty, double frequency_penalty);
 void penalize_logits_cpu(const at::Tensor& logits, const at::Tensor& node_token, const at::Tensor& parent,
                          const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
                          double repetition_penalty, double presence_penalty, double frequency_penalty,

@@ -90,35 +90,20 @@ void check_penalize_logits(const at::Tensor& logits, const at::Tensor& node_toke
 }
 
 Penalties make_penalties(const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
-                         double repetition_penalty, double presence_penalty, double frequency_penalty,
-                         bool by_reciprocal) {
+                         double repetition_penalty, double presence_penalty, double frequency_penalty) {
   Penalties p;
   p.seen = seen.has_value() ? seen->data_ptr<bool>() : nullptr;
   p.seen_stride = seen.has_value() ? seen->stride(0) : 0;
   p.counts = counts.has_value() ? counts->data_ptr<float>() : nullptr;
   p.count_stride = counts.has_value() ? counts->stride(0) : 0;
   p.repetition = static_cast<float>(repetition_penalty);
-  p.divide = !by_reciprocal;
-  p.divisor = by_reciprocal ? static_cast<float>(1.0 / repetition_penalty) : p.repetition;
+  p.reciprocal = static_cast<float>(1.0 / repetition_penalty);
   p.presence = static_cast<float>(presence_penalty);
   p.frequency = static_cast<float>(frequency_penalty);
   return p;
 }
 
 namespace {
-
-// parent[b, i] must be -1 (the root) or an earlier node: a node's path then climbs strictly decreasing indices.
-void check_parents_cpu(const at::Tensor& parent) {
-  const int64_t batch = parent.size(0), num_nodes = parent.size(1);
-  const int32_t* data = parent.data_ptr<int32_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t i = 0; i < num_nodes; ++i) {
-      const int64_t p = data[b * num_nodes + i];
-      DDTREE_CHECK("penalize_logits", p == -1 || (p >= 0 && p < i), "parent[", b, ", ", i,
-                   "] must be -1 or a node index in [0, ", i, "), got ", p);
-    }
-  }
-}
 
 // The nodes of node i's path below the root, nearest first, at most `limit` of them.
 void path_nodes(const int32_t* parent, int64_t i, int64_t limit, std::vector<int64_t>& path) {
@@ -130,14 +115,13 @@ void path_nodes(const int32_t* parent, int64_t i, int64_t limit, std::vector<int
 
 }  // namespace
 
-// On the CPU, torch divides a float32 tensor by a Python number as it is written (x / float32(r)).
 void penalize_logits_cpu(const at::Tensor& logits, const at::Tensor& node_token, const at::Tensor& parent,
                          const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
                          double repetition_penalty, double presence_penalty, double frequency_penalty,
                          int64_t max_depth, at::Tensor& out) {
   check_penalize_logits(logits, node_token, parent, seen, counts, repetition_penalty, presence_penalty,
                         frequency_penalty, max_depth, out);
-  check_parents_cpu(parent);
+  check_parent_values("penalize_logits", parent);
   const int64_t batch = node_token.size(0), num_nodes = node_token.size(1), vocab = logits.size(2);
   const int64_t limit = std::min(max_depth - 1, num_nodes - 1);
   const int64_t* token = node_token.data_ptr<int64_t>();
@@ -153,8 +137,7 @@ void penalize_logits_cpu(const at::Tensor& logits, const at::Tensor& node_token,
       }
     }
   }
-  const Penalties penalties = make_penalties(seen, counts, repetition_penalty, presence_penalty, frequency_penalty,
-                                             /*by_reciprocal=*/false);
+  const Penalties penalties = make_penalties(seen, counts, repetition_penalty, presence_penalty, frequency_penalty);
   DDTREE_DISPATCH_FLOAT(logits.scalar_type(), "penalize_logits", [&] {
     const scalar_t* x = logits.data_ptr<scalar_t>();
     float* y = out.data_ptr<float>();

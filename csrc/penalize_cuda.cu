@@ -7,8 +7,8 @@
 //   * one warp per node redoes the few tokens on the node's own path below the root from the node's counts (present,
 //     counted once more per occurrence on the path), reading the original logits again. A token that occurs
 //     several times on a path is written once, by its nearest occurrence.
-// The earlier torch composition (masks over the tree's ancestor bits, a dozen full passes over [N, V] float32)
-// took 537 us for a budget-64 tree over Qwen3.6's vocabulary on an H100, 16x the bytes floor.
+// The torch composition it replaced (masks over the tree's ancestor bits, a dozen full passes over [N, V] float32)
+// was 12x slower: benchmarks/results/2026-12-06-h100-penalize-logits.md.
 
 #include <algorithm>
 #include <limits>
@@ -132,10 +132,6 @@ bool aligned_rows(const void* p, int64_t rows, int64_t stride, int64_t element_b
 
 }  // namespace
 
-// On CUDA, torch divides a float32 tensor by a Python number r as a multiplication by float32(1 / r), the reciprocal
-// taken in double (div_true_kernel_cuda with a CPU scalar; for r = 1.1 that is not 1 / float32(r)), so positive
-// logits are multiplied by that: HF's repetition penalty runs through that path, and the result must equal what its
-// processor gives bit for bit (checked against torch on the GPU by tests/test_cuda.py).
 void penalize_logits_cuda(const at::Tensor& logits, const at::Tensor& node_token, const at::Tensor& parent,
                           const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
                           double repetition_penalty, double presence_penalty, double frequency_penalty,
@@ -155,8 +151,7 @@ void penalize_logits_cuda(const at::Tensor& logits, const at::Tensor& node_token
   DDTREE_CHECK(op, smem <= cuda::max_dynamic_smem(), "max_depth must keep paths within this GPU's shared memory (",
                cuda::max_dynamic_smem() / sizeof(int32_t) - 1, " nodes), got paths of up to ", limit,
                " nodes (max_depth ", max_depth, ", ", num_nodes, " nodes a tree)");
-  const Penalties penalties = make_penalties(seen, counts, repetition_penalty, presence_penalty, frequency_penalty,
-                                             /*by_reciprocal=*/true);
+  const Penalties penalties = make_penalties(seen, counts, repetition_penalty, presence_penalty, frequency_penalty);
   DDTREE_CUDA_DISPATCH_FLOAT(logits.scalar_type(), op, [&] {
     const scalar_t* x = logits.data_ptr<scalar_t>();
     float* y = out.data_ptr<float>();

@@ -23,13 +23,7 @@
   } while (0)
 
 namespace ddtree {
-namespace {
 
-constexpr int64_t kMaxConvWidth = 4;
-constexpr float kL2NormEps = 1e-6f;  // inside the sqrt, as in fla and Hugging Face
-
-// Values of parent: every row a tree in topological order, -1 at the root and 0 <= parent[i] < i elsewhere.
-// Reads the data, so only the CPU implementations call it (the check_* functions are metadata-only).
 void check_parent_values(const char* op, const at::Tensor& parent) {
   const int64_t bsz = parent.size(0), n = parent.size(1);
   const int32_t* p = parent.data_ptr<int32_t>();
@@ -44,6 +38,11 @@ void check_parent_values(const char* op, const at::Tensor& parent) {
     }
   }
 }
+
+namespace {
+
+constexpr int64_t kMaxConvWidth = 4;
+constexpr float kL2NormEps = 1e-6f;  // inside the sqrt, as in fla and Hugging Face
 
 // Grain for at::parallel_for over tasks of about `work_per_task` multiply-adds each: tiny problems stay on the
 // calling thread, where the fork would cost more than the work.

@@ -480,14 +480,15 @@ class _Acceptor:
         self.top_k = int(top_k or 0)
         self.top_p = 1.0 if top_p is None else float(top_p)
         self.min_p = float(min_p or 0.0)
-        self.repetition = None if repetition_penalty in (None, 1.0) else float(repetition_penalty)
+        self.repetition = 1.0 if repetition_penalty is None else float(repetition_penalty)  # 1: off
         self.presence = float(presence_penalty or 0.0)
         self.frequency = float(frequency_penalty or 0.0)
         # Column V of both is a sink for padding. seen [1, V + 1] bool: the tokens of the sequence so far (the
         # repetition penalty's); generated [1, V + 1] float32: how often each token was generated (the presence and
         # frequency penalties count generated tokens only, as vLLM and OpenAI do).
         self.seen = self.generated = None
-        if self.repetition is not None:
+        self.sink = vocab_size  # the padding column's index
+        if self.repetition != 1.0:
             self.seen = torch.zeros(1, vocab_size + 1, dtype=torch.bool, device=device)
             self.seen.scatter_(1, prompt.to(device), True)
         if self.presence or self.frequency:
@@ -518,16 +519,15 @@ class _Acceptor:
         return ops.penalize_logits(
             tree, logits, seen=None if self.seen is None else self.seen[:, :vocab],
             counts=None if self.generated is None else self.generated[:, :vocab],
-            repetition_penalty=1.0 if self.repetition is None else self.repetition,
+            repetition_penalty=self.repetition,
             presence_penalty=self.presence, frequency_penalty=self.frequency, max_depth=max_depth)
 
     def _record(self, tree: ops.Tree, walk: ops.Walk) -> None:
         """Counts the walk's tokens: its path below the root, then the next token (the root was counted before)."""
         if not self.penalized:
             return
-        sink = self.seen.shape[1] - 1 if self.seen is not None else self.generated.shape[1] - 1
         path = tree.token.gather(1, walk.accepted.clamp(min=0).long())
-        below_root = torch.where(walk.accepted[:, 1:] >= 0, path[:, 1:], sink)
+        below_root = torch.where(walk.accepted[:, 1:] >= 0, path[:, 1:], self.sink)
         new = torch.cat([below_root, walk.next_token[:, None]], 1)
         if self.seen is not None:
             self.seen.scatter_(1, new, True)

@@ -776,10 +776,10 @@ def penalize_logits(
 
     Bit for bit what those torch operations give on the same device. The tree's token [B, N] int64 and parent
     [B, N] int32 (contiguous) are read. repetition_penalty must be finite and > 0, the other two finite. On the CPU,
-    parents must be -1 (the root) or an earlier node and path tokens in [0, V); on CUDA (no host reads) a node with
-    an invalid parent counts as a root (neither it nor its ancestors are on paths through it) and an out-of-range
-    token is skipped. On CUDA a path is held in shared memory as int32: max_depth (or N) up to about 58000 on
-    Hopper (227 KB a block); beyond, a ValueError.
+    parent[b, 0] must be -1 (the root) and every other parent an earlier node, and path tokens in [0, V); on CUDA
+    (no host reads) a node with an invalid parent counts as a root (neither it nor its ancestors are on paths
+    through it) and an out-of-range token is skipped. On CUDA a path is held in shared memory as int32: max_depth
+    (or N) up to about 58000 on Hopper (227 KB a block); beyond, a ValueError.
     """
     _check_dim("penalize_logits", "logits", logits, 3, "[B, N, V]")
     if max_depth is None:

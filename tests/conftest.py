@@ -187,15 +187,21 @@ def random_parents(n: int, gen: torch.Generator, shape: str = "random", max_dept
     return parent
 
 
-def penalty_case(batch, n, vocab, gen, dtype=torch.float32, shape="random"):
-    """(tree, logits [B, N, V], seen [B, V] bool, counts [B, V] float32) for penalize_logits, on the CPU: random
-    trees over a small vocabulary (a token repeats along a path), logits with exact zeros, negative zeros and ties,
-    and tables of the tokens seen and generated so far."""
+def random_trees(batch: int, n: int, vocab: int, gen: torch.Generator, shape: str = "random"):
+    """A batch of different random trees (reference.tree_from_parents, on the CPU). Small vocabularies give siblings
+    equal tokens, so the walk's "first matching child" rule matters, and repeat tokens along paths."""
     from ddtree_ext import reference
 
     parent = torch.stack([random_parents(n, gen, shape) for _ in range(batch)])
     token = torch.randint(0, vocab, (batch, n), generator=gen)
-    tree = reference.tree_from_parents(parent, token, torch.zeros(batch, dtype=torch.int64))
+    return reference.tree_from_parents(parent, token, torch.zeros(batch, dtype=torch.int64))
+
+
+def penalty_case(batch, n, vocab, gen, dtype=torch.float32, shape="random"):
+    """(tree, logits [B, N, V], seen [B, V] bool, counts [B, V] float32) for penalize_logits, on the CPU: random
+    trees over a small vocabulary (a token repeats along a path), logits with exact zeros, negative zeros and ties,
+    and tables of the tokens seen and generated so far."""
+    tree = random_trees(batch, n, vocab, gen, shape)
     logits = (torch.randn(batch, n, vocab, generator=gen) * 3).round(decimals=1)
     logits[..., 0] = -0.0
     seen = torch.rand(batch, vocab, generator=gen) < 0.3

@@ -9,7 +9,7 @@ from conftest import (
     inverse_cdf_probes,
     large_logit_rows,
     poison,
-    random_parents,
+    random_trees,
     root_draws,
     tied_rows,
     warped_probs,
@@ -18,14 +18,6 @@ from ddtree_ext import ops
 from ddtree_ext import reference as ref
 from ddtree_ext._loader import load_ops
 from ddtree_ext.ops import Tree, Walk
-
-
-def random_trees(batch: int, n: int, vocab: int, gen: torch.Generator, shape: str = "random") -> Tree:
-    """A batch of different random trees. Small vocabularies give siblings equal tokens, so the walk's
-    "first matching child" rule matters."""
-    parent = torch.stack([random_parents(n, gen, shape) for _ in range(batch)])
-    token = torch.randint(0, vocab, (batch, n), generator=gen)
-    return ref.tree_from_parents(parent, token, torch.zeros(batch, dtype=torch.int64))
 
 
 def child_biased_targets(tree: Tree, vocab: int, gen: torch.Generator, follow: float = 0.8) -> torch.Tensor:
