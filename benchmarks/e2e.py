@@ -549,6 +549,7 @@ def target_rows(res: dict, gpu_memory_gb: float | None) -> List[str]:
 
 
 def markdown(report: dict) -> str:
+    moe_experts = report.get("moe_experts", "HF's experts forward")
     pdl = {True: "yes", False: "no (DDTREE_NO_PDL=1, or not a Hopper GPU and build)"}.get(
         report.get("programmatic_launches"), "not recorded")
     lines = [
@@ -564,6 +565,7 @@ def markdown(report: dict) -> str:
         f"{'one GEMM over their stacked weights' if report.get('stacked_projections') else 'apart'}; "
         f"our kernels launched as programmatic dependents: "
         f"{pdl}; "
+        f"sparse MoE experts (MoE targets): {moe_experts}; "
         f"graph edges into our kernels: "
         f"{'from the launch-order port' if report.get('launch_order_edges') else 'from the programmatic port'}; "
         f"the core built for CUDA architectures "
@@ -677,6 +679,9 @@ def main(argv=None) -> None:
                              "candidates (ddtree_ext.gemm_tuning, timed in the warm-up rounds; the default), torch's "
                              "F.linear (cuBLAS's own picks, the library's default), or ops.linear (the "
                              "weight-streaming kernel), for A/B runs")
+    parser.add_argument("--moe", choices=["ops", "hf"], default="ops",
+                        help="a sparse MoE target's routed experts: ops.moe_experts (the library's default) or HF's "
+                             "experts forward (ddtree_ext.fused.moe_experts_op off), for A/B runs")
     parser.add_argument("--no-fused-adds", action="store_true",
                         help="run the decoder layers' residual adds apart from the norms after them, for A/B runs "
                              "(ddtree_ext.fused.fuse_residual_adds)")
@@ -709,6 +714,7 @@ def main(argv=None) -> None:
     gemm_tuning.enabled = args.linear == "tuned"
     gemm_tuning.gemv_candidate = args.gemv
     fused.fuse_residual_adds = not args.no_fused_adds
+    fused.moe_experts_op = args.moe == "ops"
     fused.fuse_attention_heads = not args.no_fused_attention
     fused.fuse_kv_store = not args.no_fused_kv_store
     target_module.fuse_gdn_conv = not args.no_fused_gdn_conv
@@ -739,6 +745,7 @@ def main(argv=None) -> None:
                      + (", and ops.linear_gemv for single rows" if gemm_tuning.gemv_candidate else "")
                      if gemm_tuning.enabled else "cuBLAS (F.linear)"),
         residual_adds="fused into the next norm" if fused.fuse_residual_adds else "apart (torch add, then the norm)",
+        moe_experts=("ops.moe_experts" if fused.moe_experts_op else "HF's experts forward (its experts_implementation)"),
         gdn_conv=("with the delta rule, one op (gdn_conv_delta_rule)" if target_module.fuse_gdn_conv
                   else "apart from the delta rule (tree_conv1d, then tree_gated_delta_rule)"),
         stacked_projections=not args.no_stacked_projections,

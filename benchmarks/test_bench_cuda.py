@@ -499,6 +499,43 @@ def test_gqa_attention(benchmark, ceilings, rows, kv_len):
           baseline=[lambda q=q, k=k, v=v: sdpa(q, k, v) for q, k, v in inputs])
 
 
+# ---- sparse MoE experts (Qwen3.6-35B-A3B) ------------------------------------------------------------------
+
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER = 256, 8, 2048, 512
+
+
+@pytest.mark.parametrize("tokens", [1, 17, 65])
+def test_moe_experts(benchmark, ceilings, tokens):
+    """A Qwen3.6-35B-A3B MoE layer's routed experts (ops.moe_experts), bf16, for a decode step (1 row), a DFlash
+    block (17) and a budget-64 verify block (65), each row routed to 8 of the 256 experts uniformly at random, three
+    layers' weights in rotation (2.4 GB, far past L2). Floor: the weights of the experts the rows reach, read once.
+    Baseline: Hugging Face's default experts forward (Qwen3_5MoeExperts, "grouped_mm": torch's grouped GEMM)."""
+    modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    from ddtree_ext.tiny import tiny_qwen3_5_moe_config
+
+    config = tiny_qwen3_5_moe_config(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, hidden_size=MOE_HIDDEN,
+                                     moe_intermediate_size=MOE_INTER, experts_implementation="grouped_mm")
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    layers, inputs, reached = [], [], 0
+    for _ in range(3):
+        with torch.device(DEV):
+            module = modeling.Qwen3_5MoeExperts(config).to(torch.bfloat16).requires_grad_(False)
+        module.gate_up_proj.normal_(0, MOE_HIDDEN ** -0.5, generator=gen)
+        module.down_proj.normal_(0, MOE_INTER ** -0.5, generator=gen)
+        ids = torch.rand(tokens, MOE_EXPERTS, device=DEV, generator=gen).topk(MOE_TOP_K, dim=-1).indices
+        weights = torch.softmax(torch.randn(tokens, MOE_TOP_K, device=DEV, generator=gen), -1).to(torch.bfloat16)
+        x = torch.randn(tokens, MOE_HIDDEN, device=DEV, generator=gen, dtype=torch.bfloat16)
+        layers.append(module)
+        inputs.append((x, ids, weights))
+        reached += ids.unique().numel()
+    calls = [lambda m=m, a=a: ops.moe_experts(*a, m.gate_up_proj, m.down_proj) for m, a in zip(layers, inputs)]
+    baseline = [lambda m=m, a=a: m(*a) for m, a in zip(layers, inputs)]
+    expert_bytes = 3 * MOE_HIDDEN * MOE_INTER * 2
+    bench(benchmark, ceilings, "moe_experts", f"T={tokens} E={MOE_EXPERTS} K={MOE_TOP_K} H={MOE_HIDDEN} "
+          f"I={MOE_INTER} bf16, {reached / len(layers):.0f} experts reached", calls,
+          reached / len(layers) * expert_bytes, baseline=baseline)
+
+
 # ---- projections ---------------------------------------------------------------------------------
 
 # (name, N, K) of the bias-free projections a round runs: Qwen3.6-27B, then Qwen3-8B (hidden 4096, 32 / 8 heads of

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "activations.h"
 #include "checks.h"
 #include "ops.h"
 
@@ -103,13 +104,6 @@ void check_rotary_tables(const char* op, const char* x_name, const at::Tensor& x
   DDTREE_CHECK(op, rot >= 2 && rot % 2 == 0 && rot <= dim, "the rotary width R (cos's last dim) must be even and in [2, ",
                dim, "] (the head dim), got ", rot);
 }
-
-template <typename T>
-inline float round_to(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
 // With a residual, the row normalised is s = round(x + residual) (HF's `residual + hidden_states`), written to
 // sum_out first; the output pass reads it back from there, so sum_out may alias x or the residual.

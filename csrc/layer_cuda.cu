@@ -11,6 +11,7 @@
 // Determinism: an op's bits never depend on the alignment of its inputs (a captured graph and an eager
 // call may see the same data at different addresses): the reducing kernels assign elements to threads by
 // 16-byte chunks and only the load instruction differs between aligned and unaligned inputs.
+#include "activations.h"
 #include "cuda_common.cuh"
 #include "ops.h"
 
@@ -22,15 +23,6 @@ using cuda::to_float;
 
 constexpr int kThreads = 256;
 constexpr int kLongRowFeatures = 1024;  // rows longer than this get a whole block
-
-template <typename T>
-__device__ __forceinline__ float round_to(float x) {
-  return to_float(from_float<T>(x));
-}
-
-// torch's CUDA silu and sigmoid: float math with expf (no fast-math intrinsics).
-__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // A chunk of N consecutive elements (16 bytes of T), as one aligned access (PACKED) or element by element
 // (the first `valid`, zeros after). Kernels that reduce assign work to threads by chunks, whichever way

@@ -149,6 +149,17 @@ void penalize_logits_cpu(const at::Tensor& logits, const at::Tensor& node_token,
                          double repetition_penalty, double presence_penalty, double frequency_penalty,
                          int64_t max_depth, at::Tensor& out);
 
+// ---- moe: a sparse MoE block's routed experts (csrc/moe.cpp) -----------------------------------
+// P = T * K (token, expert) pairs; S = min(E, P) slots, one per expert the pairs reach. routing is int32 scratch of
+// moe_routing_size(E, P) elements: the CUDA kernels' per-expert lists (the CPU op leaves it untouched).
+int64_t moe_routing_size(int64_t num_experts, int64_t num_pairs);
+void check_moe_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
+                       const at::Tensor& gate_up_proj, const at::Tensor& down_proj, const at::Tensor& routing,
+                       const at::Tensor& hidden, const at::Tensor& expert_out, const at::Tensor& out);
+void moe_experts_cpu(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
+                     const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& routing,
+                     at::Tensor& hidden, at::Tensor& expert_out, at::Tensor& out);
+
 // ---- walk: follow the target's tokens down the tree ------------------------------------------
 void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& first_child,
                 const at::Tensor& next_sibling, const at::Tensor& accepted, const at::Tensor& accept_len,
@@ -236,6 +247,9 @@ void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         double scale, at::Tensor& out, int64_t num_splits);
 void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
                     const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta);
+void moe_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
+                      const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& routing,
+                      at::Tensor& hidden, at::Tensor& expert_out, at::Tensor& out);
 void penalize_logits_cuda(const at::Tensor& logits, const at::Tensor& node_token, const at::Tensor& parent,
                           const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
                           double repetition_penalty, double presence_penalty, double frequency_penalty,

@@ -25,6 +25,7 @@ _OPS = (
     "linear_gemv",
     "gqa_attention",
     "gdn_gates",
+    "moe_experts",
     "penalize_logits",
     "row_argmax",
     "walk_greedy",

@@ -25,7 +25,8 @@ and every bias-free ``torch.nn.Linear`` (the projections: ``ops.linear`` on a GP
 it is not by default, since cuBLAS is faster at almost every round shape measured; with ``gemm_tuning.enabled``, the
 cuBLASLt algorithm timed fastest per shape; torch's ``F.linear`` otherwise).
 The Qwen3.5 MoE family's classes (``Qwen3_5MoeRMSNorm``, ..., its shared expert ``Qwen3_5MoeMLP``) have the same
-source under another prefix and take the same forwards (:func:`_qwen3_5_families`); its routed experts run HF's code.
+source under another prefix and take the same forwards (:func:`_qwen3_5_families`); its routed experts
+(``Qwen3_5MoeExperts``) run ``ops.moe_experts`` (:func:`experts_op_applies`; ``moe_experts_op``).
 For the attention layers:
 
 * the forwards of ``q_proj``, ``k_proj`` and ``v_proj`` (plain Linear layers): on a GPU the q_proj call
@@ -348,6 +349,86 @@ def _decoder_forward(layer, signature, var_keyword, cache_name, mixer_cache, nex
     normed_next, out = add_norm(next_layer.input_layernorm, mlp_out, residual)
     handoff.put(next_layer, out, normed_next)
     return out
+
+
+# ---- sparse MoE experts ---------------------------------------------------------------------------------
+
+# Whether a sparse MoE block's routed experts (``Qwen3_5MoeExperts``) run ``ops.moe_experts`` where it applies (else
+# HF's experts forward, as its config's experts_implementation picks). On: four launches a layer where HF's
+# grouped_mm runs a dozen, it keeps to the device on every GPU and dtype (so MoE rounds are captured everywhere), and
+# a row's output does not depend on the batch. ``benchmarks/e2e.py --moe hf`` turns it off for A/B runs.
+moe_experts_op = True
+# The most rows (tokens) a call runs ops.moe_experts for: its products run on CUDA cores, which keep up with the weight
+# reads for a round's rows (a budget-256 verify block has 257) but not with a long prompt's prefill, where HF's
+# grouped GEMMs (tensor cores) are faster.
+MOE_OP_MAX_TOKENS = 512
+
+
+def experts_op_applies(experts: torch.nn.Module) -> bool:
+    """Whether ``ops.moe_experts`` computes what this experts module's forward computes, for the tensors generate()
+    gives it: HF's SwiGLU experts layout (gate and up rows stacked in ``gate_up_proj`` [E, 2 I, H], ``down_proj``
+    [E, H, I], no bias, not transposed, no expert parallelism or post-expert norm, the default gate), HF's SiLU,
+    weights in one dtype the ops take, nothing hooked, and on CUDA sizes and alignment its kernels take. Asked once per
+    call of :meth:`TargetAdapter.moe_capturable` and per forward."""
+    if not moe_experts_op or type(experts) not in _experts_classes() or not _plain_module(experts):
+        return False
+    layout = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True, _is_expert_parallel=False,
+                  has_post_expert_norm=False)
+    if any(getattr(experts, name, value) != value for name, value in layout.items()):
+        return False
+    if getattr(type(experts), "_apply_gate", _default_apply_gate()) is not _default_apply_gate():
+        return False
+    if not _plain_silu(getattr(experts, "act_fn", None)):
+        return False
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return False
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2:
+        return False
+    num_experts, inter, hidden = gate_up.shape[0], gate_up.shape[1] // 2, gate_up.shape[2]
+    if down.shape != (num_experts, hidden, inter) or gate_up.dtype not in OP_DTYPES or down.dtype != gate_up.dtype:
+        return False
+    if gate_up.device != down.device or gate_up.device.type not in ("cpu", "cuda"):
+        return False
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        return False
+    if gate_up.is_cuda:  # the kernels move 16 bytes at a time
+        vec = 16 // gate_up.element_size()
+        return hidden % vec == 0 and inter % vec == 0 and gate_up.data_ptr() % 16 == 0 and down.data_ptr() % 16 == 0
+    return True
+
+
+def _experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor):
+    """``Qwen3_5MoeExperts.forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])`` as one
+    ``ops.moe_experts`` where it applies (at most ``MOE_OP_MAX_TOKENS`` rows: every round), HF's own forward
+    otherwise (a long prompt's prefill)."""
+    if (
+        hidden_states.dim() == 2 and hidden_states.shape[0] <= MOE_OP_MAX_TOKENS
+        and experts_op_applies(experts) and ops_apply(hidden_states, top_k_weights, experts.gate_up_proj) and top_k_index.dim() == 2 and top_k_index.dtype == torch.int64
+        and top_k_index.device == hidden_states.device and top_k_weights.shape == top_k_index.shape
+    ):
+        return ops.moe_experts(hidden_states.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(),
+                               experts.gate_up_proj, experts.down_proj)
+    return type(experts).forward(experts, hidden_states, top_k_index, top_k_weights)
+
+
+@functools.lru_cache(maxsize=None)
+def _experts_classes() -> Tuple[type, ...]:
+    """The sparse MoE experts classes of the Qwen3.5 families this transformers install has."""
+    return tuple(
+        cls for cls in (getattr(f.module, f.prefix + "Experts", None) for f in _qwen3_5_families()) if cls is not None
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _default_apply_gate():
+    """HF's default SwiGLU gate of its experts classes (``act_fn(gate) * up``), or None in a transformers without it."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    return getattr(moe, "_default_apply_gate", None)
 
 
 # ---- projections ----------------------------------------------------------------------------------------
@@ -1116,6 +1197,8 @@ def _recognised_classes() -> dict:
             family.cls("MLP"): lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
             family.cls("Attention"): functools.partial(_attention_swaps, gated=True),
         })
+    for cls in _experts_classes():
+        table[cls] = lambda m: functools.partial(_experts_forward, m)
     return table
 
 

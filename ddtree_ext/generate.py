@@ -451,8 +451,9 @@ def _use_graphs(cuda_graph: Optional[bool], adapter: "TargetAdapter") -> bool:
     if cuda_graph and not adapter.moe_capturable:
         raise ValueError(
             f"generate: cuda_graph=True: the target's sparse MoE layers run HF's experts_implementation "
-            f"{'/'.join(adapter.experts_implementations)}, which here reads the device from the host: a CUDA graph "
-            f"cannot capture it (only \"grouped_mm\", HF's default, with bfloat16 expert weights on an sm_90 or "
+            f"{'/'.join(adapter.experts_implementations)} (ops.moe_experts does not apply to them: "
+            f"ddtree_ext.fused.experts_op_applies), which here reads the device from the host: a CUDA graph cannot "
+            f"capture it (of HF's, only \"grouped_mm\", its default, with bfloat16 expert weights on an sm_90 or "
             f"sm_100 GPU keeps to the device); pass cuda_graph=None or False"
         )
     # A MoE target's rounds are captured by default where its experts forward keeps to the device.

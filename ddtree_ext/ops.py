@@ -743,6 +743,56 @@ def gdn_gates(
     return g, beta
 
 
+def moe_routing_size(num_experts: int, num_pairs: int) -> int:
+    """Elements of :func:`moe_experts`' int32 routing scratch: a count, three per slot (min(E, P) slots), one per
+    pair."""
+    return 1 + 3 * min(num_experts, num_pairs) + num_pairs
+
+
+def moe_experts(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """A sparse MoE block's routed experts (``Qwen3_5MoeExperts``: SwiGLU experts) for the router's choice, with
+    the rounding points of Hugging Face's default ``grouped_mm`` experts forward.
+
+    x [T, H] float32 / float16 / bfloat16, expert_ids [T, K] int64 (the router's top-k experts, each in [0, E)),
+    expert_weights [T, K] in x's dtype (the routing weights), gate_up_proj [E, 2 I, H] (rows [0, I) the gate
+    projection, [I, 2 I) the up projection), down_proj [E, H, I], all in x's dtype and contiguous -> out [T, H]
+    (contiguous). For each pair p = (t, k) with expert e, round() a rounding to x's dtype:
+    gate_up = round(W_gu[e] x[t]), h = round(round(silu(gate_up[:I])) * gate_up[I:]),
+    y_p = round(round(W_d[e] h) * expert_weights[t, k]); out[t] = round(sum over k of y_p, in k order, in float32).
+
+    A row's output never depends on the other rows (fixed summation orders), so a verify block's rows give the bits
+    of decode steps; the dot products sum in another order than HF's grouped GEMMs (float32 roundings apart). On
+    CUDA: four launches, each expert's weights read once for all the rows it serves (H and I multiples of 16 bytes
+    of the dtype, the weights 16-byte aligned); an expert id outside [0, E) adds nothing there and raises on the CPU.
+    """
+    op = "moe_experts"
+    _check_dim(op, "x", x, 2, "[T, H]")
+    _check_dim(op, "expert_ids", expert_ids, 2, "[T, K]")
+    _check_dim(op, "gate_up_proj", gate_up_proj, 3, "[E, 2 I, H]")
+    _check_dim(op, "down_proj", down_proj, 3, "[E, H, I]")
+    tokens, hidden_size = x.shape
+    pairs = tokens * expert_ids.shape[1]
+    inter = down_proj.shape[2]
+    if out is None:
+        out = torch.empty(tokens, hidden_size, dtype=x.dtype, device=x.device)
+    load_ops().moe_experts(
+        x, expert_ids, expert_weights, gate_up_proj, down_proj,
+        torch.empty(moe_routing_size(gate_up_proj.shape[0], pairs), dtype=torch.int32, device=x.device),
+        torch.empty(pairs, inter, dtype=x.dtype, device=x.device),
+        torch.empty(pairs, hidden_size, dtype=x.dtype, device=x.device),
+        out,
+    )
+    return out
+
+
 # ---- penalize ----------------------------------------------------------------------------------
 
 

@@ -351,6 +351,20 @@ def gdn_gates(x, weight_a, weight_b, A_log, dt_bias):
     return g, b.sigmoid().float()
 
 
+def moe_experts(x, expert_ids, expert_weights, gate_up_proj, down_proj) -> torch.Tensor:
+    """HF's grouped_mm experts forward, pair by pair: the projections in float32 rounded to x's dtype."""
+    dtype, inter = x.dtype, down_proj.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for k in range(expert_ids.shape[1]):
+            e = int(expert_ids[t, k])
+            gate_up = (gate_up_proj[e].float() @ x[t].float()).to(dtype)
+            hidden = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            projected = (down_proj[e].float() @ hidden.float()).to(dtype)
+            out[t] += (projected * expert_weights[t, k]).float()
+    return out.to(dtype)
+
+
 # ---- penalize --------------------------------------------------------------------------------
 
 

@@ -56,8 +56,8 @@ from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, has_own_forward, is_longrope, ops_apply, per_position_longrope,
-    rope_rows, rope_table, rope_table_serves, swapped_forwards,
+    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, experts_op_applies, has_own_forward, is_longrope, ops_apply,
+    per_position_longrope, rope_rows, rope_table, rope_table_serves, swapped_forwards,
 )
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
@@ -208,6 +208,17 @@ def module_device(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
+def _hf_experts_capturable(experts: torch.nn.Module) -> bool:
+    """HF's own experts forward keeps to the device: its "grouped_mm" with bfloat16 weights on an sm_90 or sm_100 GPU
+    (see ``TargetAdapter.moe_capturable``)."""
+    if str(getattr(getattr(experts, "config", None), "_experts_implementation", None)) != "grouped_mm":
+        return False
+    weights = list(experts.parameters())
+    return all(p.dtype == torch.bfloat16 for p in weights) and all(
+        p.is_cuda and torch.cuda.get_device_capability(p.device)[0] in (9, 10) for p in weights
+    )
+
+
 class TargetAdapter:
     """A supported HF causal LM seen as prefill / verify / commit on static buffers (module docstring).
 
@@ -242,8 +253,9 @@ class TargetAdapter:
                 f"{_LINEAR_ATTENTION!r}; e.g. sliding-window attention would need a windowed tree mask)"
             )
         self.is_hybrid = _LINEAR_ATTENTION in self.layer_types
-        # Sparse MoE MLPs (Qwen3.5/3.6 MoE; a dense MLP has no experts): HF's experts forward runs as it is, in every
-        # path, as the experts' config's experts_implementation says (see moe_capturable).
+        # Sparse MoE MLPs (Qwen3.5/3.6 MoE; a dense MLP has no experts): the routed experts run ops.moe_experts in
+        # every path where it applies, else HF's experts forward as the config's experts_implementation says (see
+        # moe_capturable).
         self._experts = [layer.mlp.experts for layer in self.text_model.layers if hasattr(layer.mlp, "experts")]
         self.is_moe = bool(self._experts)
         self.attention_layer_ids = [i for i, t in enumerate(self.layer_types) if t == _FULL_ATTENTION]
@@ -313,19 +325,14 @@ class TargetAdapter:
     def moe_capturable(self) -> bool:
         """Whether the sparse MoE layers' experts forward keeps to the device, so that a CUDA graph can capture it.
 
-        Only HF's default "grouped_mm" path on torch's own grouped GEMM kernel does: the per-expert offsets (by histc)
-        stay on the device. torch runs that kernel for bfloat16 on Hopper and Blackwell (sm_90, sm_100); for other
-        dtypes and GPUs its grouped_mm falls back to a loop over the groups that copies the offsets to the host, as
-        HF's "eager" implementation reads on the host which experts a batch hits. A dense target: True."""
-        if not self.is_moe:
-            return True
-        if self.experts_implementations != ["grouped_mm"]:
-            return False
-        weights = [p for e in self._experts for p in e.parameters()]
-        devices = {p.device for p in weights}
-        return all(p.dtype == torch.bfloat16 for p in weights) and all(
-            d.type == "cuda" and torch.cuda.get_device_capability(d)[0] in (9, 10) for d in devices
-        )
+        ``ops.moe_experts`` does, on every GPU and dtype: it runs the experts wherever it applies
+        (``fused.experts_op_applies``: HF's SwiGLU experts, nothing hooked, on by default). Where it does not, HF's
+        experts forward runs, and only its default "grouped_mm" on torch's own grouped GEMM kernel keeps to the
+        device: torch runs that kernel for bfloat16 on Hopper and Blackwell (sm_90, sm_100); for other dtypes and
+        GPUs its grouped_mm falls back to a loop over the groups that copies the offsets to the host, as HF's "eager"
+        implementation reads on the host which experts a batch hits. Read now (weights, settings and hooks may have
+        changed since the adapter was made). A dense target: True."""
+        return all(experts_op_applies(e) and e.gate_up_proj.is_cuda or _hf_experts_capturable(e) for e in self._experts)
 
     @property
     def device(self) -> torch.device:

@@ -209,6 +209,23 @@ def penalty_case(batch, n, vocab, gen, dtype=torch.float32, shape="random"):
     return tree, logits.to(dtype), seen, counts
 
 
+def moe_case(tokens, top_k, experts, hidden, inter, gen, dtype=torch.float32, crowd=False):
+    """(x [T, H], expert_ids [T, K] int64, expert_weights [T, K], gate_up_proj [E, 2 I, H], down_proj [E, H, I]) for
+    moe_experts, on the CPU: distinct experts per token (a router's top-k), weights that sum to 1 per token, as HF's
+    router gives them, and projections scaled to keep activations near 1. crowd: every token's first expert is expert
+    0, so one expert serves every token (more rows than the CUDA kernels stage at once)."""
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]) if tokens else \
+        torch.empty(0, top_k, dtype=torch.int64)
+    if crowd:
+        ids = torch.where(ids == 0, ids[:, :1], ids)  # expert 0 moves to the front, where it replaces the first
+        ids[:, 0] = 0
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (x, ids, weights, gate_up, down))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Run the suite on one intra-op thread: the tiny models gain nothing from more, and on a busy

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (RTOL, assert_close, built_for_hopper, inverse_cdf_probes, large_logit_rows, penalty_case,
+from conftest import (RTOL, assert_close, built_for_hopper, inverse_cdf_probes, large_logit_rows, moe_case, penalty_case,
                       poison, programmatic_launches, random_parents, rel_err, requires_cuda, root_draws, tied_rows, warped_probs)
 from ddtree_ext import build_info, ops, reference
 from ddtree_ext.ops import GDNTreeOutput, TopK, Tree, Walk
@@ -1569,6 +1569,119 @@ def test_gqa_attention_num_splits(bsz, heads, kv_heads, n, slots, dim, dtype):
         ops.gqa_attention(q, k, v, mask, dim**-0.5, num_splits=-2)
 
 
+# ---- moe_experts ----------------------------------------------------------------------------------
+
+MOE_SHAPES = [  # tokens, top_k, experts, hidden, inter
+    (1, 8, 64, 2048, 512),  # Qwen3.6-35B-A3B's sizes (a quarter of its experts): a decode step
+    (65, 8, 64, 2048, 512),  # its budget-64 verify block's rows (about 8 an expert)
+    (5, 2, 8, 64, 32),
+    (17, 4, 6, 128, 16),
+    (3, 1, 1, 8, 8),
+]
+
+
+def moe_on(case, device):
+    return ops.moe_experts(*to(list(case), device))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", MOE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_moe_experts(dtype, shape):
+    """Against the reference (run by torch on the GPU) and, where small, the CPU op."""
+    case = moe_case(*shape, make_gen(sum(shape)), dtype)
+    got = moe_on(case, DEV)
+    assert_close(got, reference.moe_experts(*to(list(case), DEV)), dtype, "moe_experts vs reference")
+    if shape[3] * shape[4] <= 64 * 64:
+        assert_close(got, ops.moe_experts(*case), dtype, "moe_experts vs CPU")
+    assert torch.equal(moe_on(case, DEV), got), "not deterministic"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_moe_experts_rows_do_not_depend_on_the_batch(dtype):
+    """A token's bits alone, in a batch and in a reordered batch, with one expert serving every token (20 pairs: three
+    chunks of its staged rows) and others serving one to four: a verify block's rows get a decode step's bits."""
+    gen = make_gen(8)
+    x, ids, weights, gate_up, down = to(list(moe_case(20, 4, 16, 256, 64, gen, dtype, crowd=True)), DEV)
+    batch = ops.moe_experts(x, ids, weights, gate_up, down)
+    for t in range(x.shape[0]):
+        alone = ops.moe_experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], gate_up, down)
+        assert torch.equal(alone, batch[t : t + 1]), f"token {t}"
+    order = torch.randperm(x.shape[0], generator=gen).to(DEV)
+    assert torch.equal(ops.moe_experts(x[order], ids[order], weights[order], gate_up, down), batch[order])
+
+
+def test_moe_experts_unaligned_x_gives_the_same_bits():
+    x, ids, weights, gate_up, down = to(list(moe_case(6, 2, 8, 64, 32, make_gen(3), torch.bfloat16)), DEV)
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device=DEV)[1:].view(x.shape)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 != 0
+    assert torch.equal(ops.moe_experts(shifted, ids, weights, gate_up, down),
+                       ops.moe_experts(x, ids, weights, gate_up, down))
+
+
+def test_moe_experts_graph_replay_with_new_routing():
+    """Captured once, replayed with other tokens routed to other experts (more and fewer experts reached than at
+    capture): the routing lives on the device."""
+    gen = make_gen(11)
+    first = to(list(moe_case(9, 4, 32, 128, 64, gen, torch.bfloat16)), DEV)
+    x, ids, weights, gate_up, down = (t.clone() for t in first)
+    out = torch.empty_like(x)
+    ops.moe_experts(x, ids, weights, gate_up, down, out=out)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.moe_experts(x, ids, weights, gate_up, down, out=out)
+    for crowd in (False, True, False):
+        nx, nids, nweights, _, _ = to(list(moe_case(9, 4, 32, 128, 64, gen, torch.bfloat16, crowd=crowd)), DEV)
+        x.copy_(nx), ids.copy_(nids), weights.copy_(nweights)
+        poison(out)
+        graph.replay()
+        assert torch.equal(out, ops.moe_experts(nx, nids, nweights, gate_up, down))
+
+
+def test_moe_experts_out_of_range_ids_add_nothing():
+    """An expert id outside [0, E) (the CPU op refuses it; CUDA cannot read it back) reaches no expert: its pair adds
+    nothing, the others are right, nothing is read or written out of bounds."""
+    x, ids, weights, gate_up, down = to(list(moe_case(4, 3, 8, 64, 32, make_gen(9), torch.float32)), DEV)
+    bad = ids.clone()
+    bad[1, 2], bad[3, 0] = 8, -1
+    got = ops.moe_experts(x, bad, weights, gate_up, down)
+    kept = weights.clone()
+    kept[1, 2], kept[3, 0] = 0.0, 0.0
+    torch.cuda.synchronize()
+    assert_close(got, reference.moe_experts(x, ids, kept, gate_up, down), torch.float32)
+
+
+def test_moe_experts_matches_hf_grouped_mm_on_real_shapes():
+    """Qwen3.6-35B-A3B's experts in bfloat16, HF's default experts forward against the op over a verify block's rows:
+    the same values up to the order of the float32 sums (one bfloat16 rounding apart at most here and there)."""
+    modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    from ddtree_ext.tiny import tiny_qwen3_5_moe_config
+
+    config = tiny_qwen3_5_moe_config(num_experts=256, num_experts_per_tok=8, hidden_size=2048,
+                                     moe_intermediate_size=512, experts_implementation="grouped_mm")
+    gen = make_gen(12)
+    x, ids, weights, gate_up, down = to(list(moe_case(65, 8, 256, 2048, 512, gen, torch.bfloat16)), DEV)
+    with torch.device(DEV):
+        module = modeling.Qwen3_5MoeExperts(config).to(torch.bfloat16)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(gate_up), module.down_proj.copy_(down)
+        expected = module(x, ids, weights)
+    assert_close(ops.moe_experts(x, ids, weights, module.gate_up_proj, module.down_proj), expected, torch.bfloat16)
+
+
+def test_moe_experts_cuda_bad_input():
+    x, ids, weights, gate_up, down = to(list(moe_case(3, 2, 4, 20, 16, make_gen(2), torch.bfloat16)), DEV)
+    with pytest.raises(ValueError, match=r"on CUDA the hidden size H \(20\) and the intermediate size I \(16\) must "
+                                         r"be multiples of 8"):
+        ops.moe_experts(x, ids, weights, gate_up, down)
+    x, ids, weights, gate_up, down = to(list(moe_case(3, 2, 4, 32, 16, make_gen(2), torch.bfloat16)), DEV)
+    with pytest.raises(ValueError, match="expert_ids must be on cuda"):
+        ops.moe_experts(x, ids.cpu(), weights, gate_up, down)
+    odd = torch.empty(gate_up.numel() + 1, dtype=gate_up.dtype, device=DEV)[1:].view(gate_up.shape)
+    with pytest.raises(ValueError, match="gate_up_proj must start on a 16-byte boundary"):
+        ops.moe_experts(x, ids, weights, odd, down)
+
+
 # ---- projections ------------------------------------------------------------------------------------
 
 
@@ -2321,6 +2434,11 @@ def test_all_ops_small():
     stored[1] = to(stored[1], DEV)
     ops.store_kv(*stored[1], *to([kv_slots, kv_rows, kv_rows.flip(1)], DEV))
     assert all(torch.equal(a.cpu(), e) for a, e in zip(stored[1], stored[0]))
+    moe = moe_case(5, 2, 4, 32, 16, gen, torch.float32, crowd=True)
+    bad_ids = moe[1].clone()
+    bad_ids[0, 1] = 4  # out of range: skipped
+    assert_close(moe_on(moe, DEV), ops.moe_experts(*moe), torch.float32, "moe_experts")
+    moe_on((moe[0], bad_ids, *moe[2:]), DEV)
     # Layer bodies: both load paths (a 16-byte aligned row and an odd width), a long and a short row group.
     for rows, dim in ((3, 1040), (5, 37)):
         h = torch.randn(rows, dim, generator=gen)

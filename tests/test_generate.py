@@ -499,8 +499,9 @@ def test_moe_graph_default_and_refusal():
         assert _use_graphs(False, adapter) is False
         if capturable:
             assert _use_graphs(True, adapter) is True
-    with pytest.raises(ValueError, match=r"experts_implementation grouped_mm, which here reads the device from the "
-                                         r"host.*bfloat16 expert weights on an sm_90 or sm_100 GPU"):
+    with pytest.raises(ValueError, match=r"experts_implementation grouped_mm \(ops.moe_experts does not apply.*which "
+                                         r"here reads the device from the host.*bfloat16 expert weights on an sm_90 "
+                                         r"or sm_100 GPU"):
         _use_graphs(True, adapter)
 
 

@@ -61,20 +61,29 @@ def test_greedy_on_cuda_equals_hf_generate(family, method, budget, cuda_graph):
         assert stats.graph_captures == 0
 
 
+@pytest.mark.parametrize("moe_op", [True, False])
 @pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("dflash", 1), ("ddtree", 64)])
-def test_moe_target_on_cuda_equals_hf_generate(method, budget):
-    """A sparse-MoE hybrid (Qwen3.6-35B-A3B's family) on the GPU in float32: its rounds run eagerly by default and give
-    the target's own greedy output. cuda_graph=True is refused: torch's grouped_mm falls back to host reads for
-    float32."""
+def test_moe_target_on_cuda_equals_hf_generate(method, budget, moe_op, monkeypatch):
+    """A sparse-MoE hybrid (Qwen3.6-35B-A3B's family) on the GPU in float32 gives the target's own greedy output. Its
+    experts run ops.moe_experts, which keeps to the device: rounds are captured by default. With the op off, HF's
+    grouped_mm runs, which torch falls back to host reads for in float32: rounds run eagerly by default and
+    cuda_graph=True is refused."""
     pytest.importorskip("transformers.models.qwen3_5_moe")
+    from ddtree_ext import fused
+
+    monkeypatch.setattr(fused, "moe_experts_op", moe_op)
     target, draft = cuda_pair("qwen3_5_moe")
-    with pytest.raises(ValueError, match="reads the device from the host"):
-        generate(target, draft, PROMPT.cuda(), 8, method=method, tree_budget=budget, cuda_graph=True)
+    if not moe_op:
+        with pytest.raises(ValueError, match="reads the device from the host"):
+            generate(target, draft, PROMPT.cuda(), 8, method=method, tree_budget=budget, cuda_graph=True)
     out, stats = generate(target, draft, PROMPT.cuda(), NEW_TOKENS, method=method, tree_budget=budget,
                           return_stats=True)
     diff = (out != hf_greedy("qwen3_5_moe"))[0].nonzero()
     assert diff.numel() == 0, f"first mismatch at position {int(diff[0])}"
-    assert stats.graph_captures == 0 and not any(stats.round_replayed)
+    if moe_op:
+        assert stats.graph_captures >= 1 and sum(stats.round_replayed) > stats.rounds // 2, stats.summary()
+    else:
+        assert stats.graph_captures == 0 and not any(stats.round_replayed)
     if method != "autoregressive":
         assert stats.tau > 1.5, stats.summary()
 
@@ -85,15 +94,19 @@ def bf16_moe_pair():
     return copy.deepcopy(target).to(torch.bfloat16), copy.deepcopy(draft).to(torch.bfloat16)
 
 
+@pytest.mark.parametrize("moe_op", [True, False])
 @pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64)])
-def test_moe_bf16_graph_rounds_equal_eager_rounds(method, budget):
-    """The same MoE hybrid in bfloat16 on an sm_90 / sm_100 GPU: HF's default grouped_mm experts forward keeps the
-    routing on the device (torch's grouped GEMM kernel), so its rounds are captured (by default, and with
-    cuda_graph=True); the replayed rounds, over 600 tokens with acceptance varying round to round, give exactly the
-    eager rounds' tokens (cuda_graph=False). Passed on an H100, 2026-12-06."""
+def test_moe_bf16_graph_rounds_equal_eager_rounds(method, budget, moe_op, monkeypatch):
+    """The same MoE hybrid in bfloat16: its experts run ops.moe_experts (on any GPU; on an sm_90 / sm_100 GPU with the
+    op off, HF's default grouped_mm experts forward, whose grouped GEMM keeps the routing on the device too), so its
+    rounds are captured (by default, and with cuda_graph=True); the replayed rounds, over 600 tokens with acceptance
+    varying round to round, give exactly the eager rounds' tokens (cuda_graph=False). HF's path passed on an H100,
+    2026-12-06."""
     pytest.importorskip("transformers.models.qwen3_5_moe")
+    from ddtree_ext import fused
     from ddtree_ext.target import TargetAdapter
 
+    monkeypatch.setattr(fused, "moe_experts_op", moe_op)
     target, draft = bf16_moe_pair()
     if not TargetAdapter(target).moe_capturable:
         pytest.skip(f"torch's grouped_mm falls back to host reads on {torch.cuda.get_device_name()}")
@@ -109,16 +122,25 @@ def test_moe_bf16_graph_rounds_equal_eager_rounds(method, budget):
         assert len(set(stats.accept_lengths)) >= 3, "acceptance should vary from round to round"
 
 
+@pytest.mark.parametrize("moe_op", [False, True])
 @pytest.mark.parametrize("method,budget", [("autoregressive", 1), ("ddtree", 64)])
-def test_moe_experts_loop_on_cuda_runs_eager_rounds(method, budget):
-    """HF's "eager" experts loop reads on the host which experts a batch hits: a CUDA graph cannot capture it, so the
-    default is eager rounds, and they give the target's own greedy output."""
+def test_moe_experts_loop_on_cuda(method, budget, moe_op, monkeypatch):
+    """A float32 MoE target configured with HF's "eager" experts loop. With ops.moe_experts off, that loop runs: it
+    reads on the host which experts a batch hits, a CUDA graph cannot capture it, so the default is eager rounds. With
+    the op (the default) the experts keep to the device and the rounds are captured. Both give the target's own
+    greedy output over 200 tokens."""
     pytest.importorskip("transformers.models.qwen3_5_moe")
+    from ddtree_ext import fused
+
+    monkeypatch.setattr(fused, "moe_experts_op", moe_op)
     loop = tiny.make_predictable_target("qwen3_5_moe", seed=3, experts_implementation="eager").cuda()
     draft = cuda_pair("qwen3_5_moe")[1]  # same weights as its target, so it agrees with this one
     out, stats = generate(loop, draft, PROMPT.cuda(), 200, method=method, tree_budget=budget, return_stats=True)
     assert torch.equal(out, tiny.hf_greedy(loop, PROMPT.cuda(), 200))
-    assert stats.graph_captures == 0 and not any(stats.round_replayed)
+    if moe_op:
+        assert stats.graph_captures >= 1 and sum(stats.round_replayed) > stats.rounds // 2, stats.summary()
+    else:
+        assert stats.graph_captures == 0 and not any(stats.round_replayed)
     if method != "autoregressive":
         assert stats.tau > 1.5, stats.summary()
 
