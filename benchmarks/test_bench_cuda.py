@@ -508,7 +508,7 @@ MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER = 256, 8, 2048, 512
 def test_moe_experts(benchmark, ceilings, tokens):
     """A Qwen3.6-35B-A3B MoE layer's routed experts (ops.moe_experts), bf16, for a decode step (1 row), a DFlash
     block (17) and a budget-64 verify block (65), each row routed to 8 of the 256 experts uniformly at random, three
-    layers' weights in rotation (2.4 GB, far past L2). Floor: the weights of the experts the rows reach, read once.
+    layers' weights in rotation (4.8 GB, far past L2). Floor: the weights of the experts the rows reach, read once.
     Baseline: Hugging Face's default experts forward (Qwen3_5MoeExperts, "grouped_mm": torch's grouped GEMM)."""
     modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
     from ddtree_ext.tiny import tiny_qwen3_5_moe_config

@@ -362,21 +362,35 @@ moe_experts_op = True
 # reads for a round's rows (a budget-256 verify block has 257) but not with a long prompt's prefill, where HF's
 # grouped GEMMs (tensor cores) are faster.
 MOE_OP_MAX_TOKENS = 512
+# Where generate() runs the op: on the CPU its fixed-order scalar loops are slower than HF's grouped GEMMs (167 against
+# 37 ms for 17 rows of a 35B-A3B-sized layer on 2 cores), and no graph needs it there.
+MOE_OP_DEVICES = ("cuda",)
+
+
+# HF's experts implementations whose rounding points the op has, in every dtype: both round each projection's output,
+# the gated product and the weighted expert outputs to the dtype and sum those in float32. HF's "eager" loop adds the
+# experts' outputs into a 16-bit buffer one expert at a time (other bits in 16-bit dtypes: the op stands in for it only
+# in float32); hub kernels (deepgemm, sonicmoe) round their own way.
+MOE_OP_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
+# The CUDA kernels' limits (csrc/moe_cuda.cu): pairs staged at once per expert, and the grid's slot dimension.
+_MOE_STAGED_ROWS, _MOE_MAX_SLOTS = 8, 65535
 
 
 def experts_op_applies(experts: torch.nn.Module) -> bool:
     """Whether ``ops.moe_experts`` computes what this experts module's forward computes, for the tensors generate()
     gives it: HF's SwiGLU experts layout (gate and up rows stacked in ``gate_up_proj`` [E, 2 I, H], ``down_proj``
-    [E, H, I], no bias, not transposed, no expert parallelism or post-expert norm, the default gate), HF's SiLU,
-    weights in one dtype the ops take, nothing hooked, and on CUDA sizes and alignment its kernels take. Asked once per
-    call of :meth:`TargetAdapter.moe_capturable` and per forward."""
+    [E, H, I], no bias, not transposed, no expert parallelism or post-expert norm, HF's default gate), HF's SiLU, an
+    experts_implementation with the op's rounding points (``MOE_OP_IMPLEMENTATIONS``; "eager" in float32), weights in
+    one dtype the ops take, nothing hooked, and on CUDA the sizes, alignment and shared memory its kernels take. Asked
+    per call of :meth:`TargetAdapter.moe_capturable` and per forward."""
     if not moe_experts_op or type(experts) not in _experts_classes() or not _plain_module(experts):
         return False
     layout = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True, _is_expert_parallel=False,
                   has_post_expert_norm=False)
     if any(getattr(experts, name, value) != value for name, value in layout.items()):
         return False
-    if getattr(type(experts), "_apply_gate", _default_apply_gate()) is not _default_apply_gate():
+    gate = getattr(experts, "_apply_gate", None)  # the class's (HF's decorator installs its default) or the instance's
+    if gate is not None and getattr(gate, "__func__", gate) is not _hf_default_gate():
         return False
     if not _plain_silu(getattr(experts, "act_fn", None)):
         return False
@@ -388,23 +402,35 @@ def experts_op_applies(experts: torch.nn.Module) -> bool:
     num_experts, inter, hidden = gate_up.shape[0], gate_up.shape[1] // 2, gate_up.shape[2]
     if down.shape != (num_experts, hidden, inter) or gate_up.dtype not in OP_DTYPES or down.dtype != gate_up.dtype:
         return False
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if implementation not in MOE_OP_IMPLEMENTATIONS and not (
+        gate_up.dtype == torch.float32 and implementation in ("eager", None)  # None: a transformers with only the loop
+    ):
+        return False
     if gate_up.device != down.device or gate_up.device.type not in ("cpu", "cuda"):
         return False
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         return False
-    if gate_up.is_cuda:  # the kernels move 16 bytes at a time
-        vec = 16 // gate_up.element_size()
-        return hidden % vec == 0 and inter % vec == 0 and gate_up.data_ptr() % 16 == 0 and down.data_ptr() % 16 == 0
+    if gate_up.is_cuda:  # the kernels move 16 bytes at a time and stage rows in shared memory
+        size = gate_up.element_size()
+        vec = 16 // size
+        smem = getattr(torch.cuda.get_device_properties(gate_up.device), "shared_memory_per_block_optin", 48 * 1024)
+        return (
+            hidden % vec == 0 and inter % vec == 0 and gate_up.data_ptr() % 16 == 0 and down.data_ptr() % 16 == 0
+            and _MOE_STAGED_ROWS * max(hidden, inter) * size <= smem and 2 * num_experts * 4 <= smem
+            and num_experts <= _MOE_MAX_SLOTS
+        )
     return True
 
 
 def _experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor):
     """``Qwen3_5MoeExperts.forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])`` as one
-    ``ops.moe_experts`` where it applies (at most ``MOE_OP_MAX_TOKENS`` rows: every round), HF's own forward
-    otherwise (a long prompt's prefill)."""
+    ``ops.moe_experts`` where it applies (on ``MOE_OP_DEVICES``, at most ``MOE_OP_MAX_TOKENS`` rows: every round),
+    HF's own forward otherwise (on the CPU, a long prompt's prefill)."""
     if (
         hidden_states.dim() == 2 and hidden_states.shape[0] <= MOE_OP_MAX_TOKENS
+        and hidden_states.device.type in MOE_OP_DEVICES
         and experts_op_applies(experts) and ops_apply(hidden_states, top_k_weights, experts.gate_up_proj) and top_k_index.dim() == 2 and top_k_index.dtype == torch.int64
         and top_k_index.device == hidden_states.device and top_k_weights.shape == top_k_index.shape
     ):
@@ -422,7 +448,7 @@ def _experts_classes() -> Tuple[type, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _default_apply_gate():
+def _hf_default_gate():
     """HF's default SwiGLU gate of its experts classes (``act_fn(gate) * up``), or None in a transformers without it."""
     try:
         from transformers.integrations import moe

@@ -770,8 +770,9 @@ def moe_experts(
 
     A row's output never depends on the other rows (fixed summation orders), so a verify block's rows give the bits
     of decode steps; the dot products sum in another order than HF's grouped GEMMs (float32 roundings apart). On
-    CUDA: four launches, each expert's weights read once for all the rows it serves (H and I multiples of 16 bytes
-    of the dtype, the weights 16-byte aligned); an expert id outside [0, E) adds nothing there and raises on the CPU.
+    CUDA: four launches, each expert's weights streamed once per 8 of the rows it serves (again, mostly from L2, for
+    each 8 more; H and I multiples of 16 bytes of the dtype, the weights 16-byte aligned); an expert id outside
+    [0, E) adds nothing there and raises on the CPU.
     """
     op = "moe_experts"
     _check_dim(op, "x", x, 2, "[T, H]")

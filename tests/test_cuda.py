@@ -1610,6 +1610,21 @@ def test_moe_experts_rows_do_not_depend_on_the_batch(dtype):
     assert torch.equal(ops.moe_experts(x[order], ids[order], weights[order], gate_up, down), batch[order])
 
 
+@pytest.mark.parametrize("tokens,top_k,experts,crowd", [(0, 2, 8, False), (3, 4, 1500, False), (60, 2, 4, True)],
+                         ids=["no tokens", "more experts than route threads", "60 rows on one expert"])
+def test_moe_experts_edge_shapes(tokens, top_k, experts, crowd):
+    """No tokens (nothing launched), more experts than the route kernel's 1024 threads (runs of experts per thread),
+    and one expert serving 60 pairs (eight chunks of its staged rows, the weights streamed again for each)."""
+    case = moe_case(tokens, top_k, experts, 64, 32, make_gen(tokens + experts), torch.bfloat16, crowd=crowd)
+    got = moe_on(case, DEV)
+    assert got.shape == (tokens, 64)
+    if tokens:
+        assert_close(got, reference.moe_experts(*to(list(case), DEV)), torch.bfloat16)
+        alone = torch.cat([moe_on((case[0][t : t + 1], case[1][t : t + 1], case[2][t : t + 1], *case[3:]), DEV)
+                           for t in range(tokens)])
+        assert torch.equal(alone, got), "rows depend on the batch"
+
+
 def test_moe_experts_unaligned_x_gives_the_same_bits():
     x, ids, weights, gate_up, down = to(list(moe_case(6, 2, 8, 64, 32, make_gen(3), torch.bfloat16)), DEV)
     shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device=DEV)[1:].view(x.shape)

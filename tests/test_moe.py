@@ -56,30 +56,43 @@ def test_moe_experts_rounding_points(gen):
     assert not torch.equal(got.float(), unrounded), "the case must exercise a rounding"
 
 
-def hf_experts(dtype, experts_implementation, gen, hidden=32, inter=16, experts=8):
+def hf_experts(dtype, experts_implementation, gen, hidden=32, inter=16, experts=8, top_k=2):
     """HF's Qwen3_5MoeExperts from a tiny config, with random weights."""
     modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
     from ddtree_ext.tiny import tiny_qwen3_5_moe_config
 
-    config = tiny_qwen3_5_moe_config(num_experts=experts, num_experts_per_tok=2, hidden_size=hidden,
+    config = tiny_qwen3_5_moe_config(num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
                                      moe_intermediate_size=inter, experts_implementation=experts_implementation)
-    module = modeling.Qwen3_5MoeExperts(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    module = modeling.Qwen3_5MoeExperts(config)
     with torch.no_grad():
         module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=gen) / hidden ** 0.5)
         module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=gen) / inter ** 0.5)
     return module.to(dtype)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
-def test_moe_experts_matches_hf_experts_forward(implementation, gen):
-    """The op computes what HF's experts forwards compute (float32: up to the order of the float32 sums)."""
-    module = hf_experts(torch.float32, implementation, gen)
+def test_moe_experts_matches_hf_experts_forward(implementation, dtype, gen):
+    """The op computes what HF's experts forwards compute, with their rounding points: in float32 every
+    implementation up to the order of the float32 sums; in 16 bits grouped_mm and batched_mm, whose rounding points the
+    op has, up to a rounding flipped by the sum order here and there (under 5 % of the outputs), while HF's eager loop
+    rounds its running sum after each expert and differs in most outputs: the op does not stand in for it there
+    (experts_op_applies)."""
+    module = hf_experts(dtype, implementation, gen, hidden=256, inter=128, experts=16, top_k=8)
     if module.config._experts_implementation != implementation:
         pytest.skip(f"this transformers has no {implementation!r} experts implementation")
-    x, ids, weights, _, _ = moe_case(7, 2, module.num_experts, module.hidden_dim, module.intermediate_dim, gen)
+    x, ids, weights, _, _ = moe_case(9, 8, module.num_experts, module.hidden_dim, module.intermediate_dim, gen, dtype)
     with torch.no_grad():
         expected = module(x, ids, weights)
-    assert_close(ops.moe_experts(x, ids, weights, module.gate_up_proj, module.down_proj), expected, torch.float32)
+    got = ops.moe_experts(x, ids, weights, module.gate_up_proj, module.down_proj)
+    mismatched = (got != expected).float().mean().item()
+    stands_in = dtype == torch.float32 or implementation != "eager"
+    assert fused.experts_op_applies(module) == stands_in
+    if stands_in:
+        assert_close(got, expected, dtype)
+        assert dtype == torch.float32 or mismatched < 0.05, mismatched
+    else:
+        assert mismatched > 0.2, mismatched  # why it does not stand in: other rounding points
 
 
 def test_moe_experts_out_and_empty_batch(gen):
@@ -153,11 +166,15 @@ def moe_target_and_draft(seed=3, **kw):
     return target, make_tiny_draft(target, seed=1)
 
 
-@pytest.mark.parametrize("op_on", [True, False])
-def test_generate_runs_the_op_for_moe_targets(op_on, monkeypatch):
-    """generate() runs the routed experts through ops.moe_experts (every MoE layer, every round), or HF's experts
-    forward with fused.moe_experts_op off; both give HF's greedy output, for all three methods."""
+@pytest.mark.parametrize("op_on,devices", [(True, ("cpu", "cuda")), (False, ("cpu", "cuda")), (True, ("cuda",))])
+def test_generate_runs_the_op_for_moe_targets(op_on, devices, monkeypatch):
+    """generate() runs the routed experts through ops.moe_experts (every MoE layer, every round) on the devices of
+    fused.MOE_OP_DEVICES (by default CUDA only: here the CPU is added), HF's experts forward with fused.moe_experts_op
+    off or elsewhere; all give HF's greedy output, for all three methods."""
     from ddtree_ext import generate, tiny
+
+    monkeypatch.setattr(fused, "MOE_OP_DEVICES", devices)
+    op_on_here = op_on and "cpu" in devices
 
     target, draft = moe_target_and_draft()
     ids = torch.randint(0, target.config.get_text_config().vocab_size, (1, 31), generator=torch.Generator().manual_seed(5))
@@ -171,7 +188,7 @@ def test_generate_runs_the_op_for_moe_targets(op_on, monkeypatch):
         calls.clear()
         out, stats = generate(target, draft, ids, 24, method=method, return_stats=True)
         assert torch.equal(out, ref), method
-        if op_on:
+        if op_on_here:
             assert len(calls) >= layers * stats.rounds, (method, len(calls))
         else:
             assert not calls
@@ -211,6 +228,7 @@ def test_long_prefills_run_hf_experts(monkeypatch):
     stock = ops.moe_experts
     monkeypatch.setattr(ops, "moe_experts", lambda *a, **k: calls.append(a[0].shape[0]) or stock(*a, **k))
     monkeypatch.setattr(fused, "MOE_OP_MAX_TOKENS", 17)
+    monkeypatch.setattr(fused, "MOE_OP_DEVICES", ("cpu", "cuda"))
     out = generate(target, draft, ids, 12, method="dflash")
     assert torch.equal(out, tiny.hf_greedy(target, ids, 12))
     assert calls and max(calls) <= 17
