@@ -427,16 +427,37 @@ def _experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_
                      top_k_weights: torch.Tensor):
     """``Qwen3_5MoeExperts.forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])`` as one
     ``ops.moe_experts`` where it applies (on ``MOE_OP_DEVICES``, at most ``MOE_OP_MAX_TOKENS`` rows: every round),
-    HF's own forward otherwise (on the CPU, a long prompt's prefill)."""
+    HF's own forward otherwise (on the CPU, a long prompt's prefill). Inside a CUDA graph capture a fallback to an HF
+    forward that reads the device from the host is refused with the reason, before the capture fails on it."""
     if (
         hidden_states.dim() == 2 and hidden_states.shape[0] <= MOE_OP_MAX_TOKENS
-        and hidden_states.device.type in MOE_OP_DEVICES
-        and experts_op_applies(experts) and ops_apply(hidden_states, top_k_weights, experts.gate_up_proj) and top_k_index.dim() == 2 and top_k_index.dtype == torch.int64
+        and hidden_states.device.type in MOE_OP_DEVICES and experts_op_applies(experts)
+        and ops_apply(hidden_states, top_k_weights, experts.gate_up_proj)
+        and top_k_index.dim() == 2 and top_k_index.dtype == torch.int64
         and top_k_index.device == hidden_states.device and top_k_weights.shape == top_k_index.shape
     ):
         return ops.moe_experts(hidden_states.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(),
                                experts.gate_up_proj, experts.down_proj)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and not hf_experts_capturable(experts):
+        raise RuntimeError(
+            f"a sparse MoE experts forward inside a CUDA graph capture: ops.moe_experts does not take these inputs "
+            f"(rows {list(hidden_states.shape)}, at most {MOE_OP_MAX_TOKENS}; dtypes {hidden_states.dtype}, "
+            f"{top_k_weights.dtype} and {top_k_index.dtype} against the experts' {experts.gate_up_proj.dtype} and "
+            f"int64), and HF's experts forward reads the device from the host here; run it with cuda_graph=False"
+        )
     return type(experts).forward(experts, hidden_states, top_k_index, top_k_weights)
+
+
+def hf_experts_capturable(experts: torch.nn.Module) -> bool:
+    """HF's own experts forward keeps to the device: its "grouped_mm" with bfloat16 weights on an sm_90 or sm_100 GPU
+    (torch's grouped GEMM kernel; elsewhere torch's grouped_mm loops over the groups with their offsets copied to the
+    host, and HF's "eager" loop reads on the host which experts a batch hits)."""
+    if str(getattr(getattr(experts, "config", None), "_experts_implementation", None)) != "grouped_mm":
+        return False
+    weights = list(experts.parameters())
+    return all(p.dtype == torch.bfloat16 for p in weights) and all(
+        p.is_cuda and torch.cuda.get_device_capability(p.device)[0] in (9, 10) for p in weights
+    )
 
 
 @functools.lru_cache(maxsize=None)

@@ -56,8 +56,8 @@ from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, experts_op_applies, has_own_forward, is_longrope, ops_apply,
-    per_position_longrope, rope_rows, rope_table, rope_table_serves, swapped_forwards,
+    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, experts_op_applies, has_own_forward, hf_experts_capturable,
+    is_longrope, ops_apply, per_position_longrope, rope_rows, rope_table, rope_table_serves, swapped_forwards,
 )
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
@@ -208,17 +208,6 @@ def module_device(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def _hf_experts_capturable(experts: torch.nn.Module) -> bool:
-    """HF's own experts forward keeps to the device: its "grouped_mm" with bfloat16 weights on an sm_90 or sm_100 GPU
-    (see ``TargetAdapter.moe_capturable``)."""
-    if str(getattr(getattr(experts, "config", None), "_experts_implementation", None)) != "grouped_mm":
-        return False
-    weights = list(experts.parameters())
-    return all(p.dtype == torch.bfloat16 for p in weights) and all(
-        p.is_cuda and torch.cuda.get_device_capability(p.device)[0] in (9, 10) for p in weights
-    )
-
-
 class TargetAdapter:
     """A supported HF causal LM seen as prefill / verify / commit on static buffers (module docstring).
 
@@ -332,7 +321,7 @@ class TargetAdapter:
         GPUs its grouped_mm falls back to a loop over the groups that copies the offsets to the host, as HF's "eager"
         implementation reads on the host which experts a batch hits. Read now (weights, settings and hooks may have
         changed since the adapter was made). A dense target: True."""
-        return all(experts_op_applies(e) and e.gate_up_proj.is_cuda or _hf_experts_capturable(e) for e in self._experts)
+        return all(experts_op_applies(e) and e.gate_up_proj.is_cuda or hf_experts_capturable(e) for e in self._experts)
 
     @property
     def device(self) -> torch.device:

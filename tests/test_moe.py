@@ -232,3 +232,21 @@ def test_long_prefills_run_hf_experts(monkeypatch):
     out = generate(target, draft, ids, 12, method="dflash")
     assert torch.equal(out, tiny.hf_greedy(target, ids, 12))
     assert calls and max(calls) <= 17
+
+
+def test_fallback_inside_a_capture_is_refused_with_the_reason(monkeypatch, gen):
+    """Where the op does not take a call (here: more rows than fused.MOE_OP_MAX_TOKENS) and HF's experts forward reads
+    the device from the host, a call inside a CUDA graph capture is refused naming why, instead of failing the capture
+    (a capture stood in for by torch.cuda's own query; no GPU needed). Outside a capture HF's forward runs."""
+    target, _ = moe_target_and_draft()
+    experts = target.model.layers[0].mlp.experts
+    x, ids, weights, _, _ = moe_case(3, 2, experts.num_experts, experts.hidden_dim, experts.intermediate_dim, gen)
+    monkeypatch.setattr(fused, "MOE_OP_MAX_TOKENS", 2)
+    with torch.no_grad():
+        expected = type(experts).forward(experts, x, ids, weights)
+        assert torch.equal(fused._experts_forward(experts, x, ids, weights), expected)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.raises(RuntimeError, match=r"inside a CUDA graph capture.*rows \[3, 64\], at most 2.*reads the "
+                                               r"device from the host"):
+            fused._experts_forward(experts, x, ids, weights)
