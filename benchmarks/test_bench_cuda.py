@@ -504,12 +504,14 @@ def test_gqa_attention(benchmark, ceilings, rows, kv_len):
 MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER = 256, 8, 2048, 512
 
 
-@pytest.mark.parametrize("tokens", [1, 17, 65])
-def test_moe_experts(benchmark, ceilings, tokens):
+@pytest.mark.parametrize("tokens,crowded", [(1, False), (17, False), (65, False), (17, True), (65, True)])
+def test_moe_experts(benchmark, ceilings, tokens, crowded):
     """A Qwen3.6-35B-A3B MoE layer's routed experts (ops.moe_experts), bf16, for a decode step (1 row), a DFlash
-    block (17) and a budget-64 verify block (65), each row routed to 8 of the 256 experts uniformly at random, three
-    layers' weights in rotation (4.8 GB, far past L2). Floor: the weights of the experts the rows reach, read once.
-    Baseline: Hugging Face's default experts forward (Qwen3_5MoeExperts, "grouped_mm": torch's grouped GEMM)."""
+    block (17) and a budget-64 verify block (65), each row routed to 8 of the 256 experts uniformly at random, or
+    (crowded) to 8 of the same 24, as rows that share their context may be (an expert then serves several chunks of 8
+    rows, its weights streamed again for each, from L2); three layers' weights in rotation (4.8 GB, far past L2).
+    Floor: the weights of the experts the rows reach, read once. Baseline: Hugging Face's default experts forward
+    (Qwen3_5MoeExperts, "grouped_mm": torch's grouped GEMM)."""
     modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
     from ddtree_ext.tiny import tiny_qwen3_5_moe_config
 
@@ -522,7 +524,10 @@ def test_moe_experts(benchmark, ceilings, tokens):
             module = modeling.Qwen3_5MoeExperts(config).to(torch.bfloat16).requires_grad_(False)
         module.gate_up_proj.normal_(0, MOE_HIDDEN ** -0.5, generator=gen)
         module.down_proj.normal_(0, MOE_INTER ** -0.5, generator=gen)
-        ids = torch.rand(tokens, MOE_EXPERTS, device=DEV, generator=gen).topk(MOE_TOP_K, dim=-1).indices
+        pool = torch.randperm(MOE_EXPERTS, device=DEV, generator=gen)[:24] if crowded else None
+        choices = MOE_EXPERTS if pool is None else 24
+        ids = torch.rand(tokens, choices, device=DEV, generator=gen).topk(MOE_TOP_K, dim=-1).indices
+        ids = ids if pool is None else pool[ids]
         weights = torch.softmax(torch.randn(tokens, MOE_TOP_K, device=DEV, generator=gen), -1).to(torch.bfloat16)
         x = torch.randn(tokens, MOE_HIDDEN, device=DEV, generator=gen, dtype=torch.bfloat16)
         layers.append(module)
@@ -532,7 +537,7 @@ def test_moe_experts(benchmark, ceilings, tokens):
     baseline = [lambda m=m, a=a: m(*a) for m, a in zip(layers, inputs)]
     expert_bytes = 3 * MOE_HIDDEN * MOE_INTER * 2
     bench(benchmark, ceilings, "moe_experts", f"T={tokens} E={MOE_EXPERTS} K={MOE_TOP_K} H={MOE_HIDDEN} "
-          f"I={MOE_INTER} bf16, {reached / len(layers):.0f} experts reached", calls,
+          f"I={MOE_INTER} bf16, {reached / len(layers):.0f} experts reached{' (crowded)' if crowded else ''}", calls,
           reached / len(layers) * expert_bytes, baseline=baseline)
 
 

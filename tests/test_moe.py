@@ -106,14 +106,21 @@ def test_moe_experts_out_and_empty_batch(gen):
 
 def bad_cases(gen):
     x, ids, weights, gate_up, down = moe_case(3, 2, 4, 16, 8, gen)
+
+    def with_id(t, k, value):
+        changed = ids.clone()
+        changed[t, k] = value
+        return changed
+
     return [
         (r"x must have shape \[T, H\]", dict(x=x[None])),
         ("x must be float32, float16 or bfloat16", dict(x=x.double())),
         ("expert_ids must have dtype Long", dict(expert_ids=ids.int())),
         (r"expert_ids must have shape \[T, K\] = \[3, K\]", dict(expert_ids=ids[:2])),
-        (r"expert_ids\[1, 0\] must be an expert in \[0, 4\), got 4", dict(expert_ids=ids.index_put((torch.tensor(1), torch.tensor(0)), torch.tensor(4)))),
-        (r"expert_ids\[2, 1\] must be an expert in \[0, 4\), got -1", dict(expert_ids=ids.index_put((torch.tensor(2), torch.tensor(1)), torch.tensor(-1)))),
-        ("expert_weights must have dtype BFloat16", dict(x=x.bfloat16(), gate_up_proj=gate_up.bfloat16(), down_proj=down.bfloat16())),
+        (r"expert_ids\[1, 0\] must be an expert in \[0, 4\), got 4", dict(expert_ids=with_id(1, 0, 4))),
+        (r"expert_ids\[2, 1\] must be an expert in \[0, 4\), got -1", dict(expert_ids=with_id(2, 1, -1))),
+        ("expert_weights must have dtype BFloat16",
+         dict(x=x.bfloat16(), gate_up_proj=gate_up.bfloat16(), down_proj=down.bfloat16())),
         (r"expert_weights must have shape \[3, 2\]", dict(expert_weights=weights[:, :1])),
         (r"gate_up_proj must have shape \[E, 2 I, H\] = \[E, 2 I, 16\]", dict(gate_up_proj=gate_up[..., :8])),
         (r"gate_up_proj must have shape \[E, 2 I, H\]", dict(gate_up_proj=gate_up[:, :15])),
