@@ -448,6 +448,14 @@ def _experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_
     return type(experts).forward(experts, hidden_states, top_k_index, top_k_weights)
 
 
+def experts_capturable(experts: torch.nn.Module) -> bool:
+    """Whether a round's calls of this experts module keep to the device, so that a CUDA graph can capture them:
+    ``ops.moe_experts`` runs them on a GPU (:func:`experts_op_applies`, the weights on CUDA, CUDA in
+    ``MOE_OP_DEVICES``), or HF's forward that runs instead does (:func:`hf_experts_capturable`)."""
+    op_here = experts_op_applies(experts) and experts.gate_up_proj.is_cuda and "cuda" in MOE_OP_DEVICES
+    return op_here or hf_experts_capturable(experts)
+
+
 def hf_experts_capturable(experts: torch.nn.Module) -> bool:
     """HF's own experts forward keeps to the device: its "grouped_mm" with bfloat16 weights on an sm_90 or sm_100 GPU
     (torch's grouped GEMM kernel; elsewhere torch's grouped_mm loops over the groups with their offsets copied to the

@@ -56,8 +56,8 @@ from transformers.activations import ACT2FN
 
 from ddtree_ext import ops
 from ddtree_ext.fused import (
-    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, experts_op_applies, has_own_forward, hf_experts_capturable,
-    is_longrope, ops_apply, per_position_longrope, rope_rows, rope_table, rope_table_serves, swapped_forwards,
+    OP_DTYPES, SILU_ACTIVATIONS, Fork, LayerFusion, experts_capturable, has_own_forward, is_longrope,
+    ops_apply, per_position_longrope, rope_rows, rope_table, rope_table_serves, swapped_forwards,
 )
 from ddtree_ext.ops import GDNTreeOutput, Tree, Walk
 from ddtree_ext.round import kv_bucket
@@ -315,13 +315,14 @@ class TargetAdapter:
         """Whether the sparse MoE layers' experts forward keeps to the device, so that a CUDA graph can capture it.
 
         ``ops.moe_experts`` does, on every GPU and dtype: it runs the experts wherever it applies
-        (``fused.experts_op_applies``: HF's SwiGLU experts, nothing hooked, on by default). Where it does not, HF's
+        (``fused.experts_op_applies``: HF's SwiGLU experts, nothing hooked, on by default; ``fused.experts_capturable``
+        per module). Where it does not, HF's
         experts forward runs, and only its default "grouped_mm" on torch's own grouped GEMM kernel keeps to the
         device: torch runs that kernel for bfloat16 on Hopper and Blackwell (sm_90, sm_100); for other dtypes and
         GPUs its grouped_mm falls back to a loop over the groups that copies the offsets to the host, as HF's "eager"
         implementation reads on the host which experts a batch hits. Read now (weights, settings and hooks may have
         changed since the adapter was made). A dense target: True."""
-        return all(experts_op_applies(e) and e.gate_up_proj.is_cuda or hf_experts_capturable(e) for e in self._experts)
+        return all(experts_capturable(e) for e in self._experts)
 
     @property
     def device(self) -> torch.device:
