@@ -4,14 +4,14 @@
 // two grouped GEMMs over every expert's offsets, the gate, a scatter back, a sum); a decode step or a verify block
 // has few rows, so it is launch- and latency-bound. Here four launches, each a programmatic dependent of the one
 // before:
-//   * route: one block lists the pairs (token, k) of each expert the block reaches, as slots (expert, first, count)
+//   * route: one block lists the pairs (token, k) of each expert the rows reach, as slots (expert, first, count)
 //     in the routing scratch;
 //   * gate_up: a block per (slot, 8 intermediate columns): each warp streams its column's gate and up weight rows
-//     once for all the slot's pairs (staged 8 at a time in shared memory) and writes round(round(silu(g)) * u);
+//     once per 8 of the slot's pairs (staged in shared memory) and writes round(round(silu(g)) * u);
 //   * down: a block per (slot, 16 hidden features), the same way over the down projection, times the routing weight;
 //   * combine: out[t] = round(sum over k of the pair outputs), k in order.
-// The weights an expert's pairs need are read once (an expert reached by more than 8 pairs reads its tile again,
-// from L2). A pair's dot products run in the same order whatever the other pairs are (lane-strided 16-byte chunks,
+// The weights an expert's pairs need are read from memory once (an expert reached by more than 8 pairs streams its
+// tile again for each 8 more, mostly from L2). A pair's dot products run in the same order whatever the other pairs are (lane-strided 16-byte chunks,
 // explicit fmaf, then a butterfly sum), so a row's bits do not depend on the batch: a verify block's rows give a
 // decode step's bits. Expert ids outside [0, E) reach no expert and add nothing (memcheck-clean; the CPU op raises).
 // On an H100 at Qwen3.6-35B-A3B's sizes: 33 us for one row (HF's grouped_mm forward: 94), 1.2x the weight-read floor
