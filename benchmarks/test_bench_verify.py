@@ -66,3 +66,30 @@ def test_bench_tree_gated_delta_rule(benchmark, n):
         "tree_gated_delta_rule",
         B=1, N=n, H=KEY_HEADS, HV=VALUE_HEADS, K=HEAD_DIM, V=HEAD_DIM, dtype=str(dt),
     )
+
+
+@pytest.mark.parametrize("implementation", ["ops.moe_experts", "hf grouped_mm"])
+def test_bench_moe_experts(benchmark, implementation):
+    """A 17-row verify block through a Qwen3.6-35B-A3B-sized MoE layer's routed experts (top 8, H 2048, I 512; 64
+    experts to keep the weights small), bf16, on the CPU: the op's fixed-order loops against HF's grouped_mm forward,
+    which is why generate() runs the op on CUDA only (fused.MOE_OP_DEVICES)."""
+    modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    from ddtree_ext.tiny import tiny_qwen3_5_moe_config
+
+    experts, top_k, hidden, inter, rows = 64, 8, 2048, 512, 17
+    gen = torch.Generator().manual_seed(0)
+    config = tiny_qwen3_5_moe_config(num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
+                                     moe_intermediate_size=inter, experts_implementation="grouped_mm")
+    module = modeling.Qwen3_5MoeExperts(config).requires_grad_(False)
+    module.gate_up_proj.normal_(0, hidden ** -0.5, generator=gen)
+    module.down_proj.normal_(0, inter ** -0.5, generator=gen)
+    module = module.to(torch.bfloat16)
+    x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(rows)])
+    weights = torch.softmax(torch.randn(rows, top_k, generator=gen), -1).to(torch.bfloat16)
+    if implementation == "ops.moe_experts":
+        fn = lambda: ops.moe_experts(x, ids, weights, module.gate_up_proj, module.down_proj)  # noqa: E731
+    else:
+        fn = lambda: module(x, ids, weights)  # noqa: E731
+    run_pedantic(benchmark, fn, "moe_experts", T=rows, E=experts, K=top_k, H=hidden, I=inter, dtype="bfloat16",
+                 implementation=implementation)

@@ -32,6 +32,7 @@ namespace cuda {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarp = 32;
+constexpr int kMaxGridY = 65535;  // the largest gridDim.y (and gridDim.z) a launch may have
 
 // ---- host side -------------------------------------------------------------------------------
 

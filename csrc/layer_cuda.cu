@@ -836,7 +836,7 @@ void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::T
   if (rows == 0 || heads == 0) return;
   TORCH_CHECK_VALUE(features <= INT32_MAX && heads <= INT32_MAX, "gdn_gates: x or the weights are too large");
   const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(cuda::ceil_div(rows, kGateRows)));
-  TORCH_CHECK_VALUE(grid.y <= 65535, "gdn_gates: x has too many rows (", rows, ")");
+  TORCH_CHECK_VALUE(grid.y <= cuda::kMaxGridY, "gdn_gates: x has too many rows (", rows, ")");
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), "gdn_gates", [&] {
     using T = scalar_t;
     const bool packed = can_pack<T>({&x, &weight_a, &weight_b}, features);

@@ -28,6 +28,7 @@ namespace ddtree {
 namespace {
 
 using cuda::kFullMask;
+using cuda::kMaxGridY;
 using cuda::kWarp;
 using cuda::Pack;
 using cuda::to_float;
@@ -38,23 +39,34 @@ constexpr int kChunk = 8;             // pairs staged at once: an expert's weigh
 constexpr int kDownRowsPerWarp = 2;   // hidden features per warp in the down projection
 static_assert(kDownRowsPerWarp * kChunk <= kWarp, "one lane writes each of a warp's down results");
 constexpr int kRouteThreads = 1024;
-constexpr int kMaxGridY = 65535;
 // Blocks resident per SM the projections are built for (at most 85 registers a thread): a decode step has a few
 // hundred blocks, each streaming weights, and latency is hidden by how many loads are in flight.
 constexpr int kMinBlocks = 3;
 
 // The routing scratch: [0] the number of slots used; then slot_expert[S], slot_begin[S], slot_count[S] (S = min(E,
-// P)), then the pair indices of every slot's expert, slot after slot (moe_routing_size).
+// P)), then the pair indices of every slot's expert, slot after slot (moe_routing_size). I: int32_t for the route
+// kernel, which writes it, const int32_t for the kernels that read it.
+template <typename I>
 struct Routing {
-  const int32_t* num_slots;
-  const int32_t* slot_expert;
-  const int32_t* slot_begin;
-  const int32_t* slot_count;
-  const int32_t* pairs;
+  I* num_slots;
+  I* slot_expert;
+  I* slot_begin;
+  I* slot_count;
+  I* pairs;
 };
 
-__device__ __forceinline__ Routing routing_view(const int32_t* base, int slots) {
-  return Routing{base, base + 1, base + 1 + slots, base + 1 + 2 * slots, base + 1 + 3 * slots};
+template <typename I>
+__device__ __forceinline__ Routing<I> routing_view(I* base, int slots) {
+  return Routing<I>{base, base + 1, base + 1 + slots, base + 1 + 2 * slots, base + 1 + 3 * slots};
+}
+
+// Inclusive sums of a and b over the warp's lanes, in lane order.
+__device__ __forceinline__ void warp_inclusive_sums(int& a, int& b, int lane) {
+#pragma unroll
+  for (int d = 1; d < kWarp; d <<= 1) {
+    const int a_below = __shfl_up_sync(kFullMask, a, d), b_below = __shfl_up_sync(kFullMask, b, d);
+    if (lane >= d) a += a_below, b += b_below;
+  }
 }
 
 // One block: counts per expert (shared atomics), a block-wide exclusive scan of the counts and of the experts
@@ -85,43 +97,32 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const int64_t*
     own_hits += counts[e] > 0;
   }
   int inc_pairs = own_pairs, inc_hits = own_hits;
-#pragma unroll
-  for (int d = 1; d < kWarp; d <<= 1) {
-    const int a = __shfl_up_sync(kFullMask, inc_pairs, d), b = __shfl_up_sync(kFullMask, inc_hits, d);
-    if (lane >= d) inc_pairs += a, inc_hits += b;
-  }
+  warp_inclusive_sums(inc_pairs, inc_hits, lane);
   if (lane == kWarp - 1) warp_offsets[0][warp] = inc_pairs, warp_offsets[1][warp] = inc_hits;
   __syncthreads();
-  if (warp == 0) {
-    const int wp = warp_offsets[0][lane], wh = warp_offsets[1][lane];  // kRouteThreads / kWarp == kWarp warps
-    int ip = wp, ih = wh;
-#pragma unroll
-    for (int d = 1; d < kWarp; d <<= 1) {
-      const int a = __shfl_up_sync(kFullMask, ip, d), b = __shfl_up_sync(kFullMask, ih, d);
-      if (lane >= d) ip += a, ih += b;
-    }
-    warp_offsets[0][lane] = ip - wp, warp_offsets[1][lane] = ih - wh;
+  if (warp == 0) {  // the warps' totals, one a lane (kRouteThreads / kWarp == kWarp), to exclusive offsets
+    const int warp_pairs = warp_offsets[0][lane], warp_hits = warp_offsets[1][lane];
+    int ip = warp_pairs, ih = warp_hits;
+    warp_inclusive_sums(ip, ih, lane);
+    warp_offsets[0][lane] = ip - warp_pairs, warp_offsets[1][lane] = ih - warp_hits;
   }
   __syncthreads();
   int begin = warp_offsets[0][warp] + inc_pairs - own_pairs, slot = warp_offsets[1][warp] + inc_hits - own_hits;
-  int32_t* slot_expert = routing + 1;
-  int32_t* slot_begin = slot_expert + slots;
-  int32_t* slot_count = slot_begin + slots;
-  int32_t* pair_list = slot_count + slots;
+  const Routing<int32_t> routes = routing_view(routing, slots);
   for (int e = lo; e < hi; ++e) {
     const int c = counts[e];
     cursor[e] = begin;
     if (c > 0) {
-      slot_expert[slot] = e, slot_begin[slot] = begin, slot_count[slot] = c;
+      routes.slot_expert[slot] = e, routes.slot_begin[slot] = begin, routes.slot_count[slot] = c;
       ++slot;
     }
     begin += c;
   }
-  if (tid == kRouteThreads - 1) routing[0] = slot;  // the last run ends at the total
+  if (tid == kRouteThreads - 1) *routes.num_slots = slot;  // the last run ends at the total
   __syncthreads();
   for (int p = tid; p < pairs; p += kRouteThreads) {
     const int64_t e = expert_ids[p];
-    if (e >= 0 && e < experts) pair_list[atomicAdd(&cursor[e], 1)] = p;
+    if (e >= 0 && e < experts) routes.pairs[atomicAdd(&cursor[e], 1)] = p;
   }
 }
 
@@ -193,16 +194,17 @@ template <int R>
 using Rows = std::integral_constant<int, R>;
 
 // The block's expert slot (blockIdx.y) in chunks of at most kChunk pairs: each chunk's input rows (row_of(pair) of
-// src, rows of length n) are staged in shared memory, then, for warps with work (`active`), compute(Rows<R>{}, rows,
-// pairs) runs with R = bucket(rows). Nothing for a block past the slots the route kernel filled.
+// src, rows of length n) are staged in shared memory, then, for warps with work (`active`), compute(Rows<R>{}, staged,
+// rows, pairs, expert) runs with R = bucket(rows). Nothing for a block past the slots the route kernel filled.
 template <typename T, typename RowOf, typename Compute>
 __device__ __forceinline__ void for_each_chunk(const int32_t* routing, int slots, const T* src, int64_t n,
                                                bool aligned, RowOf row_of, bool active, Compute compute) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* staged = reinterpret_cast<T*>(smem_raw);  // [kChunk][n]
-  const Routing routes = routing_view(routing, slots);
+  const Routing<const int32_t> routes = routing_view(routing, slots);
   const int s = blockIdx.y;
   if (s >= *routes.num_slots) return;
+  const int64_t expert = routes.slot_expert[s];
   const int begin = routes.slot_begin[s], count = routes.slot_count[s];
   for (int c0 = 0; c0 < count; c0 += kChunk) {
     const int rows = min(kChunk, count - c0);
@@ -212,16 +214,12 @@ __device__ __forceinline__ void for_each_chunk(const int32_t* routing, int slots
     __syncthreads();
     if (!active) continue;
     switch (bucket(rows)) {
-      case 1: compute(Rows<1>{}, staged, rows, pairs); break;
-      case 2: compute(Rows<2>{}, staged, rows, pairs); break;
-      case 4: compute(Rows<4>{}, staged, rows, pairs); break;
-      default: compute(Rows<kChunk>{}, staged, rows, pairs);
+      case 1: compute(Rows<1>{}, staged, rows, pairs, expert); break;
+      case 2: compute(Rows<2>{}, staged, rows, pairs, expert); break;
+      case 4: compute(Rows<4>{}, staged, rows, pairs, expert); break;
+      default: compute(Rows<kChunk>{}, staged, rows, pairs, expert);
     }
   }
-}
-
-__device__ __forceinline__ int64_t slot_expert(const int32_t* routing, int slots) {
-  return routing_view(routing, slots).slot_expert[blockIdx.y];
 }
 
 // hidden[p, c] = round(round(silu(round(gate_c . x[t]))) * round(up_c . x[t])) for the block's expert, the warp's
@@ -236,9 +234,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gate_up_kernel(
   const int64_t column = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   auto token_of = [&](int32_t pair) { return static_cast<int64_t>(pair / top_k); };
   for_each_chunk(routing, slots, x, hidden_size, x_aligned, token_of, column < inter,
-                 [&](auto rows_tag, const T* staged, int rows, const int32_t* pairs) {
+                 [&](auto rows_tag, const T* staged, int rows, const int32_t* pairs, int64_t expert) {
     constexpr int R = decltype(rows_tag)::value;
-    const T* gate = gate_up_proj + (slot_expert(routing, slots) * 2 * inter + column) * hidden_size;
+    const T* gate = gate_up_proj + (expert * 2 * inter + column) * hidden_size;
     float acc[2][R];
     warp_dots<T, 2, R>(gate, inter * hidden_size, staged, hidden_size, lane, acc);
 #pragma unroll
@@ -264,9 +262,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_down_kernel(
   const int64_t feature = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * kDownRowsPerWarp;
   auto pair_row = [](int32_t pair) { return static_cast<int64_t>(pair); };
   for_each_chunk(routing, slots, hidden, inter, true, pair_row, feature < hidden_size,
-                 [&](auto rows_tag, const T* staged, int rows, const int32_t* pairs) {
+                 [&](auto rows_tag, const T* staged, int rows, const int32_t* pairs, int64_t expert) {
     constexpr int R = decltype(rows_tag)::value;
-    const T* down = down_proj + (slot_expert(routing, slots) * hidden_size + feature) * inter;
+    const T* down = down_proj + (expert * hidden_size + feature) * inter;
     float acc[kDownRowsPerWarp][R];
     warp_dots<T, kDownRowsPerWarp, R>(down, inter, staged, inter, lane, acc);
 #pragma unroll

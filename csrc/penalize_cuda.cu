@@ -20,10 +20,10 @@
 namespace ddtree {
 namespace {
 
+using cuda::kMaxGridY;
 using cuda::kWarp;
 
 constexpr int kRowThreads = 256;
-constexpr int kMaxGridY = 65535;
 
 // out[b, i, v] = apply_penalties(logits[b, i, v], seen[b, v], counts[b, v]) for every node row (b, i), VEC
 // consecutive elements per thread; VEC = 4 needs V, the row strides and every pointer 4-element aligned.

@@ -358,12 +358,13 @@ def _decoder_forward(layer, signature, var_keyword, cache_name, mixer_cache, nex
 # grouped_mm runs a dozen, it keeps to the device on every GPU and dtype (so MoE rounds are captured everywhere), and
 # a row's output does not depend on the batch. ``benchmarks/e2e.py --moe hf`` turns it off for A/B runs.
 moe_experts_op = True
-# The most rows (tokens) a call runs ops.moe_experts for: its products run on CUDA cores, which keep up with the weight
-# reads for a round's rows (a budget-256 verify block has 257) but not with a long prompt's prefill, where HF's
-# grouped GEMMs (tensor cores) are faster.
+# The most rows (tokens) a call runs ops.moe_experts for: every round's (a budget-256 verify block has 257). Past that,
+# a long prompt's prefill, HF's grouped GEMMs run: the op's products run on CUDA cores, and a prefill's thousands of
+# rows are tensor-core work (the crossover is not measured; 512 only keeps every round on the op).
 MOE_OP_MAX_TOKENS = 512
-# Where generate() runs the op: on the CPU its fixed-order scalar loops are slower than HF's grouped GEMMs (167 against
-# 37 ms for 17 rows of a 35B-A3B-sized layer on 2 cores), and no graph needs it there.
+# Where generate() runs the op: on the CPU its fixed-order loops are slower than HF's grouped GEMMs (107 against 18 ms
+# for 17 rows of a 35B-A3B-sized layer on 2 cores: benchmarks/results/2026-12-06-cpu-moe-experts.md), and no graph
+# needs it there.
 MOE_OP_DEVICES = ("cuda",)
 
 
