@@ -504,12 +504,13 @@ def test_gqa_attention(benchmark, ceilings, rows, kv_len):
 MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER = 256, 8, 2048, 512
 
 
-@pytest.mark.parametrize("tokens,crowded", [(1, False), (17, False), (65, False), (17, True), (65, True)])
+@pytest.mark.parametrize("tokens,crowded", [(1, False), (17, False), (65, False), (17, True), (65, True),
+                                            (256, False), (1024, False), (4096, False)])
 def test_moe_experts(benchmark, ceilings, tokens, crowded):
     """A Qwen3.6-35B-A3B MoE layer's routed experts (ops.moe_experts), bf16, for a decode step (1 row), a DFlash
-    block (17) and a budget-64 verify block (65), each row routed to 8 of the 256 experts uniformly at random, or
-    (crowded) to 8 of the same 24, as rows that share their context may be (an expert then serves several chunks of 8
-    rows, its weights streamed again for each, from L2); three layers' weights in rotation (4.8 GB, far past L2).
+    block (17), a budget-64 verify block (65) and prefill chunks (256 to 4096: where HF's grouped GEMMs overtake the op,
+    fused.MOE_OP_MAX_TOKENS), each row routed to 8 of the 256 experts uniformly at random, or (crowded) to 8 of the
+    same 24, as rows that share their context may be; three layers' weights in rotation (4.8 GB, far past L2).
     Floor: the weights of the experts the rows reach, read once. Baseline: Hugging Face's default experts forward
     (Qwen3_5MoeExperts, "grouped_mm": torch's grouped GEMM)."""
     modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")

@@ -6,16 +6,18 @@
 // before:
 //   * route: one block lists the pairs (token, k) of each expert the rows reach, as slots (expert, first, count)
 //     in the routing scratch;
-//   * gate_up: a block per (slot, 8 intermediate columns): each warp streams its column's gate and up weight rows
-//     once per 8 of the slot's pairs (staged in shared memory) and writes round(round(silu(g)) * u);
-//   * down: a block per (slot, 16 hidden features), the same way over the down projection, times the routing weight;
+//   * gate-up: writes round(round(silu(round(gate . x))) * round(up . x)) for every pair of a slot;
+//   * down: round(round(down . that) * routing weight);
 //   * combine: out[t] = round(sum over k of the pair outputs), k in order.
-// The weights an expert's pairs need are read from memory once (an expert reached by more than 8 pairs streams its
-// tile again for each 8 more, mostly from L2). A pair's dot products run in the same order whatever the other pairs are (lane-strided 16-byte chunks,
-// explicit fmaf, then a butterfly sum), so a row's bits do not depend on the batch: a verify block's rows give a
-// decode step's bits. Expert ids outside [0, E) reach no expert and add nothing (memcheck-clean; the CPU op raises).
-// On an H100 at Qwen3.6-35B-A3B's sizes: 33 us for one row (HF's grouped_mm forward: 94), 1.2x the weight-read floor
-// for 17 and 65 rows (benchmarks/results/2026-12-06-h100-moe-experts.md).
+// The projections come in two kinds, one per dtype, each with a sum order fixed by K alone, so that a row's bits do
+// not depend on the batch (a verify block's rows give a decode step's bits):
+//   * bfloat16 / float16, tensor cores (mma.sync, float32 sums): a block per (slot, 8 intermediate columns) or
+//     (slot, 32 hidden features); its 8 warps split K and their sums are added in warp order; up to 32 of an
+//     expert's pairs share each pass over its weights, so a crowded expert's weights are read once per 32 pairs;
+//   * float32, fmaf (its sums as HF's float32 forwards round): a block per (slot, 8 columns) or (slot, 16 features),
+//     the pairs staged in shared memory 8 at a time; lane-strided 16-byte chunks, explicit fmaf, a butterfly sum.
+// Expert ids outside [0, E) reach no expert and add nothing (memcheck-clean; the CPU op raises).
+// Timings against HF's grouped_mm forward and the weight-read floor: benchmarks/results/*moe-experts*.md.
 #include <algorithm>
 #include <limits>
 #include <type_traits>
@@ -187,39 +189,46 @@ __device__ __forceinline__ void warp_dots(const T* __restrict__ weight, int64_t 
   }
 }
 
+// visit(rows, pairs, expert) for the block's expert slot (blockIdx.y) in groups of at most G of its pairs (pairs: the
+// group's pair indices, rows of them). Nothing for a block past the slots the route kernel filled.
+template <int G, typename Visit>
+__device__ __forceinline__ void for_each_group(const int32_t* routing, int slots, Visit visit) {
+  const Routing<const int32_t> routes = routing_view(routing, slots);
+  const int s = blockIdx.y;
+  if (s >= *routes.num_slots) return;
+  const int64_t expert = routes.slot_expert[s];
+  const int begin = routes.slot_begin[s], count = routes.slot_count[s];
+  for (int c0 = 0; c0 < count; c0 += G) visit(min(G, count - c0), routes.pairs + begin + c0, expert);
+}
+
 // The smallest of 1, 2, 4, kChunk rows that holds `rows`: the staged rows a warp computes.
 __device__ __forceinline__ int bucket(int rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : kChunk; }
 
 template <int R>
 using Rows = std::integral_constant<int, R>;
 
-// The block's expert slot (blockIdx.y) in chunks of at most kChunk pairs: each chunk's input rows (row_of(pair) of
-// src, rows of length n) are staged in shared memory, then, for warps with work (`active`), compute(Rows<R>{}, staged,
-// rows, pairs, expert) runs with R = bucket(rows). Nothing for a block past the slots the route kernel filled.
+// The block's expert slot in chunks of at most kChunk pairs: each chunk's input rows (row_of(pair) of src, rows of
+// length n) are staged in shared memory, then, for warps with work (`active`), compute(Rows<R>{}, staged, rows, pairs,
+// expert) runs with R = bucket(rows).
 template <typename T, typename RowOf, typename Compute>
 __device__ __forceinline__ void for_each_chunk(const int32_t* routing, int slots, const T* src, int64_t n,
                                                bool aligned, RowOf row_of, bool active, Compute compute) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* staged = reinterpret_cast<T*>(smem_raw);  // [kChunk][n]
-  const Routing<const int32_t> routes = routing_view(routing, slots);
-  const int s = blockIdx.y;
-  if (s >= *routes.num_slots) return;
-  const int64_t expert = routes.slot_expert[s];
-  const int begin = routes.slot_begin[s], count = routes.slot_count[s];
-  for (int c0 = 0; c0 < count; c0 += kChunk) {
-    const int rows = min(kChunk, count - c0);
-    const int32_t* pairs = routes.pairs + begin + c0;
-    if (c0 > 0) __syncthreads();  // the warps are done with the chunk before
+  bool first = true;
+  for_each_group<kChunk>(routing, slots, [&](int rows, const int32_t* pairs, int64_t expert) {
+    if (!first) __syncthreads();  // the warps are done with the chunk before
+    first = false;
     stage_rows(staged, src, n, rows, bucket(rows), aligned, [&](int r) { return row_of(pairs[r]); });
     __syncthreads();
-    if (!active) continue;
+    if (!active) return;
     switch (bucket(rows)) {
       case 1: compute(Rows<1>{}, staged, rows, pairs, expert); break;
       case 2: compute(Rows<2>{}, staged, rows, pairs, expert); break;
       case 4: compute(Rows<4>{}, staged, rows, pairs, expert); break;
       default: compute(Rows<kChunk>{}, staged, rows, pairs, expert);
     }
-  }
+  });
 }
 
 // hidden[p, c] = round(round(silu(round(gate_c . x[t]))) * round(up_c . x[t])) for the block's expert, the warp's
@@ -281,6 +290,210 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_down_kernel(
   });
 }
 
+// ---- 16-bit inputs: tensor cores ------------------------------------------------------------------------------
+// The fmaf kernels above do R x the multiply-adds for R staged pairs; when many rows reach one expert (verify rows
+// share their context and crowd a few experts) that, not the weights, is the bound. For bfloat16 and float16 the
+// products run on tensor cores instead (mma.sync m16n8k16, float32 sums), the weights as the 16-row side and the
+// expert's pairs as the 8-column side, up to kPassPairs pairs per pass, so a crowded expert's weights are read once.
+// Each of a block's warps takes every kWarps-th block of kKBlock elements of K (split-K) for the same output rows; the
+// warps' partial sums are then added in warp order. A product's sum order is thus fixed by K alone: a pair's bits do
+// not depend on the other pairs, on how many share its pass, or on its place in a tile.
+// A lane loads 16 consecutive elements of each of its rows per K block (two 16-byte loads) and feeds them to the
+// block's 4 mma k-steps: k-step s takes elements 4 s .. 4 s + 3 of the lane's 16 as the fragment's columns 2 tig,
+// 2 tig + 1, 2 tig + 8, 2 tig + 9. The weights and the pair rows are permuted alike, so the sums are the dot products.
+constexpr int kKBlock = 64;      // elements of K per warp step: 4 lanes (tig) x 16
+constexpr int kPassPairs = 32;   // pairs per pass: 4 mma column tiles of 8
+constexpr int kMmaMinBlocks = 2;
+
+template <int N>
+using Tiles = std::integral_constant<int, N>;
+
+// 16 bytes of row + k, or zeros where row is null or k is past the row's end (K is a multiple of 8 elements).
+template <typename T>
+__device__ __forceinline__ uint4 load_granule(const T* row, int64_t k, int64_t k_len, bool aligned) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (row != nullptr && k < k_len) {
+    if (aligned) {
+      v = *reinterpret_cast<const uint4*>(row + k);
+    } else {
+      Pack<T, 8> pk;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) pk.v[e] = row[k + e];
+      v = *reinterpret_cast<const uint4*>(&pk);
+    }
+  }
+  return v;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4 (&g)[2], int i) {
+  const uint4& q = g[i / 4];
+  const int j = i % 4;
+  return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;
+}
+
+// acc[m][n] += (rows of m-tile m) . (pair rows of column tile n) over this warp's K blocks (warp, warp + kWarps, ...).
+// This lane's operands: rows a[m][0] (row gid of the tile) and a[m][1] (row gid + 8), pair row b[n] (column gid);
+// null pointers read as zeros. Weights are always 16-byte aligned; the pair rows are where b_aligned says.
+// K blocks are unrolled by two for one tile of rows (gate-up: several blocks a warp); two tiles hold enough loads.
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void warp_mma_k_blocks(const T* const (&a)[MT][2], const T* const (&b)[NT], bool b_aligned,
+                                                  int64_t k_len, int warp, int tig, float (&acc)[MT][NT][4]) {
+  constexpr int kUnroll = MT == 1 ? 2 : 1;
+#pragma unroll kUnroll
+  for (int64_t k0 = static_cast<int64_t>(warp) * kKBlock; k0 < k_len; k0 += kWarps * kKBlock) {
+    const int64_t k = k0 + 16 * tig;
+    uint4 wa[MT][2][2], xb[NT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        wa[m][h][0] = load_granule(a[m][h], k, k_len, true);
+        wa[m][h][1] = load_granule(a[m][h], k + 8, k_len, true);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      xb[n][0] = load_granule(b[n], k, k_len, b_aligned);
+      xb[n][1] = load_granule(b[n], k + 8, k_len, b_aligned);
+    }
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const uint32_t frag_a[4] = {word(wa[m][0], 2 * s), word(wa[m][1], 2 * s), word(wa[m][0], 2 * s + 1),
+                                    word(wa[m][1], 2 * s + 1)};
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const uint32_t frag_b[2] = {word(xb[n], 2 * s), word(xb[n], 2 * s + 1)};
+          cuda::mma_16x8x16<T>(acc[m][n], frag_a, frag_b);
+        }
+      }
+    }
+  }
+}
+
+// The block's expert slot in passes of at most kPassPairs pairs: compute(Tiles<NT>{}, rows, pairs, expert) with the
+// fewest column tiles of 8 that hold the pass's rows.
+template <typename Compute>
+__device__ __forceinline__ void for_each_pass(const int32_t* routing, int slots, Compute compute) {
+  for_each_group<kPassPairs>(routing, slots, [&](int rows, const int32_t* pairs, int64_t expert) {
+    if (rows <= 8) {
+      compute(Tiles<1>{}, rows, pairs, expert);
+    } else if (rows <= 16) {
+      compute(Tiles<2>{}, rows, pairs, expert);
+    } else {
+      compute(Tiles<4>{}, rows, pairs, expert);
+    }
+  });
+}
+
+// The block's sum over warps of value v of lane's partial sums, warp 0 first.
+template <int V>
+__device__ __forceinline__ float sum_over_warps(const float (&partial)[kWarps][V][kWarp], int v, int lane) {
+  float sum = partial[0][v][lane];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) sum = __fadd_rn(sum, partial[w][v][lane]);
+  return sum;
+}
+
+// gate-up on tensor cores: a block per (slot, 8 intermediate columns c0 .. c0 + 7): the 16 weight rows are those
+// columns' gate rows, then their up rows, so a lane's accumulators hold gate and up of one column for two pairs.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kMmaMinBlocks) moe_gate_up_mma_kernel(
+    const T* __restrict__ x, bool x_aligned, int top_k, const int32_t* __restrict__ routing, int slots,
+    const T* __restrict__ gate_up_proj, int64_t inter, int64_t hidden_size, T* __restrict__ hidden) {
+  constexpr int kValues = 4 * kPassPairs / 8;
+  __shared__ float partial[kWarps][kValues][kWarp];
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, tig = lane % 4;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 8;  // I is a multiple of 8: every column exists
+  for_each_pass(routing, slots, [&](auto tiles, int rows, const int32_t* pairs, int64_t expert) {
+    constexpr int NT = decltype(tiles)::value;
+    const T* gate = gate_up_proj + (expert * 2 * inter + c0 + gid) * hidden_size;
+    const T* const a[1][2] = {{gate, gate + inter * hidden_size}};
+    const T* b[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int r = 8 * n + gid;
+      b[n] = r < rows ? x + static_cast<int64_t>(pairs[r] / top_k) * hidden_size : nullptr;
+    }
+    float acc[1][NT][4] = {};
+    warp_mma_k_blocks<T, 1, NT>(a, b, x_aligned, hidden_size, warp, tig, acc);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) partial[warp][4 * n + q][lane] = acc[0][n][q];
+    }
+    __syncthreads();
+    // Value n * 4 + h: gate (column gid) for pair 8 n + 2 tig + h; n * 4 + 2 + h: up of the same.
+    for (int i = threadIdx.x; i < 2 * NT * kWarp; i += kThreads) {
+      const int l = i % kWarp, h = (i / kWarp) % 2, n = i / (2 * kWarp);
+      const int r = 8 * n + 2 * (l % 4) + h;
+      if (r >= rows) continue;
+      const float g = round_to<T>(sum_over_warps(partial, 4 * n + h, l));
+      const float u = round_to<T>(sum_over_warps(partial, 4 * n + 2 + h, l));
+      hidden[static_cast<int64_t>(pairs[r]) * inter + c0 + l / 4] = static_cast<T>(__fmul_rn(round_to<T>(silu(g)), u));
+    }
+    __syncthreads();  // partial is read before the next pass writes it
+  });
+}
+
+// down on tensor cores: a block per (slot, kDownMmaTiles * 16 hidden features), times the routing weight.
+constexpr int kDownMmaTiles = 2;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kMmaMinBlocks) moe_down_mma_kernel(
+    const T* __restrict__ hidden, const T* __restrict__ expert_weights, const int32_t* __restrict__ routing, int slots,
+    const T* __restrict__ down_proj, int64_t inter, int64_t hidden_size, T* __restrict__ expert_out) {
+  constexpr int MT = kDownMmaTiles, kValues = MT * 4 * kPassPairs / 8;
+  __shared__ float partial[kWarps][kValues][kWarp];
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, tig = lane % 4;
+  const int64_t f0 = static_cast<int64_t>(blockIdx.x) * MT * 16;
+  for_each_pass(routing, slots, [&](auto tiles, int rows, const int32_t* pairs, int64_t expert) {
+    constexpr int NT = decltype(tiles)::value;
+    const T* a[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t feature = f0 + 16 * m + 8 * h + gid;
+        a[m][h] = feature < hidden_size ? down_proj + (expert * hidden_size + feature) * inter : nullptr;
+      }
+    }
+    const T* b[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int r = 8 * n + gid;
+      b[n] = r < rows ? hidden + static_cast<int64_t>(pairs[r]) * inter : nullptr;
+    }
+    float acc[MT][NT][4] = {};
+    warp_mma_k_blocks<T, MT, NT>(a, b, true, inter, warp, tig, acc);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) partial[warp][4 * (m * NT + n) + q][lane] = acc[m][n][q];
+      }
+    }
+    __syncthreads();
+    // Value (m NT + n) * 4 + q: feature 16 m + gid + 8 (q / 2), pair 8 n + 2 tig + q % 2.
+    for (int i = threadIdx.x; i < MT * NT * 4 * kWarp; i += kThreads) {
+      const int l = i % kWarp, v = i / kWarp, q = v % 4, n = (v / 4) % NT, m = v / (4 * NT);
+      const int r = 8 * n + 2 * (l % 4) + q % 2;
+      const int64_t feature = f0 + 16 * m + 8 * (q / 2) + l / 4;
+      if (r >= rows || feature >= hidden_size) continue;
+      const int64_t p = pairs[r];
+      expert_out[p * hidden_size + feature] =
+          static_cast<T>(__fmul_rn(round_to<T>(sum_over_warps(partial, v, l)), to_float(expert_weights[p])));
+    }
+    __syncthreads();
+  });
+}
+
 // out[t, j .. j + V) = round(sum over k of expert_out[t * K + k, j ..]), k in order, skipping pairs whose expert id
 // is out of range (they reached no expert).
 template <typename T>
@@ -309,6 +522,70 @@ __global__ void __launch_bounds__(kThreads) moe_combine_kernel(const T* __restri
   cuda::store_pack_float<T, V>(out + t * hidden_size + j, sum);
 }
 
+// 16-bit inputs run tensor-core code (mma.sync: compute capability >= 8.0); a build whose code for this GPU targets
+// an older architecture has traps in its place: refuse before launching anything.
+template <typename T>
+void check_tensor_cores() {
+  static const int ptx_version = cuda::ptx_version(moe_gate_up_mma_kernel<T>);
+  DDTREE_CHECK("moe_experts", ptx_version >= 80, "bfloat16/float16 inputs need this extension built for compute ",
+               "capability 8.0 or newer (its code for this GPU targets ", ptx_version / 10, ".", ptx_version % 10,
+               "); rebuild with TORCH_CUDA_ARCH_LIST naming 8.0 or newer, or pass float32");
+}
+
+// The four launches: route; gate-up, then down times the routing weight (on tensor cores for 16-bit T; for float32,
+// the fmaf kernels, which stage x's and the SwiGLU output's rows in shared memory); combine. Arguments checked.
+template <typename T>
+void launch_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
+                    const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& routing,
+                    at::Tensor& hidden, at::Tensor& expert_out, at::Tensor& out) {
+  if constexpr (sizeof(T) == 2) check_tensor_cores<T>();
+  const int64_t tokens = x.size(0), hidden_size = x.size(1), inter = down_proj.size(2);
+  const int64_t experts = gate_up_proj.size(0), pairs = expert_ids.numel();
+  const int top_k = static_cast<int>(expert_ids.size(1)), slots = static_cast<int>(std::min(experts, pairs));
+  int32_t* route = routing.data_ptr<int32_t>();
+  const size_t route_smem = 2 * static_cast<size_t>(experts) * sizeof(int32_t);
+  cuda::allow_dynamic_smem(moe_route_kernel, route_smem);
+  cuda::launch_programmatic(moe_route_kernel, dim3(1), dim3(kRouteThreads), route_smem, expert_ids.data_ptr<int64_t>(),
+                            static_cast<int>(pairs), static_cast<int>(experts), slots, route);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const T* xs = x.data_ptr<T>();
+  const bool x_aligned = cuda::is_aligned(xs, 16);
+  const dim3 threads(kThreads);
+  const int32_t* routes = route;  // what the projections read
+  if constexpr (sizeof(T) == 2) {
+    cuda::launch_programmatic(moe_gate_up_mma_kernel<T>, dim3(static_cast<unsigned>(inter / 8), slots), threads, 0,
+                              xs, x_aligned, top_k, routes, slots, gate_up_proj.data_ptr<T>(), inter, hidden_size,
+                              hidden.data_ptr<T>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cuda::launch_programmatic(
+        moe_down_mma_kernel<T>,
+        dim3(static_cast<unsigned>(cuda::ceil_div(hidden_size, kDownMmaTiles * 16)), slots), threads, 0,
+        static_cast<const T*>(hidden.data_ptr<T>()), expert_weights.data_ptr<T>(), routes, slots,
+        down_proj.data_ptr<T>(), inter, hidden_size, expert_out.data_ptr<T>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    const size_t gate_up_smem = kChunk * hidden_size * sizeof(T), down_smem = kChunk * inter * sizeof(T);
+    cuda::allow_dynamic_smem(moe_gate_up_kernel<T>, gate_up_smem);
+    cuda::launch_programmatic(moe_gate_up_kernel<T>, dim3(static_cast<unsigned>(cuda::ceil_div(inter, kWarps)), slots),
+                              threads, gate_up_smem, xs, x_aligned, top_k, routes, slots, gate_up_proj.data_ptr<T>(),
+                              inter, hidden_size, hidden.data_ptr<T>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cuda::allow_dynamic_smem(moe_down_kernel<T>, down_smem);
+    cuda::launch_programmatic(
+        moe_down_kernel<T>,
+        dim3(static_cast<unsigned>(cuda::ceil_div(hidden_size, kWarps * kDownRowsPerWarp)), slots), threads,
+        down_smem, static_cast<const T*>(hidden.data_ptr<T>()), expert_weights.data_ptr<T>(), routes, slots,
+        down_proj.data_ptr<T>(), inter, hidden_size, expert_out.data_ptr<T>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  constexpr int V = 16 / sizeof(T);
+  cuda::launch_programmatic(moe_combine_kernel<T>, dim3(static_cast<unsigned>(cuda::ceil_div(tokens * (hidden_size / V),
+                                                                                                kThreads))),
+                            threads, 0, static_cast<const T*>(expert_out.data_ptr<T>()), expert_ids.data_ptr<int64_t>(),
+                            top_k, experts, tokens, hidden_size, out.data_ptr<T>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 void moe_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
@@ -317,8 +594,8 @@ void moe_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids, const a
   constexpr const char* op = "moe_experts";
   check_moe_experts(x, expert_ids, expert_weights, gate_up_proj, down_proj, routing, hidden, expert_out, out);
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t tokens = x.size(0), hidden_size = x.size(1), top_k = expert_ids.size(1);
-  const int64_t experts = gate_up_proj.size(0), inter = down_proj.size(2), pairs = tokens * top_k;
+  const int64_t tokens = x.size(0), hidden_size = x.size(1);
+  const int64_t experts = gate_up_proj.size(0), inter = down_proj.size(2), pairs = expert_ids.numel();
   if (tokens == 0) return;
   const int64_t element = x.element_size(), vec = 16 / element;
   DDTREE_CHECK(op, hidden_size % vec == 0 && inter % vec == 0, "on CUDA the hidden size H (", hidden_size,
@@ -332,42 +609,18 @@ void moe_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids, const a
   const int64_t slots = std::min(experts, pairs);
   DDTREE_CHECK(op, slots <= kMaxGridY, "on CUDA min(E, T * K) must be at most ", kMaxGridY, ", got ", slots);
   const size_t route_smem = 2 * static_cast<size_t>(experts) * sizeof(int32_t);
-  const size_t gate_up_smem = kChunk * static_cast<size_t>(hidden_size) * element;
-  const size_t down_smem = kChunk * static_cast<size_t>(inter) * element;
   const size_t smem_limit = cuda::max_dynamic_smem();
   DDTREE_CHECK(op, route_smem <= smem_limit, "on this GPU the number of experts E must be at most ",
                smem_limit / (2 * sizeof(int32_t)), ", got ", experts);
-  DDTREE_CHECK(op, gate_up_smem <= smem_limit && down_smem <= smem_limit, "on this GPU H and I must be at most ",
-               smem_limit / (kChunk * element), " for ", x.scalar_type(), ", got H = ", hidden_size, ", I = ", inter);
-  int32_t* route = routing.data_ptr<int32_t>();
-  cuda::allow_dynamic_smem(moe_route_kernel, route_smem);
-  cuda::launch_programmatic(moe_route_kernel, dim3(1), dim3(kRouteThreads), route_smem, expert_ids.data_ptr<int64_t>(),
-                            static_cast<int>(pairs), static_cast<int>(experts), static_cast<int>(slots), route);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // float32 stages kChunk rows of x (H) and of the SwiGLU output (I) in shared memory; 16-bit inputs stage nothing.
+  const size_t gate_up_smem = kChunk * static_cast<size_t>(hidden_size) * element;
+  const size_t down_smem = kChunk * static_cast<size_t>(inter) * element;
+  if (element == 4) {
+    DDTREE_CHECK(op, gate_up_smem <= smem_limit && down_smem <= smem_limit, "on this GPU H and I must be at most ",
+                 smem_limit / (kChunk * element), " for ", x.scalar_type(), ", got H = ", hidden_size, ", I = ", inter);
+  }
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), op, [&] {
-    const scalar_t* xs = x.data_ptr<scalar_t>();
-    scalar_t* mid = hidden.data_ptr<scalar_t>();
-    scalar_t* per_pair = expert_out.data_ptr<scalar_t>();
-    cuda::allow_dynamic_smem(moe_gate_up_kernel<scalar_t>, gate_up_smem);
-    cuda::launch_programmatic(moe_gate_up_kernel<scalar_t>,
-                              dim3(static_cast<unsigned>(cuda::ceil_div(inter, kWarps)), static_cast<unsigned>(slots)),
-                              dim3(kThreads), gate_up_smem, xs, cuda::is_aligned(xs, 16), static_cast<int>(top_k),
-                              static_cast<const int32_t*>(route), static_cast<int>(slots),
-                              gate_up_proj.data_ptr<scalar_t>(), inter, hidden_size, mid);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    cuda::allow_dynamic_smem(moe_down_kernel<scalar_t>, down_smem);
-    cuda::launch_programmatic(
-        moe_down_kernel<scalar_t>,
-        dim3(static_cast<unsigned>(cuda::ceil_div(hidden_size, kWarps * kDownRowsPerWarp)), static_cast<unsigned>(slots)),
-        dim3(kThreads), down_smem, static_cast<const scalar_t*>(mid), expert_weights.data_ptr<scalar_t>(),
-        static_cast<const int32_t*>(route), static_cast<int>(slots), down_proj.data_ptr<scalar_t>(), inter,
-        hidden_size, per_pair);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    cuda::launch_programmatic(moe_combine_kernel<scalar_t>,
-                              dim3(static_cast<unsigned>(cuda::ceil_div(tokens * (hidden_size / vec), kThreads))),
-                              dim3(kThreads), 0, static_cast<const scalar_t*>(per_pair), expert_ids.data_ptr<int64_t>(),
-                              static_cast<int>(top_k), experts, tokens, hidden_size, out.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_experts<scalar_t>(x, expert_ids, expert_weights, gate_up_proj, down_proj, routing, hidden, expert_out, out);
   });
 }
 

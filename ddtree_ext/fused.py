@@ -358,10 +358,11 @@ def _decoder_forward(layer, signature, var_keyword, cache_name, mixer_cache, nex
 # grouped_mm runs a dozen, it keeps to the device on every GPU and dtype (so MoE rounds are captured everywhere), and
 # a row's output does not depend on the batch. ``benchmarks/e2e.py --moe hf`` turns it off for A/B runs.
 moe_experts_op = True
-# The most rows (tokens) a call runs ops.moe_experts for: every round's (a budget-256 verify block has 257). Past that,
-# a long prompt's prefill, HF's grouped GEMMs run: the op's products run on CUDA cores, and a prefill's thousands of
-# rows are tensor-core work (the crossover is not measured; 512 only keeps every round on the op).
-MOE_OP_MAX_TOKENS = 512
+# The most rows (tokens) a call runs ops.moe_experts for: every round's (a budget-256 verify block has 257) and
+# prefill chunks up to 1024 rows. Measured per 35B-A3B layer in bf16 on an H100: the op ahead of HF's grouped GEMMs at
+# 256 rows (662 against 755 us) and 1024 (965 against 1011), behind at 4096 (2804 against 2059), where HF's tiled
+# GEMMs reuse each x row across experts' columns (benchmarks/results/2026-12-06-h100-moe-experts-tensor-cores.md).
+MOE_OP_MAX_TOKENS = 1024
 # Where generate() runs the op: on the CPU its fixed-order loops are slower than HF's grouped GEMMs (107 against 18 ms
 # for 17 rows of a 35B-A3B-sized layer on 2 cores: benchmarks/results/2026-12-06-cpu-moe-experts.md), and no graph
 # needs it there.
@@ -373,7 +374,8 @@ MOE_OP_DEVICES = ("cuda",)
 # experts' outputs into a 16-bit buffer one expert at a time (other bits in 16-bit dtypes: the op stands in for it only
 # in float32); hub kernels (deepgemm, sonicmoe) round their own way.
 MOE_OP_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
-# The CUDA kernels' limits (csrc/moe_cuda.cu): pairs staged at once per expert, and the grid's slot dimension.
+# The CUDA kernels' limits (csrc/moe_cuda.cu): pairs the float32 kernels stage at once per expert, and the grid's slot
+# dimension. 16-bit weights run on tensor cores (compute capability 8.0 or newer) and stage nothing.
 _MOE_STAGED_ROWS, _MOE_MAX_SLOTS = 8, 65535
 
 
@@ -412,14 +414,16 @@ def experts_op_applies(experts: torch.nn.Module) -> bool:
         return False
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         return False
-    if gate_up.is_cuda:  # the kernels move 16 bytes at a time and stage rows in shared memory
+    if gate_up.is_cuda:  # the kernels move 16 bytes at a time; float32 stages rows in shared memory
         size = gate_up.element_size()
         vec = 16 // size
-        smem = getattr(torch.cuda.get_device_properties(gate_up.device), "shared_memory_per_block_optin", 48 * 1024)
+        props = torch.cuda.get_device_properties(gate_up.device)
+        smem = getattr(props, "shared_memory_per_block_optin", 48 * 1024)
+        staged = _MOE_STAGED_ROWS * max(hidden, inter) * size if size == 4 else 0
         return (
             hidden % vec == 0 and inter % vec == 0 and gate_up.data_ptr() % 16 == 0 and down.data_ptr() % 16 == 0
-            and _MOE_STAGED_ROWS * max(hidden, inter) * size <= smem and 2 * num_experts * 4 <= smem
-            and num_experts <= _MOE_MAX_SLOTS
+            and staged <= smem and 2 * num_experts * 4 <= smem and num_experts <= _MOE_MAX_SLOTS
+            and (size == 4 or props.major >= 8)
         )
     return True
 

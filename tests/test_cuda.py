@@ -1577,6 +1577,7 @@ MOE_SHAPES = [  # tokens, top_k, experts, hidden, inter
     (5, 2, 8, 64, 32),
     (17, 4, 6, 128, 16),
     (3, 1, 1, 8, 8),
+    (40, 3, 4, 1560, 72),  # K not a multiple of the 64-element K blocks; 9 to 32 pairs an expert: 2 and 4 column tiles
 ]
 
 
@@ -1598,8 +1599,9 @@ def test_moe_experts(dtype, shape):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_moe_experts_rows_do_not_depend_on_the_batch(dtype):
-    """A token's bits alone, in a batch and in a reordered batch, with one expert serving every token (20 pairs: three
-    chunks of its staged rows) and others serving one to four: a verify block's rows get a decode step's bits."""
+    """A token's bits alone, in a batch and in a reordered batch, with one expert serving every token (20 pairs: 4
+    tensor-core column tiles in 16-bit, three chunks of staged rows in float32) and others serving one to four: a
+    verify block's rows get a decode step's bits."""
     gen = make_gen(8)
     x, ids, weights, gate_up, down = to(list(moe_case(20, 4, 16, 256, 64, gen, dtype, crowd=True)), DEV)
     batch = ops.moe_experts(x, ids, weights, gate_up, down)
@@ -1614,7 +1616,7 @@ def test_moe_experts_rows_do_not_depend_on_the_batch(dtype):
                          ids=["no tokens", "more experts than route threads", "60 rows on one expert"])
 def test_moe_experts_edge_shapes(tokens, top_k, experts, crowd):
     """No tokens (nothing launched), more experts than the route kernel's 1024 threads (runs of experts per thread),
-    and one expert serving 60 pairs (eight chunks of its staged rows, the weights streamed again for each)."""
+    and one expert serving 60 pairs (two passes of up to 32 over its weights)."""
     case = moe_case(tokens, top_k, experts, 64, 32, make_gen(tokens + experts), torch.bfloat16, crowd=crowd)
     got = moe_on(case, DEV)
     assert got.shape == (tokens, 64)

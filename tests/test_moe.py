@@ -224,8 +224,8 @@ def test_experts_op_applies_only_to_hf_layout(monkeypatch):
 
 
 def test_long_prefills_run_hf_experts(monkeypatch):
-    """Past fused.MOE_OP_MAX_TOKENS rows (a long prompt's prefill) HF's experts forward runs, not the op (a prefill's
-    rows are tensor-core work for HF's grouped GEMMs); every round still runs the op, and the output is HF's."""
+    """Past fused.MOE_OP_MAX_TOKENS rows (a long prompt's prefill) HF's experts forward runs, not the op (its tiled
+    grouped GEMMs are faster there); every round still runs the op, and the output is HF's."""
     from ddtree_ext import generate, tiny
 
     assert fused.MOE_OP_MAX_TOKENS >= 257, "every round of the largest tree (budget 256 + the root) runs the op"
