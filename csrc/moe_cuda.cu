@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_down_kernel(
 // The fmaf kernels above do R x the multiply-adds for R staged pairs; when many rows reach one expert (verify rows
 // share their context and crowd a few experts) that, not the weights, is the bound. For bfloat16 and float16 the
 // products run on tensor cores instead (mma.sync m16n8k16, float32 sums), the weights as the 16-row side and the
-// expert's pairs as the 8-column side, up to kPassPairs pairs per pass, so a crowded expert's weights are read once.
+// expert's pairs as the 8-column side, up to 32 pairs per pass, so a crowded expert's weights are read once.
 // Each of a block's warps takes every kWarps-th block of kKBlock elements of K (split-K) for the same output rows; the
 // warps' partial sums are then added in warp order. A product's sum order is thus fixed by K alone: a pair's bits do
 // not depend on the other pairs, on how many share its pass, or on its place in a tile.
@@ -302,8 +302,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_down_kernel(
 // block's 4 mma k-steps: k-step s takes elements 4 s .. 4 s + 3 of the lane's 16 as the fragment's columns 2 tig,
 // 2 tig + 1, 2 tig + 8, 2 tig + 9. The weights and the pair rows are permuted alike, so the sums are the dot products.
 constexpr int kKBlock = 64;      // elements of K per warp step: 4 lanes (tig) x 16
-constexpr int kPassPairs = 32;   // pairs per pass: 4 mma column tiles of 8
-constexpr int kMmaMinBlocks = 2;
+constexpr int kMaxTiles = 4;     // mma column tiles of 8 pairs a pass takes at most: 32 pairs
+// The kernels come in three widths, the most column tiles a pass takes (1, 2 or kMaxTiles): a call with T rows serves
+// at most T pairs an expert (a token's experts are distinct), so a decode step runs the narrowest, whose
+// registers let 4 blocks share an SM (one wave for its 512 blocks on an H100) where the wider ones fit 2 (at 3, the
+// two-tile gate-up spills).
+template <int MaxTiles>
+constexpr int kMmaMinBlocks = MaxTiles == 1 ? 4 : 2;
 
 template <int N>
 using Tiles = std::integral_constant<int, N>;
@@ -372,17 +377,19 @@ __device__ __forceinline__ void warp_mma_k_blocks(const T* const (&a)[MT][2], co
   }
 }
 
-// The block's expert slot in passes of at most kPassPairs pairs: compute(Tiles<NT>{}, rows, pairs, expert) with the
+// The block's expert slot in passes of at most 8 MaxTiles pairs: compute(Tiles<NT>{}, rows, pairs, expert) with the
 // fewest column tiles of 8 that hold the pass's rows.
-template <typename Compute>
+template <int MaxTiles, typename Compute>
 __device__ __forceinline__ void for_each_pass(const int32_t* routing, int slots, Compute compute) {
-  for_each_group<kPassPairs>(routing, slots, [&](int rows, const int32_t* pairs, int64_t expert) {
+  for_each_group<8 * MaxTiles>(routing, slots, [&](int rows, const int32_t* pairs, int64_t expert) {
     if (rows <= 8) {
       compute(Tiles<1>{}, rows, pairs, expert);
-    } else if (rows <= 16) {
-      compute(Tiles<2>{}, rows, pairs, expert);
-    } else {
-      compute(Tiles<4>{}, rows, pairs, expert);
+    } else if constexpr (MaxTiles > 1) {
+      if (MaxTiles == 2 || rows <= 16) {
+        compute(Tiles<2>{}, rows, pairs, expert);
+      } else {
+        compute(Tiles<MaxTiles>{}, rows, pairs, expert);
+      }
     }
   });
 }
@@ -398,17 +405,17 @@ __device__ __forceinline__ float sum_over_warps(const float (&partial)[kWarps][V
 
 // gate-up on tensor cores: a block per (slot, 8 intermediate columns c0 .. c0 + 7): the 16 weight rows are those
 // columns' gate rows, then their up rows, so a lane's accumulators hold gate and up of one column for two pairs.
-template <typename T>
-__global__ void __launch_bounds__(kThreads, kMmaMinBlocks) moe_gate_up_mma_kernel(
+template <typename T, int MaxTiles>
+__global__ void __launch_bounds__(kThreads, kMmaMinBlocks<MaxTiles>) moe_gate_up_mma_kernel(
     const T* __restrict__ x, bool x_aligned, int top_k, const int32_t* __restrict__ routing, int slots,
     const T* __restrict__ gate_up_proj, int64_t inter, int64_t hidden_size, T* __restrict__ hidden) {
-  constexpr int kValues = 4 * kPassPairs / 8;
+  constexpr int kValues = 4 * MaxTiles;
   __shared__ float partial[kWarps][kValues][kWarp];
   cuda::allow_dependent_launch();
   cuda::wait_for_preceding_grid();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, tig = lane % 4;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 8;  // I is a multiple of 8: every column exists
-  for_each_pass(routing, slots, [&](auto tiles, int rows, const int32_t* pairs, int64_t expert) {
+  for_each_pass<MaxTiles>(routing, slots, [&](auto tiles, int rows, const int32_t* pairs, int64_t expert) {
     constexpr int NT = decltype(tiles)::value;
     const T* gate = gate_up_proj + (expert * 2 * inter + c0 + gid) * hidden_size;
     const T* const a[1][2] = {{gate, gate + inter * hidden_size}};
@@ -442,17 +449,17 @@ __global__ void __launch_bounds__(kThreads, kMmaMinBlocks) moe_gate_up_mma_kerne
 // down on tensor cores: a block per (slot, kDownMmaTiles * 16 hidden features), times the routing weight.
 constexpr int kDownMmaTiles = 2;
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads, kMmaMinBlocks) moe_down_mma_kernel(
+template <typename T, int MaxTiles>
+__global__ void __launch_bounds__(kThreads, kMmaMinBlocks<MaxTiles>) moe_down_mma_kernel(
     const T* __restrict__ hidden, const T* __restrict__ expert_weights, const int32_t* __restrict__ routing, int slots,
     const T* __restrict__ down_proj, int64_t inter, int64_t hidden_size, T* __restrict__ expert_out) {
-  constexpr int MT = kDownMmaTiles, kValues = MT * 4 * kPassPairs / 8;
+  constexpr int MT = kDownMmaTiles, kValues = MT * 4 * MaxTiles;
   __shared__ float partial[kWarps][kValues][kWarp];
   cuda::allow_dependent_launch();
   cuda::wait_for_preceding_grid();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, tig = lane % 4;
   const int64_t f0 = static_cast<int64_t>(blockIdx.x) * MT * 16;
-  for_each_pass(routing, slots, [&](auto tiles, int rows, const int32_t* pairs, int64_t expert) {
+  for_each_pass<MaxTiles>(routing, slots, [&](auto tiles, int rows, const int32_t* pairs, int64_t expert) {
     constexpr int NT = decltype(tiles)::value;
     const T* a[MT][2];
 #pragma unroll
@@ -526,10 +533,28 @@ __global__ void __launch_bounds__(kThreads) moe_combine_kernel(const T* __restri
 // an older architecture has traps in its place: refuse before launching anything.
 template <typename T>
 void check_tensor_cores() {
-  static const int ptx_version = cuda::ptx_version(moe_gate_up_mma_kernel<T>);
+  static const int ptx_version = cuda::ptx_version(moe_gate_up_mma_kernel<T, 1>);
   DDTREE_CHECK("moe_experts", ptx_version >= 80, "bfloat16/float16 inputs need this extension built for compute ",
                "capability 8.0 or newer (its code for this GPU targets ", ptx_version / 10, ".", ptx_version % 10,
                "); rebuild with TORCH_CUDA_ARCH_LIST naming 8.0 or newer, or pass float32");
+}
+
+// gate-up, then down times the routing weight, on tensor cores, passes of at most 8 MaxTiles pairs.
+template <typename T, int MaxTiles>
+void launch_mma_projections(const T* x, bool x_aligned, int top_k, const at::Tensor& expert_weights,
+                            const at::Tensor& gate_up_proj, const at::Tensor& down_proj, const int32_t* routes,
+                            int slots, at::Tensor& hidden, at::Tensor& expert_out) {
+  const int64_t hidden_size = gate_up_proj.size(2), inter = down_proj.size(2);
+  cuda::launch_programmatic(moe_gate_up_mma_kernel<T, MaxTiles>, dim3(static_cast<unsigned>(inter / 8), slots),
+                            dim3(kThreads), 0, x, x_aligned, top_k, routes, slots, gate_up_proj.data_ptr<T>(), inter,
+                            hidden_size, hidden.data_ptr<T>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cuda::launch_programmatic(
+      moe_down_mma_kernel<T, MaxTiles>,
+      dim3(static_cast<unsigned>(cuda::ceil_div(hidden_size, kDownMmaTiles * 16)), slots), dim3(kThreads), 0,
+      static_cast<const T*>(hidden.data_ptr<T>()), expert_weights.data_ptr<T>(), routes, slots,
+      down_proj.data_ptr<T>(), inter, hidden_size, expert_out.data_ptr<T>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The four launches: route; gate-up, then down times the routing weight (on tensor cores for 16-bit T; for float32,
@@ -553,16 +578,18 @@ void launch_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at:
   const dim3 threads(kThreads);
   const int32_t* routes = route;  // what the projections read
   if constexpr (sizeof(T) == 2) {
-    cuda::launch_programmatic(moe_gate_up_mma_kernel<T>, dim3(static_cast<unsigned>(inter / 8), slots), threads, 0,
-                              xs, x_aligned, top_k, routes, slots, gate_up_proj.data_ptr<T>(), inter, hidden_size,
-                              hidden.data_ptr<T>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    cuda::launch_programmatic(
-        moe_down_mma_kernel<T>,
-        dim3(static_cast<unsigned>(cuda::ceil_div(hidden_size, kDownMmaTiles * 16)), slots), threads, 0,
-        static_cast<const T*>(hidden.data_ptr<T>()), expert_weights.data_ptr<T>(), routes, slots,
-        down_proj.data_ptr<T>(), inter, hidden_size, expert_out.data_ptr<T>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // A call of T rows serves at most T pairs an expert: the narrowest kernels that take that many in one pass.
+    const int64_t tokens_per_expert = std::min<int64_t>(x.size(0), 8 * kMaxTiles);
+    if (tokens_per_expert <= 8) {
+      launch_mma_projections<T, 1>(xs, x_aligned, top_k, expert_weights, gate_up_proj, down_proj, routes, slots, hidden,
+                                   expert_out);
+    } else if (tokens_per_expert <= 16) {
+      launch_mma_projections<T, 2>(xs, x_aligned, top_k, expert_weights, gate_up_proj, down_proj, routes, slots, hidden,
+                                   expert_out);
+    } else {
+      launch_mma_projections<T, kMaxTiles>(xs, x_aligned, top_k, expert_weights, gate_up_proj, down_proj, routes, slots,
+                                           hidden, expert_out);
+    }
   } else {
     const size_t gate_up_smem = kChunk * hidden_size * sizeof(T), down_smem = kChunk * inter * sizeof(T);
     cuda::allow_dynamic_smem(moe_gate_up_kernel<T>, gate_up_smem);
