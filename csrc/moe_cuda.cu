@@ -3,7 +3,7 @@
 // Hugging Face's grouped_mm experts forward is a dozen launches per layer (a sort, gathers, a histogram, a cumsum,
 // two grouped GEMMs over every expert's offsets, the gate, a scatter back, a sum); a decode step or a verify block
 // has few rows, so it is launch- and latency-bound. Here four launches, each a programmatic dependent of the one
-// before:
+// before (three for a decode step's 16-bit call, whose projection blocks rank its few ids themselves):
 //   * route: one block lists the pairs (token, k) of each expert the rows reach, as slots (expert, first, count)
 //     in the routing scratch;
 //   * gate-up: writes round(round(silu(round(gate . x))) * round(up . x)) for every pair of a slot;
@@ -37,12 +37,13 @@ using cuda::to_float;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kWarp;
+// The float32 (fmaf) kernels:
 constexpr int kChunk = 8;             // pairs staged at once: an expert's weight tile is streamed once per chunk
 constexpr int kDownRowsPerWarp = 2;   // hidden features per warp in the down projection
 static_assert(kDownRowsPerWarp * kChunk <= kWarp, "one lane writes each of a warp's down results");
 constexpr int kRouteThreads = 1024;
-// Blocks resident per SM the projections are built for (at most 85 registers a thread): a decode step has a few
-// hundred blocks, each streaming weights, and latency is hidden by how many loads are in flight.
+// Blocks resident per SM the float32 projections are built for (at most 85 registers a thread): a decode step has a
+// few hundred blocks, each streaming weights, and latency is hidden by how many loads are in flight.
 constexpr int kMinBlocks = 3;
 
 // The routing scratch: [0] the number of slots used; then slot_expert[S], slot_begin[S], slot_count[S] (S = min(E,
@@ -189,16 +190,62 @@ __device__ __forceinline__ void warp_dots(const T* __restrict__ weight, int64_t 
   }
 }
 
-// visit(rows, pairs, expert) for the block's expert slot (blockIdx.y) in groups of at most G of its pairs (pairs: the
-// group's pair indices, rows of them). Nothing for a block past the slots the route kernel filled.
-template <int G, typename Visit>
-__device__ __forceinline__ void for_each_group(const int32_t* routing, int slots, Visit visit) {
-  const Routing<const int32_t> routes = routing_view(routing, slots);
+// Where a projection block finds its expert slot (blockIdx.y): the route kernel's table, or, for calls of at most
+// kWarp pairs (a decode step's 8), the expert ids themselves, ranked by one warp of the block, and the route kernel
+// is not launched: one dependent launch less where the op is shortest. Either way slot s is the s-th expert reached
+// in id order, so both give the same blocks the same work.
+struct SlotSource {
+  const int32_t* routing;  // the route kernel's table; null: rank expert_ids in each block
+  const int64_t* expert_ids;
+  int pairs, experts, slots;
+};
+
+// One warp, lane l taking pair l's expert id (pairs <= kWarp): out[0 .. count) = the pairs of the s-th expert reached,
+// in order, out[kWarp] = count (0: fewer experts reached), out[kWarp + 1] = the expert. Out-of-range ids reach none.
+__device__ __forceinline__ void rank_slot(const SlotSource& src, int s, int lane, int32_t* out) {
+  const int64_t id = lane < src.pairs ? src.expert_ids[lane] : -1;
+  const bool valid = id >= 0 && id < src.experts;
+  const int key = valid ? static_cast<int>(id) : -1 - lane;  // lanes without an expert: keys of their own
+  const unsigned same = __match_any_sync(kFullMask, key);
+  const bool first = valid && __ffs(same) - 1 == lane;  // the expert's first pair
+  int rank = 0;  // experts reached with smaller ids
+  for (int j = 0; j < kWarp; ++j) {
+    const int other = __shfl_sync(kFullMask, key, j);
+    rank += __shfl_sync(kFullMask, static_cast<int>(first), j) && other < key;
+  }
+  const unsigned at_s = __ballot_sync(kFullMask, first && rank == s);
+  if (at_s == 0) {
+    if (lane == 0) out[kWarp] = 0;
+    return;
+  }
+  const int leader = __ffs(at_s) - 1;
+  const unsigned members = __shfl_sync(kFullMask, same, leader);
+  const int expert = __shfl_sync(kFullMask, key, leader);
+  if ((members >> lane) & 1u) out[__popc(members & ((1u << lane) - 1u))] = lane;
+  if (lane == 0) out[kWarp] = __popc(members), out[kWarp + 1] = expert;
+}
+
+// visit(rows, pairs, expert) for the block's expert slot in groups of at most G of its pairs (pairs: the group's pair
+// indices, rows of them). Nothing for a block past the slots reached.
+// RankInBlock: the ids ranked in the block (src.routing is null), else the route kernel's table.
+template <int G, bool RankInBlock = false, typename Visit>
+__device__ __forceinline__ void for_each_group(const SlotSource& src, Visit visit) {
   const int s = blockIdx.y;
-  if (s >= *routes.num_slots) return;
-  const int64_t expert = routes.slot_expert[s];
-  const int begin = routes.slot_begin[s], count = routes.slot_count[s];
-  for (int c0 = 0; c0 < count; c0 += G) visit(min(G, count - c0), routes.pairs + begin + c0, expert);
+  if constexpr (RankInBlock) {
+    __shared__ int32_t ranked[kWarp + 2];
+    if (threadIdx.x < kWarp) rank_slot(src, s, threadIdx.x, ranked);
+    __syncthreads();
+    const int count = ranked[kWarp];
+    if (count == 0) return;
+    const int64_t expert = ranked[kWarp + 1];
+    for (int c0 = 0; c0 < count; c0 += G) visit(min(G, count - c0), static_cast<const int32_t*>(ranked) + c0, expert);
+  } else {
+    const Routing<const int32_t> routes = routing_view(src.routing, src.slots);
+    if (s >= *routes.num_slots) return;
+    const int64_t expert = routes.slot_expert[s];
+    const int begin = routes.slot_begin[s], count = routes.slot_count[s];
+    for (int c0 = 0; c0 < count; c0 += G) visit(min(G, count - c0), routes.pairs + begin + c0, expert);
+  }
 }
 
 // The smallest of 1, 2, 4, kChunk rows that holds `rows`: the staged rows a warp computes.
@@ -211,12 +258,12 @@ using Rows = std::integral_constant<int, R>;
 // length n) are staged in shared memory, then, for warps with work (`active`), compute(Rows<R>{}, staged, rows, pairs,
 // expert) runs with R = bucket(rows).
 template <typename T, typename RowOf, typename Compute>
-__device__ __forceinline__ void for_each_chunk(const int32_t* routing, int slots, const T* src, int64_t n,
-                                               bool aligned, RowOf row_of, bool active, Compute compute) {
+__device__ __forceinline__ void for_each_chunk(const SlotSource& slots, const T* src, int64_t n, bool aligned,
+                                               RowOf row_of, bool active, Compute compute) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* staged = reinterpret_cast<T*>(smem_raw);  // [kChunk][n]
   bool first = true;
-  for_each_group<kChunk>(routing, slots, [&](int rows, const int32_t* pairs, int64_t expert) {
+  for_each_group<kChunk>(slots, [&](int rows, const int32_t* pairs, int64_t expert) {
     if (!first) __syncthreads();  // the warps are done with the chunk before
     first = false;
     stage_rows(staged, src, n, rows, bucket(rows), aligned, [&](int r) { return row_of(pairs[r]); });
@@ -235,14 +282,14 @@ __device__ __forceinline__ void for_each_chunk(const int32_t* routing, int slots
 // column c and every pair p = (t, k) of the expert.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gate_up_kernel(
-    const T* __restrict__ x, bool x_aligned, int top_k, const int32_t* __restrict__ routing, int slots,
+    const T* __restrict__ x, bool x_aligned, int top_k, SlotSource slots,
     const T* __restrict__ gate_up_proj, int64_t inter, int64_t hidden_size, T* __restrict__ hidden) {
   cuda::allow_dependent_launch();
   cuda::wait_for_preceding_grid();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t column = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   auto token_of = [&](int32_t pair) { return static_cast<int64_t>(pair / top_k); };
-  for_each_chunk(routing, slots, x, hidden_size, x_aligned, token_of, column < inter,
+  for_each_chunk(slots, x, hidden_size, x_aligned, token_of, column < inter,
                  [&](auto rows_tag, const T* staged, int rows, const int32_t* pairs, int64_t expert) {
     constexpr int R = decltype(rows_tag)::value;
     const T* gate = gate_up_proj + (expert * 2 * inter + column) * hidden_size;
@@ -262,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gate_up_kernel(
 // features j and every pair p of the expert.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_down_kernel(
-    const T* __restrict__ hidden, const T* __restrict__ expert_weights, const int32_t* __restrict__ routing, int slots,
+    const T* __restrict__ hidden, const T* __restrict__ expert_weights, SlotSource slots,
     const T* __restrict__ down_proj, int64_t inter, int64_t hidden_size, T* __restrict__ expert_out) {
   cuda::allow_dependent_launch();
   cuda::wait_for_preceding_grid();
@@ -270,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_down_kernel(
   // H is a multiple of 4 (16 bytes of float32 at least): a warp's rows are all inside H or all past it.
   const int64_t feature = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * kDownRowsPerWarp;
   auto pair_row = [](int32_t pair) { return static_cast<int64_t>(pair); };
-  for_each_chunk(routing, slots, hidden, inter, true, pair_row, feature < hidden_size,
+  for_each_chunk(slots, hidden, inter, true, pair_row, feature < hidden_size,
                  [&](auto rows_tag, const T* staged, int rows, const int32_t* pairs, int64_t expert) {
     constexpr int R = decltype(rows_tag)::value;
     const T* down = down_proj + (expert * hidden_size + feature) * inter;
@@ -294,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_down_kernel(
 // The fmaf kernels above do R x the multiply-adds for R staged pairs; when many rows reach one expert (verify rows
 // share their context and crowd a few experts) that, not the weights, is the bound. For bfloat16 and float16 the
 // products run on tensor cores instead (mma.sync m16n8k16, float32 sums), the weights as the 16-row side and the
-// expert's pairs as the 8-column side, up to 32 pairs per pass, so a crowded expert's weights are read once.
+// expert's pairs as the 8-column side, up to 32 pairs per pass, so a crowded expert's weights are read once per 32.
 // Each of a block's warps takes every kWarps-th block of kKBlock elements of K (split-K) for the same output rows; the
 // warps' partial sums are then added in warp order. A product's sum order is thus fixed by K alone: a pair's bits do
 // not depend on the other pairs, on how many share its pass, or on its place in a tile.
@@ -305,8 +352,8 @@ constexpr int kKBlock = 64;      // elements of K per warp step: 4 lanes (tig) x
 constexpr int kMaxTiles = 4;     // mma column tiles of 8 pairs a pass takes at most: 32 pairs
 // The kernels come in three widths, the most column tiles a pass takes (1, 2 or kMaxTiles): a call with T rows serves
 // at most T pairs an expert (a token's experts are distinct), so a decode step runs the narrowest, whose
-// registers let 4 blocks share an SM (one wave for its 512 blocks on an H100) where the wider ones fit 2 (at 3, the
-// two-tile gate-up spills).
+// registers let 4 blocks share an SM (one wave for its 512 blocks on an H100) where the wider ones fit 2 (at 3 the
+// two-tile gate-up spilled 100 bytes).
 template <int MaxTiles>
 constexpr int kMmaMinBlocks = MaxTiles == 1 ? 4 : 2;
 
@@ -379,9 +426,9 @@ __device__ __forceinline__ void warp_mma_k_blocks(const T* const (&a)[MT][2], co
 
 // The block's expert slot in passes of at most 8 MaxTiles pairs: compute(Tiles<NT>{}, rows, pairs, expert) with the
 // fewest column tiles of 8 that hold the pass's rows.
-template <int MaxTiles, typename Compute>
-__device__ __forceinline__ void for_each_pass(const int32_t* routing, int slots, Compute compute) {
-  for_each_group<8 * MaxTiles>(routing, slots, [&](int rows, const int32_t* pairs, int64_t expert) {
+template <int MaxTiles, bool RankInBlock, typename Compute>
+__device__ __forceinline__ void for_each_pass(const SlotSource& slots, Compute compute) {
+  for_each_group<8 * MaxTiles, RankInBlock>(slots, [&](int rows, const int32_t* pairs, int64_t expert) {
     if (rows <= 8) {
       compute(Tiles<1>{}, rows, pairs, expert);
     } else if constexpr (MaxTiles > 1) {
@@ -405,9 +452,9 @@ __device__ __forceinline__ float sum_over_warps(const float (&partial)[kWarps][V
 
 // gate-up on tensor cores: a block per (slot, 8 intermediate columns c0 .. c0 + 7): the 16 weight rows are those
 // columns' gate rows, then their up rows, so a lane's accumulators hold gate and up of one column for two pairs.
-template <typename T, int MaxTiles>
+template <typename T, int MaxTiles, bool RankInBlock>
 __global__ void __launch_bounds__(kThreads, kMmaMinBlocks<MaxTiles>) moe_gate_up_mma_kernel(
-    const T* __restrict__ x, bool x_aligned, int top_k, const int32_t* __restrict__ routing, int slots,
+    const T* __restrict__ x, bool x_aligned, int top_k, SlotSource slots,
     const T* __restrict__ gate_up_proj, int64_t inter, int64_t hidden_size, T* __restrict__ hidden) {
   constexpr int kValues = 4 * MaxTiles;
   __shared__ float partial[kWarps][kValues][kWarp];
@@ -415,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, kMmaMinBlocks<MaxTiles>) moe_gate_up
   cuda::wait_for_preceding_grid();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, tig = lane % 4;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 8;  // I is a multiple of 8: every column exists
-  for_each_pass<MaxTiles>(routing, slots, [&](auto tiles, int rows, const int32_t* pairs, int64_t expert) {
+  for_each_pass<MaxTiles, RankInBlock>(slots, [&](auto tiles, int rows, const int32_t* pairs, int64_t expert) {
     constexpr int NT = decltype(tiles)::value;
     const T* gate = gate_up_proj + (expert * 2 * inter + c0 + gid) * hidden_size;
     const T* const a[1][2] = {{gate, gate + inter * hidden_size}};
@@ -449,9 +496,9 @@ __global__ void __launch_bounds__(kThreads, kMmaMinBlocks<MaxTiles>) moe_gate_up
 // down on tensor cores: a block per (slot, kDownMmaTiles * 16 hidden features), times the routing weight.
 constexpr int kDownMmaTiles = 2;
 
-template <typename T, int MaxTiles>
+template <typename T, int MaxTiles, bool RankInBlock>
 __global__ void __launch_bounds__(kThreads, kMmaMinBlocks<MaxTiles>) moe_down_mma_kernel(
-    const T* __restrict__ hidden, const T* __restrict__ expert_weights, const int32_t* __restrict__ routing, int slots,
+    const T* __restrict__ hidden, const T* __restrict__ expert_weights, SlotSource slots,
     const T* __restrict__ down_proj, int64_t inter, int64_t hidden_size, T* __restrict__ expert_out) {
   constexpr int MT = kDownMmaTiles, kValues = MT * 4 * MaxTiles;
   __shared__ float partial[kWarps][kValues][kWarp];
@@ -459,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, kMmaMinBlocks<MaxTiles>) moe_down_mm
   cuda::wait_for_preceding_grid();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, gid = lane / 4, tig = lane % 4;
   const int64_t f0 = static_cast<int64_t>(blockIdx.x) * MT * 16;
-  for_each_pass<MaxTiles>(routing, slots, [&](auto tiles, int rows, const int32_t* pairs, int64_t expert) {
+  for_each_pass<MaxTiles, RankInBlock>(slots, [&](auto tiles, int rows, const int32_t* pairs, int64_t expert) {
     constexpr int NT = decltype(tiles)::value;
     const T* a[MT][2];
 #pragma unroll
@@ -533,32 +580,34 @@ __global__ void __launch_bounds__(kThreads) moe_combine_kernel(const T* __restri
 // an older architecture has traps in its place: refuse before launching anything.
 template <typename T>
 void check_tensor_cores() {
-  static const int ptx_version = cuda::ptx_version(moe_gate_up_mma_kernel<T, 1>);
+  static const int ptx_version = cuda::ptx_version(moe_gate_up_mma_kernel<T, 1, false>);
   DDTREE_CHECK("moe_experts", ptx_version >= 80, "bfloat16/float16 inputs need this extension built for compute ",
                "capability 8.0 or newer (its code for this GPU targets ", ptx_version / 10, ".", ptx_version % 10,
                "); rebuild with TORCH_CUDA_ARCH_LIST naming 8.0 or newer, or pass float32");
 }
 
-// gate-up, then down times the routing weight, on tensor cores, passes of at most 8 MaxTiles pairs.
-template <typename T, int MaxTiles>
+// gate-up, then down times the routing weight, on tensor cores, passes of at most 8 MaxTiles pairs; RankInBlock: the
+// blocks rank the expert ids themselves (slots.routing is null).
+template <typename T, int MaxTiles, bool RankInBlock = false>
 void launch_mma_projections(const T* x, bool x_aligned, int top_k, const at::Tensor& expert_weights,
-                            const at::Tensor& gate_up_proj, const at::Tensor& down_proj, const int32_t* routes,
-                            int slots, at::Tensor& hidden, at::Tensor& expert_out) {
+                            const at::Tensor& gate_up_proj, const at::Tensor& down_proj, const SlotSource& slots,
+                            at::Tensor& hidden, at::Tensor& expert_out) {
   const int64_t hidden_size = gate_up_proj.size(2), inter = down_proj.size(2);
-  cuda::launch_programmatic(moe_gate_up_mma_kernel<T, MaxTiles>, dim3(static_cast<unsigned>(inter / 8), slots),
-                            dim3(kThreads), 0, x, x_aligned, top_k, routes, slots, gate_up_proj.data_ptr<T>(), inter,
+  cuda::launch_programmatic(moe_gate_up_mma_kernel<T, MaxTiles, RankInBlock>, dim3(static_cast<unsigned>(inter / 8), slots.slots),
+                            dim3(kThreads), 0, x, x_aligned, top_k, slots, gate_up_proj.data_ptr<T>(), inter,
                             hidden_size, hidden.data_ptr<T>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   cuda::launch_programmatic(
-      moe_down_mma_kernel<T, MaxTiles>,
-      dim3(static_cast<unsigned>(cuda::ceil_div(hidden_size, kDownMmaTiles * 16)), slots), dim3(kThreads), 0,
-      static_cast<const T*>(hidden.data_ptr<T>()), expert_weights.data_ptr<T>(), routes, slots,
-      down_proj.data_ptr<T>(), inter, hidden_size, expert_out.data_ptr<T>());
+      moe_down_mma_kernel<T, MaxTiles, RankInBlock>,
+      dim3(static_cast<unsigned>(cuda::ceil_div(hidden_size, kDownMmaTiles * 16)), slots.slots), dim3(kThreads), 0,
+      static_cast<const T*>(hidden.data_ptr<T>()), expert_weights.data_ptr<T>(), slots, down_proj.data_ptr<T>(), inter,
+      hidden_size, expert_out.data_ptr<T>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The four launches: route; gate-up, then down times the routing weight (on tensor cores for 16-bit T; for float32,
-// the fmaf kernels, which stage x's and the SwiGLU output's rows in shared memory); combine. Arguments checked.
+// The launches: route (for more than kWarp pairs); gate-up, then down times the routing weight (on tensor cores for
+// 16-bit T; for float32, the fmaf kernels, which stage x's and the SwiGLU output's rows in shared memory); combine.
+// Arguments checked.
 template <typename T>
 void launch_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
                     const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& routing,
@@ -567,49 +616,58 @@ void launch_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at:
   const int64_t tokens = x.size(0), hidden_size = x.size(1), inter = down_proj.size(2);
   const int64_t experts = gate_up_proj.size(0), pairs = expert_ids.numel();
   const int top_k = static_cast<int>(expert_ids.size(1)), slots = static_cast<int>(std::min(experts, pairs));
-  int32_t* route = routing.data_ptr<int32_t>();
-  const size_t route_smem = 2 * static_cast<size_t>(experts) * sizeof(int32_t);
-  cuda::allow_dynamic_smem(moe_route_kernel, route_smem);
-  cuda::launch_programmatic(moe_route_kernel, dim3(1), dim3(kRouteThreads), route_smem, expert_ids.data_ptr<int64_t>(),
-                            static_cast<int>(pairs), static_cast<int>(experts), slots, route);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t* ids = expert_ids.data_ptr<int64_t>();
+  SlotSource source{nullptr, ids, static_cast<int>(pairs), static_cast<int>(experts), slots};
+  // 16-bit calls of at most kWarp pairs and 8 rows (a decode step's) rank the ids in each projection block instead.
+  const bool rank_in_block = sizeof(T) == 2 && pairs <= kWarp && tokens <= 8;
+  if (!rank_in_block) {
+    int32_t* route = routing.data_ptr<int32_t>();
+    const size_t route_smem = 2 * static_cast<size_t>(experts) * sizeof(int32_t);
+    cuda::allow_dynamic_smem(moe_route_kernel, route_smem);
+    cuda::launch_programmatic(moe_route_kernel, dim3(1), dim3(kRouteThreads), route_smem, ids, source.pairs,
+                              source.experts, slots, route);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    source.routing = route;
+  }
   const T* xs = x.data_ptr<T>();
   const bool x_aligned = cuda::is_aligned(xs, 16);
   const dim3 threads(kThreads);
-  const int32_t* routes = route;  // what the projections read
   if constexpr (sizeof(T) == 2) {
-    // A call of T rows serves at most T pairs an expert: the narrowest kernels that take that many in one pass.
-    const int64_t tokens_per_expert = std::min<int64_t>(x.size(0), 8 * kMaxTiles);
-    if (tokens_per_expert <= 8) {
-      launch_mma_projections<T, 1>(xs, x_aligned, top_k, expert_weights, gate_up_proj, down_proj, routes, slots, hidden,
+    // A call of T rows serves at most T pairs an expert (its ids distinct per row, as a router's top-k are; repeats
+    // only add passes): the narrowest kernels that take that many in one pass.
+    const int64_t most_pairs_an_expert = std::min<int64_t>(tokens, 8 * kMaxTiles);
+    if (rank_in_block) {
+      launch_mma_projections<T, 1, true>(xs, x_aligned, top_k, expert_weights, gate_up_proj, down_proj, source, hidden,
+                                         expert_out);
+    } else if (most_pairs_an_expert <= 8) {
+      launch_mma_projections<T, 1>(xs, x_aligned, top_k, expert_weights, gate_up_proj, down_proj, source, hidden,
                                    expert_out);
-    } else if (tokens_per_expert <= 16) {
-      launch_mma_projections<T, 2>(xs, x_aligned, top_k, expert_weights, gate_up_proj, down_proj, routes, slots, hidden,
+    } else if (most_pairs_an_expert <= 16) {
+      launch_mma_projections<T, 2>(xs, x_aligned, top_k, expert_weights, gate_up_proj, down_proj, source, hidden,
                                    expert_out);
     } else {
-      launch_mma_projections<T, kMaxTiles>(xs, x_aligned, top_k, expert_weights, gate_up_proj, down_proj, routes, slots,
+      launch_mma_projections<T, kMaxTiles>(xs, x_aligned, top_k, expert_weights, gate_up_proj, down_proj, source,
                                            hidden, expert_out);
     }
   } else {
     const size_t gate_up_smem = kChunk * hidden_size * sizeof(T), down_smem = kChunk * inter * sizeof(T);
     cuda::allow_dynamic_smem(moe_gate_up_kernel<T>, gate_up_smem);
     cuda::launch_programmatic(moe_gate_up_kernel<T>, dim3(static_cast<unsigned>(cuda::ceil_div(inter, kWarps)), slots),
-                              threads, gate_up_smem, xs, x_aligned, top_k, routes, slots, gate_up_proj.data_ptr<T>(),
-                              inter, hidden_size, hidden.data_ptr<T>());
+                              threads, gate_up_smem, xs, x_aligned, top_k, source, gate_up_proj.data_ptr<T>(), inter,
+                              hidden_size, hidden.data_ptr<T>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     cuda::allow_dynamic_smem(moe_down_kernel<T>, down_smem);
     cuda::launch_programmatic(
         moe_down_kernel<T>,
         dim3(static_cast<unsigned>(cuda::ceil_div(hidden_size, kWarps * kDownRowsPerWarp)), slots), threads,
-        down_smem, static_cast<const T*>(hidden.data_ptr<T>()), expert_weights.data_ptr<T>(), routes, slots,
+        down_smem, static_cast<const T*>(hidden.data_ptr<T>()), expert_weights.data_ptr<T>(), source,
         down_proj.data_ptr<T>(), inter, hidden_size, expert_out.data_ptr<T>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   constexpr int V = 16 / sizeof(T);
   cuda::launch_programmatic(moe_combine_kernel<T>, dim3(static_cast<unsigned>(cuda::ceil_div(tokens * (hidden_size / V),
                                                                                                 kThreads))),
-                            threads, 0, static_cast<const T*>(expert_out.data_ptr<T>()), expert_ids.data_ptr<int64_t>(),
-                            top_k, experts, tokens, hidden_size, out.data_ptr<T>());
+                            threads, 0, static_cast<const T*>(expert_out.data_ptr<T>()), ids, top_k, experts, tokens, hidden_size, out.data_ptr<T>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

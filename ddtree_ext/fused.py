@@ -355,8 +355,9 @@ def _decoder_forward(layer, signature, var_keyword, cache_name, mixer_cache, nex
 
 # Whether a sparse MoE block's routed experts (``Qwen3_5MoeExperts``) run ``ops.moe_experts`` where it applies (else
 # HF's experts forward, as its config's experts_implementation picks). On: four launches a layer where HF's
-# grouped_mm runs a dozen, it keeps to the device on every GPU and dtype (so MoE rounds are captured everywhere), and
-# a row's output does not depend on the batch. ``benchmarks/e2e.py --moe hf`` turns it off for A/B runs.
+# grouped_mm runs a dozen, it keeps to the device (so MoE rounds are captured: in float32 on every GPU, in 16-bit
+# dtypes on compute capability 8.0 and newer, where its tensor-core kernels run), and a row's output does not depend
+# on the batch. ``benchmarks/e2e.py --moe hf`` turns it off for A/B runs.
 moe_experts_op = True
 # The most rows (tokens) a call runs ops.moe_experts for: every round's (a budget-256 verify block has 257) and
 # prefill chunks up to 1024 rows. Measured per 35B-A3B layer in bf16 on an H100: the op ahead of HF's grouped GEMMs at

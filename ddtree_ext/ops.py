@@ -770,9 +770,10 @@ def moe_experts(
 
     A row's output never depends on the other rows (fixed summation orders), so a verify block's rows give the bits
     of decode steps; the dot products sum in another order than HF's grouped GEMMs (float32 roundings apart). On
-    CUDA: four launches, each expert's weights streamed once per 8 of the rows it serves (again, mostly from L2, for
-    each 8 more; H and I multiples of 16 bytes of the dtype, the weights 16-byte aligned); an expert id outside
-    [0, E) adds nothing there and raises on the CPU.
+    CUDA: up to four launches; bfloat16 and float16 on tensor cores (compute capability 8.0 or newer, and a build for
+    it), each expert's weights streamed once per 32 of the rows it serves; float32 on CUDA cores, once per 8. H and I
+    must be multiples of 16 bytes of the dtype, the weights 16-byte aligned; an expert id outside [0, E) adds
+    nothing there and raises on the CPU.
     """
     op = "moe_experts"
     _check_dim(op, "x", x, 2, "[T, H]")

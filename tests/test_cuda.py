@@ -1577,7 +1577,8 @@ MOE_SHAPES = [  # tokens, top_k, experts, hidden, inter
     (5, 2, 8, 64, 32),
     (17, 4, 6, 128, 16),
     (3, 1, 1, 8, 8),
-    (40, 3, 4, 1560, 72),  # K not a multiple of the 64-element K blocks; 9 to 32 pairs an expert: 2 and 4 column tiles
+    (40, 3, 4, 1560, 72),  # K not a multiple of the 64-element K blocks; about 30 pairs an expert: 4 column tiles
+    (12, 3, 4, 1560, 72),  # 9 to 16 rows: the two-tile kernels, about 9 pairs an expert
 ]
 
 
@@ -1598,16 +1599,19 @@ def test_moe_experts(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_moe_experts_rows_do_not_depend_on_the_batch(dtype):
-    """A token's bits alone, in a batch and in a reordered batch, with one expert serving every token (20 pairs: 4
-    tensor-core column tiles in 16-bit, three chunks of staged rows in float32) and others serving one to four: a
-    verify block's rows get a decode step's bits."""
+@pytest.mark.parametrize("hidden,inter", [(256, 64), (1560, 72)], ids=["K blocks", "K tails"])
+def test_moe_experts_rows_do_not_depend_on_the_batch(dtype, hidden, inter):
+    """A token's bits alone, in a batch, in the batch's first 12 rows and in a reordered batch, with one expert serving
+    every token (20 pairs: 4 tensor-core column tiles in 16-bit, three chunks of staged rows in float32) and others
+    serving one to four: a verify block's rows get a decode step's bits. In 16-bit a token alone (4 pairs) is ranked in
+    the projection blocks, 12 rows run the two-tile kernels and 20 the four-tile ones through the route kernel."""
     gen = make_gen(8)
-    x, ids, weights, gate_up, down = to(list(moe_case(20, 4, 16, 256, 64, gen, dtype, crowd=True)), DEV)
+    x, ids, weights, gate_up, down = to(list(moe_case(20, 4, 16, hidden, inter, gen, dtype, crowd=True)), DEV)
     batch = ops.moe_experts(x, ids, weights, gate_up, down)
     for t in range(x.shape[0]):
         alone = ops.moe_experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], gate_up, down)
         assert torch.equal(alone, batch[t : t + 1]), f"token {t}"
+    assert torch.equal(ops.moe_experts(x[:12], ids[:12], weights[:12], gate_up, down), batch[:12]), "12 rows"
     order = torch.randperm(x.shape[0], generator=gen).to(DEV)
     assert torch.equal(ops.moe_experts(x[order], ids[order], weights[order], gate_up, down), batch[order])
 
@@ -1627,8 +1631,10 @@ def test_moe_experts_edge_shapes(tokens, top_k, experts, crowd):
         assert torch.equal(alone, got), "rows depend on the batch"
 
 
-def test_moe_experts_unaligned_x_gives_the_same_bits():
-    x, ids, weights, gate_up, down = to(list(moe_case(6, 2, 8, 64, 32, make_gen(3), torch.bfloat16)), DEV)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("tokens,hidden,inter", [(6, 64, 32), (20, 1560, 72)])
+def test_moe_experts_unaligned_x_gives_the_same_bits(dtype, tokens, hidden, inter):
+    x, ids, weights, gate_up, down = to(list(moe_case(tokens, 2, 8, hidden, inter, make_gen(3), dtype)), DEV)
     shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device=DEV)[1:].view(x.shape)
     shifted.copy_(x)
     assert shifted.data_ptr() % 16 != 0
@@ -1636,36 +1642,30 @@ def test_moe_experts_unaligned_x_gives_the_same_bits():
                        ops.moe_experts(x, ids, weights, gate_up, down))
 
 
-def test_moe_experts_graph_replay_with_new_routing():
-    """Captured once, replayed with other tokens routed to other experts (more and fewer experts reached than at
-    capture): the routing lives on the device."""
-    gen = make_gen(11)
-    first = to(list(moe_case(9, 4, 32, 128, 64, gen, torch.bfloat16)), DEV)
-    x, ids, weights, gate_up, down = (t.clone() for t in first)
-    out = torch.empty_like(x)
-    ops.moe_experts(x, ids, weights, gate_up, down, out=out)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.moe_experts(x, ids, weights, gate_up, down, out=out)
-    for crowd in (False, True, False):
-        nx, nids, nweights, _, _ = to(list(moe_case(9, 4, 32, 128, 64, gen, torch.bfloat16, crowd=crowd)), DEV)
-        x.copy_(nx), ids.copy_(nids), weights.copy_(nweights)
-        poison(out)
-        graph.replay()
-        assert torch.equal(out, ops.moe_experts(nx, nids, nweights, gate_up, down))
-
-
-def test_moe_experts_out_of_range_ids_add_nothing():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [4, 12], ids=["12 pairs", "36 pairs"])
+def test_moe_experts_out_of_range_ids_add_nothing(dtype, tokens):
     """An expert id outside [0, E) (the CPU op refuses it; CUDA cannot read it back) reaches no expert: its pair adds
-    nothing, the others are right, nothing is read or written out of bounds."""
-    x, ids, weights, gate_up, down = to(list(moe_case(4, 3, 8, 64, 32, make_gen(9), torch.float32)), DEV)
+    nothing, the others are right, nothing is read or written out of bounds. In bfloat16, 12 pairs over 4 rows are
+    ranked in the projection blocks (no route kernel), 36 go through the route kernel's table."""
+    x, ids, weights, gate_up, down = to(list(moe_case(tokens, 3, 8, 64, 32, make_gen(9), dtype)), DEV)
     bad = ids.clone()
     bad[1, 2], bad[3, 0] = 8, -1
     got = ops.moe_experts(x, bad, weights, gate_up, down)
     kept = weights.clone()
     kept[1, 2], kept[3, 0] = 0.0, 0.0
     torch.cuda.synchronize()
-    assert_close(got, reference.moe_experts(x, ids, kept, gate_up, down), torch.float32)
+    assert_close(got, reference.moe_experts(x, ids, kept, gate_up, down), dtype)
+
+
+@pytest.mark.parametrize("tokens", [2, 5], ids=["ranked in the blocks", "route kernel"])
+def test_moe_experts_repeated_ids(tokens):
+    """A token that names one expert for all of its 12 pairs (HF's router never does; the op still adds each pair):
+    the expert serves 12 tokens' worth of pairs, more than one pass of the narrowest kernels takes."""
+    x, ids, weights, gate_up, down = to(list(moe_case(tokens, 12, 16, 64, 32, make_gen(5), torch.bfloat16)), DEV)
+    ids[:] = 3
+    got = ops.moe_experts(x, ids, weights, gate_up, down)
+    assert_close(got, reference.moe_experts(x, ids, weights, gate_up, down), torch.bfloat16)
 
 
 def test_moe_experts_matches_hf_grouped_mm_on_real_shapes():
