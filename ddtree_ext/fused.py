@@ -354,7 +354,7 @@ def _decoder_forward(layer, signature, var_keyword, cache_name, mixer_cache, nex
 # ---- sparse MoE experts ---------------------------------------------------------------------------------
 
 # Whether a sparse MoE block's routed experts (``Qwen3_5MoeExperts``) run ``ops.moe_experts`` where it applies (else
-# HF's experts forward, as its config's experts_implementation picks). On: four launches a layer where HF's
+# HF's experts forward, as its config's experts_implementation picks). On: up to four launches a layer where HF's
 # grouped_mm runs a dozen, it keeps to the device (so MoE rounds are captured: in float32 on every GPU, in 16-bit
 # dtypes on compute capability 8.0 and newer, where its tensor-core kernels run), and a row's output does not depend
 # on the batch. ``benchmarks/e2e.py --moe hf`` turns it off for A/B runs.
