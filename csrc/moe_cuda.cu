@@ -593,9 +593,9 @@ void launch_mma_projections(const T* x, bool x_aligned, int top_k, const at::Ten
                             const at::Tensor& gate_up_proj, const at::Tensor& down_proj, const SlotSource& slots,
                             at::Tensor& hidden, at::Tensor& expert_out) {
   const int64_t hidden_size = gate_up_proj.size(2), inter = down_proj.size(2);
-  cuda::launch_programmatic(moe_gate_up_mma_kernel<T, MaxTiles, RankInBlock>, dim3(static_cast<unsigned>(inter / 8), slots.slots),
-                            dim3(kThreads), 0, x, x_aligned, top_k, slots, gate_up_proj.data_ptr<T>(), inter,
-                            hidden_size, hidden.data_ptr<T>());
+  cuda::launch_programmatic(moe_gate_up_mma_kernel<T, MaxTiles, RankInBlock>,
+                            dim3(static_cast<unsigned>(inter / 8), slots.slots), dim3(kThreads), 0, x, x_aligned, top_k,
+                            slots, gate_up_proj.data_ptr<T>(), inter, hidden_size, hidden.data_ptr<T>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   cuda::launch_programmatic(
       moe_down_mma_kernel<T, MaxTiles, RankInBlock>,
@@ -665,9 +665,10 @@ void launch_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at:
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   constexpr int V = 16 / sizeof(T);
-  cuda::launch_programmatic(moe_combine_kernel<T>, dim3(static_cast<unsigned>(cuda::ceil_div(tokens * (hidden_size / V),
-                                                                                                kThreads))),
-                            threads, 0, static_cast<const T*>(expert_out.data_ptr<T>()), ids, top_k, experts, tokens, hidden_size, out.data_ptr<T>());
+  const unsigned combine_blocks = static_cast<unsigned>(cuda::ceil_div(tokens * (hidden_size / V), kThreads));
+  cuda::launch_programmatic(moe_combine_kernel<T>, dim3(combine_blocks), threads, 0,
+                            static_cast<const T*>(expert_out.data_ptr<T>()), ids, top_k, experts, tokens, hidden_size,
+                            out.data_ptr<T>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
