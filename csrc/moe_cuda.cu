@@ -190,10 +190,10 @@ __device__ __forceinline__ void warp_dots(const T* __restrict__ weight, int64_t 
   }
 }
 
-// Where a projection block finds its expert slot (blockIdx.y): the route kernel's table, or, for calls of at most
-// kWarp pairs (a decode step's 8), the expert ids themselves, ranked by one warp of the block, and the route kernel
-// is not launched: one dependent launch less where the op is shortest. Either way slot s is the s-th expert reached
-// in id order, so both give the same blocks the same work.
+// Where a projection block finds its expert slot (blockIdx.y): the route kernel's table, or, for 16-bit calls of at
+// most kWarp pairs and 8 rows (a decode step's 8 pairs), the expert ids themselves, ranked by one warp of the block,
+// and the route kernel is not launched: one dependent launch less where the op is shortest. Either way slot s is the
+// s-th expert reached in id order, so both give the same blocks the same work.
 struct SlotSource {
   const int32_t* routing;  // the route kernel's table; null: rank expert_ids in each block
   const int64_t* expert_ids;
@@ -605,9 +605,9 @@ void launch_mma_projections(const T* x, bool x_aligned, int top_k, const at::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The launches: route (for more than kWarp pairs); gate-up, then down times the routing weight (on tensor cores for
-// 16-bit T; for float32, the fmaf kernels, which stage x's and the SwiGLU output's rows in shared memory); combine.
-// Arguments checked.
+// The launches: route (skipped for 16-bit calls of at most kWarp pairs and 8 rows); gate-up, then down times the
+// routing weight (on tensor cores for 16-bit T; for float32, the fmaf kernels, which stage x's and the SwiGLU
+// output's rows in shared memory); combine. Arguments checked.
 template <typename T>
 void launch_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
                     const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& routing,

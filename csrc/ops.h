@@ -151,7 +151,8 @@ void penalize_logits_cpu(const at::Tensor& logits, const at::Tensor& node_token,
 
 // ---- moe: a sparse MoE block's routed experts (csrc/moe.cpp) -----------------------------------
 // P = T * K (token, expert) pairs; S = min(E, P) slots, one per expert the pairs reach. routing is int32 scratch of
-// moe_routing_size(E, P) elements: the CUDA kernels' per-expert lists (the CPU op leaves it untouched).
+// moe_routing_size(E, P) elements: the CUDA route kernel's per-expert lists (left untouched by the CPU op and by 16-bit
+// CUDA calls of at most 32 pairs and 8 rows, whose projection blocks rank the ids themselves).
 int64_t moe_routing_size(int64_t num_experts, int64_t num_pairs);
 void check_moe_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
                        const at::Tensor& gate_up_proj, const at::Tensor& down_proj, const at::Tensor& routing,

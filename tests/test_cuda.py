@@ -1611,16 +1611,18 @@ def test_moe_experts_rows_do_not_depend_on_the_batch(dtype, hidden, inter):
     for t in range(x.shape[0]):
         alone = ops.moe_experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], gate_up, down)
         assert torch.equal(alone, batch[t : t + 1]), f"token {t}"
+    assert torch.equal(ops.moe_experts(x[:8], ids[:8], weights[:8], gate_up, down), batch[:8]), "8 rows"
     assert torch.equal(ops.moe_experts(x[:12], ids[:12], weights[:12], gate_up, down), batch[:12]), "12 rows"
     order = torch.randperm(x.shape[0], generator=gen).to(DEV)
     assert torch.equal(ops.moe_experts(x[order], ids[order], weights[order], gate_up, down), batch[order])
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,crowd", [(0, 2, 8, False), (3, 4, 1500, False), (60, 2, 4, True)],
+@pytest.mark.parametrize("tokens,top_k,experts,crowd", [(0, 2, 8, False), (3, 12, 1500, False), (60, 2, 4, True)],
                          ids=["no tokens", "more experts than route threads", "60 rows on one expert"])
 def test_moe_experts_edge_shapes(tokens, top_k, experts, crowd):
-    """No tokens (nothing launched), more experts than the route kernel's 1024 threads (runs of experts per thread),
-    and one expert serving 60 pairs (two passes of up to 32 over its weights)."""
+    """No tokens (nothing launched), more experts than the route kernel's 1024 threads (runs of experts per thread; 36
+    pairs, so the route kernel runs), and one expert serving 60 pairs (two passes of up to 32 over its weights); each
+    row alone (ranked in the projection blocks) gives the batch's bits."""
     case = moe_case(tokens, top_k, experts, 64, 32, make_gen(tokens + experts), torch.bfloat16, crowd=crowd)
     got = moe_on(case, DEV)
     assert got.shape == (tokens, 64)
@@ -1640,6 +1642,27 @@ def test_moe_experts_unaligned_x_gives_the_same_bits(dtype, tokens, hidden, inte
     assert shifted.data_ptr() % 16 != 0
     assert torch.equal(ops.moe_experts(shifted, ids, weights, gate_up, down),
                        ops.moe_experts(x, ids, weights, gate_up, down))
+
+
+@pytest.mark.parametrize("tokens", [4, 9], ids=["ranked in the blocks", "route kernel"])
+def test_moe_experts_graph_replay_with_new_routing(tokens):
+    """Captured once, replayed with other tokens routed to other experts (more and fewer experts reached than at
+    capture): the routing lives on the device, whether the projection blocks rank the ids (16 pairs over 4 rows) or
+    the route kernel lists them (36 over 9)."""
+    gen = make_gen(11)
+    first = to(list(moe_case(tokens, 4, 32, 128, 64, gen, torch.bfloat16)), DEV)
+    x, ids, weights, gate_up, down = (t.clone() for t in first)
+    out = torch.empty_like(x)
+    ops.moe_experts(x, ids, weights, gate_up, down, out=out)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.moe_experts(x, ids, weights, gate_up, down, out=out)
+    for crowd in (False, True, False):
+        nx, nids, nweights, _, _ = to(list(moe_case(tokens, 4, 32, 128, 64, gen, torch.bfloat16, crowd=crowd)), DEV)
+        x.copy_(nx), ids.copy_(nids), weights.copy_(nweights)
+        poison(out)
+        graph.replay()
+        assert torch.equal(out, ops.moe_experts(nx, nids, nweights, gate_up, down))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
