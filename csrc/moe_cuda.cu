@@ -46,6 +46,11 @@ constexpr int kRouteThreads = 1024;
 // few hundred blocks, each streaming weights, and latency is hidden by how many loads are in flight.
 constexpr int kMinBlocks = 3;
 
+// Dynamic shared memory: the route kernel's counts and cursors (two int32 per expert), and the float32 kernels' staged
+// rows (kChunk rows of n elements). The launches and the checks before them both size by these.
+inline size_t route_smem_bytes(int64_t experts) { return 2 * static_cast<size_t>(experts) * sizeof(int32_t); }
+inline size_t staged_smem_bytes(int64_t n, int64_t element) { return kChunk * static_cast<size_t>(n * element); }
+
 // The routing scratch: [0] the number of slots used; then slot_expert[S], slot_begin[S], slot_count[S] (S = min(E,
 // P)), then the pair indices of every slot's expert, slot after slot (moe_routing_size). I: int32_t for the route
 // kernel, which writes it, const int32_t for the kernels that read it.
@@ -622,7 +627,7 @@ void launch_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at:
   const bool rank_in_block = sizeof(T) == 2 && pairs <= kWarp && tokens <= 8;
   if (!rank_in_block) {
     int32_t* route = routing.data_ptr<int32_t>();
-    const size_t route_smem = 2 * static_cast<size_t>(experts) * sizeof(int32_t);
+    const size_t route_smem = route_smem_bytes(experts);
     cuda::allow_dynamic_smem(moe_route_kernel, route_smem);
     cuda::launch_programmatic(moe_route_kernel, dim3(1), dim3(kRouteThreads), route_smem, ids, source.pairs,
                               source.experts, slots, route);
@@ -650,7 +655,8 @@ void launch_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at:
                                            hidden, expert_out);
     }
   } else {
-    const size_t gate_up_smem = kChunk * hidden_size * sizeof(T), down_smem = kChunk * inter * sizeof(T);
+    const size_t gate_up_smem = staged_smem_bytes(hidden_size, sizeof(T));
+    const size_t down_smem = staged_smem_bytes(inter, sizeof(T));
     cuda::allow_dynamic_smem(moe_gate_up_kernel<T>, gate_up_smem);
     cuda::launch_programmatic(moe_gate_up_kernel<T>, dim3(static_cast<unsigned>(cuda::ceil_div(inter, kWarps)), slots),
                               threads, gate_up_smem, xs, x_aligned, top_k, source, gate_up_proj.data_ptr<T>(), inter,
@@ -694,16 +700,14 @@ void moe_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids, const a
   }
   const int64_t slots = std::min(experts, pairs);
   DDTREE_CHECK(op, slots <= kMaxGridY, "on CUDA min(E, T * K) must be at most ", kMaxGridY, ", got ", slots);
-  const size_t route_smem = 2 * static_cast<size_t>(experts) * sizeof(int32_t);
   const size_t smem_limit = cuda::max_dynamic_smem();
-  DDTREE_CHECK(op, route_smem <= smem_limit, "on this GPU the number of experts E must be at most ",
+  DDTREE_CHECK(op, route_smem_bytes(experts) <= smem_limit, "on this GPU the number of experts E must be at most ",
                smem_limit / (2 * sizeof(int32_t)), ", got ", experts);
   // float32 stages kChunk rows of x (H) and of the SwiGLU output (I) in shared memory; 16-bit inputs stage nothing.
-  const size_t gate_up_smem = kChunk * static_cast<size_t>(hidden_size) * element;
-  const size_t down_smem = kChunk * static_cast<size_t>(inter) * element;
   if (element == 4) {
-    DDTREE_CHECK(op, gate_up_smem <= smem_limit && down_smem <= smem_limit, "on this GPU H and I must be at most ",
-                 smem_limit / (kChunk * element), " for ", x.scalar_type(), ", got H = ", hidden_size, ", I = ", inter);
+    DDTREE_CHECK(op, staged_smem_bytes(std::max(hidden_size, inter), element) <= smem_limit,
+                 "on this GPU H and I must be at most ", smem_limit / (kChunk * element), " for ", x.scalar_type(),
+                 ", got H = ", hidden_size, ", I = ", inter);
   }
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), op, [&] {
     launch_experts<scalar_t>(x, expert_ids, expert_weights, gate_up_proj, down_proj, routing, hidden, expert_out, out);

@@ -817,8 +817,8 @@ def penalize_logits(
     logits [B, N, V] (float32, float16 or bfloat16, last dim contiguous) -> out [B, N, V] float32 (contiguous; must
     not overlap the inputs). seen [B, V] bool: the tokens in the sequence so far (None: no repetition penalty, which
     must then be 1); counts [B, V] float32: how often each token was generated so far (None: no presence or frequency
-    penalty, which must then be 0); both with a contiguous last dim. max_depth (default N): the longest path counted, root included; a node's path is cut
-    to its max_depth - 1 nearest nodes. For node i and token t, with s = seen[b, t] or t on i's path and
+    penalty, which must then be 0); both with a contiguous last dim. max_depth (default N): the longest path counted,
+    root included; a node's path is cut to its max_depth - 1 nearest nodes. For node i and token t, with s = seen[b, t] or t on i's path and
     c = counts[b, t] + t's occurrences on i's path, all in float32:
 
     * repetition (HF's ``RepetitionPenaltyLogitsProcessor``), where s: x * r if x < 0 else x / r, the division as

@@ -314,14 +314,14 @@ class TargetAdapter:
     def moe_capturable(self) -> bool:
         """Whether the sparse MoE layers' experts forward keeps to the device, so that a CUDA graph can capture it.
 
-        ``ops.moe_experts`` does, on every GPU and dtype: it runs the experts wherever it applies
-        (``fused.experts_op_applies``: HF's SwiGLU experts, nothing hooked, on by default; ``fused.experts_capturable``
-        per module). Where it does not, HF's
-        experts forward runs, and only its default "grouped_mm" on torch's own grouped GEMM kernel keeps to the
-        device: torch runs that kernel for bfloat16 on Hopper and Blackwell (sm_90, sm_100); for other dtypes and
-        GPUs its grouped_mm falls back to a loop over the groups that copies the offsets to the host, as HF's "eager"
-        implementation reads on the host which experts a batch hits. Read now (weights, settings and hooks may have
-        changed since the adapter was made). A dense target: True."""
+        ``ops.moe_experts`` does: it runs the experts wherever it applies (``fused.experts_op_applies``: HF's SwiGLU
+        experts, nothing hooked, on by default; in 16-bit dtypes on compute capability 8.0 or newer), asked per module
+        by ``fused.experts_capturable``. Where it does not, HF's experts forward runs, and only its default
+        "grouped_mm" on torch's own grouped GEMM kernel keeps to the device: torch runs that kernel for bfloat16 on
+        Hopper and Blackwell (sm_90, sm_100); for other dtypes and GPUs its grouped_mm falls back to a loop over the
+        groups that copies the offsets to the host, as HF's "eager" implementation reads on the host which experts a
+        batch hits. Read now (weights, settings and hooks may have changed since the adapter was made). A dense
+        target: True."""
         return all(experts_capturable(e) for e in self._experts)
 
     @property
