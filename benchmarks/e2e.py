@@ -679,9 +679,11 @@ def main(argv=None) -> None:
                              "candidates (ddtree_ext.gemm_tuning, timed in the warm-up rounds; the default), torch's "
                              "F.linear (cuBLAS's own picks, the library's default), or ops.linear (the "
                              "weight-streaming kernel), for A/B runs")
-    parser.add_argument("--moe", choices=["ops", "hf"], default="ops",
-                        help="a sparse MoE target's routed experts: ops.moe_experts (the library's default) or HF's "
-                             "experts forward (ddtree_ext.fused.moe_experts_op off), for A/B runs")
+    parser.add_argument("--moe", choices=["block", "ops", "hf"], default="block",
+                        help="a sparse MoE target's MoE blocks: the fused block (ops.moe_router, then ops.moe_experts "
+                             "with the shared expert folded in: the library's default), HF's block body with its "
+                             "routed experts through ops.moe_experts (ddtree_ext.fused.fuse_moe_block off), or HF's "
+                             "block and experts forwards (ddtree_ext.fused.moe_experts_op off too), for A/B runs")
     parser.add_argument("--no-fused-adds", action="store_true",
                         help="run the decoder layers' residual adds apart from the norms after them, for A/B runs "
                              "(ddtree_ext.fused.fuse_residual_adds)")
@@ -714,7 +716,8 @@ def main(argv=None) -> None:
     gemm_tuning.enabled = args.linear == "tuned"
     gemm_tuning.gemv_candidate = args.gemv
     fused.fuse_residual_adds = not args.no_fused_adds
-    fused.moe_experts_op = args.moe == "ops"
+    fused.moe_experts_op = args.moe in ("block", "ops")
+    fused.fuse_moe_block = args.moe == "block"
     fused.fuse_attention_heads = not args.no_fused_attention
     fused.fuse_kv_store = not args.no_fused_kv_store
     target_module.fuse_gdn_conv = not args.no_fused_gdn_conv
@@ -745,7 +748,9 @@ def main(argv=None) -> None:
                      + (", and ops.linear_gemv for single rows" if gemm_tuning.gemv_candidate else "")
                      if gemm_tuning.enabled else "cuBLAS (F.linear)"),
         residual_adds="fused into the next norm" if fused.fuse_residual_adds else "apart (torch add, then the norm)",
-        moe_experts=("ops.moe_experts" if fused.moe_experts_op else "HF's experts forward (its experts_implementation)"),
+        moe_experts=("ops.moe_router, then ops.moe_experts with the shared expert folded in" if fused.fuse_moe_block
+                     and fused.moe_experts_op else "HF's block body, its experts through ops.moe_experts"
+                     if fused.moe_experts_op else "HF's experts forward (its experts_implementation)"),
         gdn_conv=("with the delta rule, one op (gdn_conv_delta_rule)" if target_module.fuse_gdn_conv
                   else "apart from the delta rule (tree_conv1d, then tree_gated_delta_rule)"),
         stacked_projections=not args.no_stacked_projections,

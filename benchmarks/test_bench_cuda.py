@@ -542,6 +542,58 @@ def test_moe_experts(benchmark, ceilings, tokens, crowded):
           reached / len(layers) * expert_bytes, baseline=baseline)
 
 
+MOE_SHARED_INTER = 512
+
+
+@pytest.mark.parametrize("tokens", [1, 17, 65])
+def test_moe_block(benchmark, ceilings, tokens):
+    """A Qwen3.6-35B-A3B sparse MoE block (router, 256 routed experts of 512, top 8, a shared expert of 512 and its
+    sigmoid gate), bf16, under the layer fusions a round runs: the fused block (the router's projection, ops.moe_router,
+    the shared expert, its gate, ops.moe_experts with the shared expert folded in) against HF's block body with the
+    same fusions (the router's softmax, top-k and renormalisation and the shared expert's gate and add as torch's
+    kernels; the routed experts through ops.moe_experts), for a decode step, a DFlash block and a budget-64 verify
+    block; the router's random weights route each row to its own 8 experts. Three blocks' weights in rotation. Floor:
+    the router's, the shared expert's and the reached experts' weights, read once."""
+    modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    from ddtree_ext import fused
+    from ddtree_ext.tiny import tiny_qwen3_5_moe_config
+
+    config = tiny_qwen3_5_moe_config(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, hidden_size=MOE_HIDDEN,
+                                     moe_intermediate_size=MOE_INTER, shared_expert_intermediate_size=MOE_SHARED_INTER,
+                                     experts_implementation="grouped_mm")
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    blocks, inputs, reached = [], [], 0
+    for _ in range(3):
+        with torch.device(DEV):
+            block = modeling.Qwen3_5MoeSparseMoeBlock(config).to(torch.bfloat16).requires_grad_(False)
+        for p in block.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5, generator=gen)
+        x = torch.randn(1, tokens, MOE_HIDDEN, device=DEV, generator=gen, dtype=torch.bfloat16)
+        reached += torch.topk(x[0] @ block.gate.weight.t(), MOE_TOP_K).indices.unique().numel()
+        fused.stack_projections(block)
+        blocks.append(block)
+        inputs.append(x)
+    fusions = [fused.LayerFusion(b) for b in blocks]
+
+    def run(block, fusion, x, fuse_block):
+        saved, fused.fuse_moe_block = fused.fuse_moe_block, fuse_block
+        try:
+            with torch.no_grad(), fusion.active():
+                return block(x)
+        finally:
+            fused.fuse_moe_block = saved
+
+    with torch.no_grad():
+        assert fused._moe_block_fusable(blocks[0], inputs[0][0]), "the fused block must apply here"
+    calls = [lambda b=b, f=f, x=x: run(b, f, x, True) for b, f, x in zip(blocks, fusions, inputs)]
+    baseline = [lambda b=b, f=f, x=x: run(b, f, x, False) for b, f, x in zip(blocks, fusions, inputs)]
+    expert_bytes = 3 * MOE_HIDDEN * MOE_INTER * BF16
+    dense_bytes = (MOE_EXPERTS + 1 + 3 * MOE_SHARED_INTER) * MOE_HIDDEN * BF16
+    bench(benchmark, ceilings, "moe_block", f"T={tokens} E={MOE_EXPERTS} K={MOE_TOP_K} H={MOE_HIDDEN} I={MOE_INTER} "
+          f"shared {MOE_SHARED_INTER} bf16, {reached / len(blocks):.0f} experts reached", calls,
+          reached / len(blocks) * expert_bytes + dense_bytes, baseline=baseline)
+
+
 # ---- projections ---------------------------------------------------------------------------------
 
 # (name, N, K) of the bias-free projections a round runs: Qwen3.6-27B, then Qwen3-8B (hidden 4096, 32 / 8 heads of

@@ -1,4 +1,5 @@
-// CUDA implementation of moe_experts. Semantics and rounding points: csrc/moe.cpp, ddtree_ext/reference.py.
+// CUDA implementations of moe_experts and moe_router. Semantics and rounding points: csrc/moe.cpp,
+// ddtree_ext/reference.py.
 //
 // Hugging Face's grouped_mm experts forward is a dozen launches per layer (a sort, gathers, a histogram, a cumsum,
 // two grouped GEMMs over every expert's offsets, the gate, a scatter back, a sum); a decode step or a verify block
@@ -8,7 +9,8 @@
 //     in the routing scratch;
 //   * gate-up: writes round(round(silu(round(gate . x))) * round(up . x)) for every pair of a slot;
 //   * down: round(round(down . that) * routing weight);
-//   * combine: out[t] = round(sum over k of the pair outputs), k in order.
+//   * combine: out[t] = round(sum over k of the pair outputs), k in order (plus the block's shared expert, where it
+//     is folded in: csrc/moe.cpp).
 // The projections come in two kinds, one per dtype, each with a sum order fixed by K alone, so that a row's bits do
 // not depend on the batch (a verify block's rows give a decode step's bits):
 //   * bfloat16 / float16, tensor cores (mma.sync, float32 sums): a block per (slot, 8 intermediate columns) or
@@ -553,13 +555,21 @@ __global__ void __launch_bounds__(kThreads, kMmaMinBlocks<MaxTiles>) moe_down_mm
   });
 }
 
+// The block's shared expert, folded into the combine: its output rows, and its gate's logit per row (null: no gate).
+template <typename T>
+struct SharedExpert {
+  const T* rows;  // [T, H] contiguous, or null: no shared expert
+  const T* gate;  // [T, 1] at gate_stride, or null
+  int64_t gate_stride;
+};
+
 // out[t, j .. j + V) = round(sum over k of expert_out[t * K + k, j ..]), k in order, skipping pairs whose expert id
-// is out of range (they reached no expert).
+// is out of range (they reached no expert); plus the shared expert's gated rows, as HF's block adds them.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) moe_combine_kernel(const T* __restrict__ expert_out,
                                                                  const int64_t* __restrict__ expert_ids, int top_k,
                                                                  int64_t experts, int64_t tokens, int64_t hidden_size,
-                                                                 T* __restrict__ out) {
+                                                                 SharedExpert<T> shared, T* __restrict__ out) {
   constexpr int V = 16 / sizeof(T);
   cuda::allow_dependent_launch();
   cuda::wait_for_preceding_grid();
@@ -577,6 +587,16 @@ __global__ void __launch_bounds__(kThreads) moe_combine_kernel(const T* __restri
     cuda::load_pack_float<T, V>(expert_out + p * hidden_size + j, y);
 #pragma unroll
     for (int e = 0; e < V; ++e) sum[e] = __fadd_rn(sum[e], y[e]);
+  }
+  if (shared.rows != nullptr) {
+    const float scale = shared.gate != nullptr ? round_to<T>(sigmoid(to_float(shared.gate[t * shared.gate_stride])))
+                                               : 1.f;
+    float s[V];
+    cuda::load_pack_float<T, V>(shared.rows + t * hidden_size + j, s);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      sum[e] = __fadd_rn(round_to<T>(sum[e]), shared.gate != nullptr ? round_to<T>(__fmul_rn(scale, s[e])) : s[e]);
+    }
   }
   cuda::store_pack_float<T, V>(out + t * hidden_size + j, sum);
 }
@@ -615,8 +635,8 @@ void launch_mma_projections(const T* x, bool x_aligned, int top_k, const at::Ten
 // output's rows in shared memory); combine. Arguments checked.
 template <typename T>
 void launch_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
-                    const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& routing,
-                    at::Tensor& hidden, at::Tensor& expert_out, at::Tensor& out) {
+                    const at::Tensor& gate_up_proj, const at::Tensor& down_proj, const SharedExpert<T>& shared,
+                    at::Tensor& routing, at::Tensor& hidden, at::Tensor& expert_out, at::Tensor& out) {
   if constexpr (sizeof(T) == 2) check_tensor_cores<T>();
   const int64_t tokens = x.size(0), hidden_size = x.size(1), inter = down_proj.size(2);
   const int64_t experts = gate_up_proj.size(0), pairs = expert_ids.numel();
@@ -674,17 +694,103 @@ void launch_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at:
   const unsigned combine_blocks = static_cast<unsigned>(cuda::ceil_div(tokens * (hidden_size / V), kThreads));
   cuda::launch_programmatic(moe_combine_kernel<T>, dim3(combine_blocks), threads, 0,
                             static_cast<const T*>(expert_out.data_ptr<T>()), ids, top_k, experts, tokens, hidden_size,
-                            out.data_ptr<T>());
+                            shared, out.data_ptr<T>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---- moe_router: softmax over E, top-k, renormalised; one warp per token ----
+
+constexpr int kRouterWarps = 4;  // tokens per block
+constexpr int kRouterMaxTopK = kWarp;  // lane k keeps the k-th pick's probability
+
+// The sort key of an expert's probability: its float bits above (non-negative floats and NaN order as unsigned
+// integers, NaN above every number, as torch.topk puts it), the complement of its id below (ties to the lower id).
+__device__ __forceinline__ uint64_t router_key(float p, int e) {
+  return (static_cast<uint64_t>(__float_as_uint(p)) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(e));
+}
+
+// PER_LANE: the probabilities each lane holds (experts e = lane + kRouterLanes * i), E <= kRouterLanes * PER_LANE.
+template <typename T, int PER_LANE>
+__global__ void __launch_bounds__(kRouterWarps * kWarp) moe_router_kernel(const T* __restrict__ logits,
+                                                                          int64_t row_stride, int64_t tokens,
+                                                                          int experts, int top_k, bool renormalize,
+                                                                          T* __restrict__ weights,
+                                                                          int64_t* __restrict__ ids) {
+  static_assert(kRouterLanes == kWarp, "the softmax's lane sums are a warp's lanes");
+  cuda::allow_dependent_launch();
+  cuda::wait_for_preceding_grid();
+  const int lane = threadIdx.x % kWarp;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  if (t >= tokens) return;  // a whole warp: the shuffles below see all 32 lanes
+  const T* row = logits + t * row_stride;
+  float p[PER_LANE];
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = lane + kWarp * i;
+    p[i] = e < experts ? to_float(row[e]) : -INFINITY;
+    m = fmaxf(m, p[i]);
+  }
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off));
+  // torch's warp softmax: each lane sums its exponentials in turn (padding adds exp(-inf) = 0), then a butterfly.
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    p[i] = expf(p[i] - m);
+    sum += p[i];
+  }
+  sum = cuda::warp_sum(sum);
+  uint64_t key[PER_LANE];
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = lane + kWarp * i;
+    key[i] = e < experts ? router_key(p[i] / sum, e) : 0;  // key 0: below every expert's (padding, or picked)
+  }
+  float mine = 0.f, total = 0.f;
+  int64_t my_id = 0;
+  for (int k = 0; k < top_k; ++k) {
+    uint64_t best = 0;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) best = key[i] > best ? key[i] : best;
+    best = cuda::warp_max_u64(best);
+    const int e = static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(best));
+    const float pk = __uint_as_float(static_cast<uint32_t>(best >> 32));
+    total += pk;  // in pick order, as the CPU op sums
+    if (lane == k) mine = pk, my_id = e;
+    if (e % kWarp == lane) {
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i) {
+        if (lane + kWarp * i == e) key[i] = 0;
+      }
+    }
+  }
+  if (lane < top_k) {
+    weights[t * top_k + lane] = cuda::from_float<T>(renormalize ? mine / total : mine);
+    ids[t * top_k + lane] = my_id;
+  }
+}
+
+template <typename T, int PER_LANE>
+void launch_router(const at::Tensor& logits, int top_k, bool renormalize, at::Tensor& weights, at::Tensor& ids) {
+  const int64_t tokens = logits.size(0);
+  cuda::launch_programmatic(moe_router_kernel<T, PER_LANE>,
+                            dim3(static_cast<unsigned>(cuda::ceil_div(tokens, kRouterWarps))),
+                            dim3(kRouterWarps * kWarp), 0, logits.data_ptr<T>(), logits.stride(0), tokens,
+                            static_cast<int>(logits.size(1)), top_k, renormalize, weights.data_ptr<T>(),
+                            ids.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
 void moe_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
-                      const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& routing,
-                      at::Tensor& hidden, at::Tensor& expert_out, at::Tensor& out) {
+                      const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                      const c10::optional<at::Tensor>& shared, const c10::optional<at::Tensor>& shared_gate,
+                      at::Tensor& routing, at::Tensor& hidden, at::Tensor& expert_out, at::Tensor& out) {
   constexpr const char* op = "moe_experts";
-  check_moe_experts(x, expert_ids, expert_weights, gate_up_proj, down_proj, routing, hidden, expert_out, out);
+  check_moe_experts(x, expert_ids, expert_weights, gate_up_proj, down_proj, shared, shared_gate, routing, hidden,
+                    expert_out, out);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t tokens = x.size(0), hidden_size = x.size(1);
   const int64_t experts = gate_up_proj.size(0), inter = down_proj.size(2), pairs = expert_ids.numel();
@@ -695,8 +801,10 @@ void moe_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids, const a
                x.scalar_type(), ")");
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"gate_up_proj", &gate_up_proj},
                                 {"down_proj", &down_proj}, {"hidden", &hidden}, {"expert_out", &expert_out},
-                                {"out", &out}}) {
-    DDTREE_CHECK(op, cuda::is_aligned(t->data_ptr(), 16), name, " must start on a 16-byte boundary on CUDA");
+                                {"out", &out}, {"shared", shared.has_value() ? &*shared : nullptr}}) {
+    if (t != nullptr) {
+      DDTREE_CHECK(op, cuda::is_aligned(t->data_ptr(), 16), name, " must start on a 16-byte boundary on CUDA");
+    }
   }
   const int64_t slots = std::min(experts, pairs);
   DDTREE_CHECK(op, slots <= kMaxGridY, "on CUDA min(E, T * K) must be at most ", kMaxGridY, ", got ", slots);
@@ -710,7 +818,39 @@ void moe_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids, const a
                  ", got H = ", hidden_size, ", I = ", inter);
   }
   DDTREE_CUDA_DISPATCH_FLOAT(x.scalar_type(), op, [&] {
-    launch_experts<scalar_t>(x, expert_ids, expert_weights, gate_up_proj, down_proj, routing, hidden, expert_out, out);
+    const SharedExpert<scalar_t> folded{shared.has_value() ? shared->data_ptr<scalar_t>() : nullptr,
+                                        shared_gate.has_value() ? shared_gate->data_ptr<scalar_t>() : nullptr,
+                                        shared_gate.has_value() ? shared_gate->stride(0) : 0};
+    launch_experts<scalar_t>(x, expert_ids, expert_weights, gate_up_proj, down_proj, folded, routing, hidden,
+                             expert_out, out);
+  });
+}
+
+
+void moe_router_cuda(const at::Tensor& logits, int64_t top_k, bool renormalize, at::Tensor& weights, at::Tensor& ids) {
+  constexpr const char* op = "moe_router";
+  check_moe_router(logits, top_k, weights, ids);
+  const int64_t experts = logits.size(1);
+  DDTREE_CHECK(op, experts <= 32 * kRouterLanes, "on CUDA the number of experts E must be at most ", 32 * kRouterLanes,
+               ", got ", experts);
+  DDTREE_CHECK(op, top_k <= kRouterMaxTopK, "on CUDA top_k must be at most ", kRouterMaxTopK, ", got ", top_k);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  if (logits.size(0) == 0) return;
+  const int k = static_cast<int>(top_k);
+  DDTREE_CUDA_DISPATCH_FLOAT(logits.scalar_type(), op, [&] {
+    if (experts <= kRouterLanes) {
+      launch_router<scalar_t, 1>(logits, k, renormalize, weights, ids);
+    } else if (experts <= 2 * kRouterLanes) {
+      launch_router<scalar_t, 2>(logits, k, renormalize, weights, ids);
+    } else if (experts <= 4 * kRouterLanes) {
+      launch_router<scalar_t, 4>(logits, k, renormalize, weights, ids);
+    } else if (experts <= 8 * kRouterLanes) {
+      launch_router<scalar_t, 8>(logits, k, renormalize, weights, ids);
+    } else if (experts <= 16 * kRouterLanes) {
+      launch_router<scalar_t, 16>(logits, k, renormalize, weights, ids);
+    } else {
+      launch_router<scalar_t, 32>(logits, k, renormalize, weights, ids);
+    }
   });
 }
 

@@ -149,17 +149,24 @@ void penalize_logits_cpu(const at::Tensor& logits, const at::Tensor& node_token,
                          double repetition_penalty, double presence_penalty, double frequency_penalty,
                          int64_t max_depth, at::Tensor& out);
 
-// ---- moe: a sparse MoE block's routed experts (csrc/moe.cpp) -----------------------------------
+// ---- moe: a sparse MoE block's routed experts and router (csrc/moe.cpp) --------------------------
 // P = T * K (token, expert) pairs; S = min(E, P) slots, one per expert the pairs reach. routing is int32 scratch of
 // moe_routing_size(E, P) elements: the CUDA route kernel's per-expert lists (left untouched by the CPU op and by 16-bit
 // CUDA calls of at most 32 pairs and 8 rows, whose projection blocks rank the ids themselves).
 int64_t moe_routing_size(int64_t num_experts, int64_t num_pairs);
 void check_moe_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
-                       const at::Tensor& gate_up_proj, const at::Tensor& down_proj, const at::Tensor& routing,
-                       const at::Tensor& hidden, const at::Tensor& expert_out, const at::Tensor& out);
+                       const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                       const c10::optional<at::Tensor>& shared, const c10::optional<at::Tensor>& shared_gate,
+                       const at::Tensor& routing, const at::Tensor& hidden, const at::Tensor& expert_out,
+                       const at::Tensor& out);
 void moe_experts_cpu(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
-                     const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& routing,
-                     at::Tensor& hidden, at::Tensor& expert_out, at::Tensor& out);
+                     const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                     const c10::optional<at::Tensor>& shared, const c10::optional<at::Tensor>& shared_gate,
+                     at::Tensor& routing, at::Tensor& hidden, at::Tensor& expert_out, at::Tensor& out);
+// The router: softmax over E, top-k, renormalised (csrc/moe.cpp). The softmax's sum runs over kRouterLanes lane sums.
+constexpr int kRouterLanes = 32;
+void check_moe_router(const at::Tensor& logits, int64_t top_k, const at::Tensor& weights, const at::Tensor& ids);
+void moe_router_cpu(const at::Tensor& logits, int64_t top_k, bool renormalize, at::Tensor& weights, at::Tensor& ids);
 
 // ---- walk: follow the target's tokens down the tree ------------------------------------------
 void check_walk(const char* op, const at::Tensor& node_token, const at::Tensor& first_child,
@@ -249,8 +256,10 @@ void gqa_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
 void gdn_gates_cuda(const at::Tensor& x, const at::Tensor& weight_a, const at::Tensor& weight_b, const at::Tensor& A_log,
                     const at::Tensor& dt_bias, at::Tensor& g, at::Tensor& beta);
 void moe_experts_cuda(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
-                      const at::Tensor& gate_up_proj, const at::Tensor& down_proj, at::Tensor& routing,
-                      at::Tensor& hidden, at::Tensor& expert_out, at::Tensor& out);
+                      const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                      const c10::optional<at::Tensor>& shared, const c10::optional<at::Tensor>& shared_gate,
+                      at::Tensor& routing, at::Tensor& hidden, at::Tensor& expert_out, at::Tensor& out);
+void moe_router_cuda(const at::Tensor& logits, int64_t top_k, bool renormalize, at::Tensor& weights, at::Tensor& ids);
 void penalize_logits_cuda(const at::Tensor& logits, const at::Tensor& node_token, const at::Tensor& parent,
                           const c10::optional<at::Tensor>& seen, const c10::optional<at::Tensor>& counts,
                           double repetition_penalty, double presence_penalty, double frequency_penalty,

@@ -26,6 +26,7 @@ _OPS = (
     "gqa_attention",
     "gdn_gates",
     "moe_experts",
+    "moe_router",
     "penalize_logits",
     "row_argmax",
     "walk_greedy",

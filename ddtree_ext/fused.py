@@ -26,7 +26,9 @@ it is not by default, since cuBLAS is faster at almost every round shape measure
 cuBLASLt algorithm timed fastest per shape; torch's ``F.linear`` otherwise).
 The Qwen3.5 MoE family's classes (``Qwen3_5MoeRMSNorm``, ..., its shared expert ``Qwen3_5MoeMLP``) have the same
 source under another prefix and take the same forwards (:func:`_qwen3_5_families`); its routed experts
-(``Qwen3_5MoeExperts``) run ``ops.moe_experts`` (:func:`experts_op_applies`; ``moe_experts_op``).
+(``Qwen3_5MoeExperts``) run ``ops.moe_experts`` (:func:`experts_op_applies`; ``moe_experts_op``), and its sparse MoE
+blocks (``Qwen3_5MoeSparseMoeBlock``) their router's softmax and top-k as ``ops.moe_router`` and the shared expert's
+gate and add inside the experts op (:func:`_moe_block_forward`; ``fuse_moe_block``).
 For the attention layers:
 
 * the forwards of ``q_proj``, ``k_proj`` and ``v_proj`` (plain Linear layers): on a GPU the q_proj call
@@ -454,6 +456,91 @@ def _experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_
     return type(experts).forward(experts, hidden_states, top_k_index, top_k_weights)
 
 
+def _moe_block_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``Qwen3_5MoeSparseMoeBlock.forward(hidden_states [B, S, H])`` with its router's softmax, top-k and
+    renormalisation as one ``ops.moe_router``, and the shared expert's sigmoid gate and the final add folded into
+    ``ops.moe_experts``' combine, where they apply (:func:`_moe_block_fusable`): a decode step's MoE block in seven
+    launches where HF's body with the experts op runs sixteen. HF's body otherwise. The same rounding points as HF's
+    (the router's float32 softmax and renormalisation, rounded to the dtype; sigmoid, product and sum each rounded);
+    the softmax sums as torch's CUDA softmax does, the renormalisation in pick order."""
+    batch, length, hidden = hidden_states.shape
+    x = hidden_states.view(-1, hidden)
+    if not _moe_block_fusable(block, x):
+        return type(block).forward(block, hidden_states)
+    mlp = block.shared_expert
+    # Stacked (stack_projections): the shared expert's gate and up, the router's logits and the shared expert's gate
+    # logit from one GEMM, then the shared expert as its fused forward runs it.
+    outputs = (stacked_outputs((mlp.gate_proj, mlp.up_proj, block.gate, block.shared_expert_gate), x)
+               if type(mlp) in _shared_expert_classes() and _plain_module(mlp) and _plain_silu(mlp.act_fn) else None)
+    if outputs is not None:
+        gate, up, logits, shared_gate = outputs
+        shared = mlp.down_proj(ops.silu_mul(gate, up))
+    else:
+        shared = mlp(x)
+        logits = project(block.gate.weight, x)
+        shared_gate = block.shared_expert_gate(x)
+    weights, ids = ops.moe_router(logits, block.gate.top_k)
+    experts = block.experts
+    out = ops.moe_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj, shared=shared.contiguous(),
+                          shared_gate=shared_gate)
+    return out.view(batch, length, hidden)
+
+
+# Whether a sparse MoE block (``Qwen3_5MoeSparseMoeBlock``) runs :func:`_moe_block_forward` where it applies (else HF's
+# block body, its experts through ``ops.moe_experts`` where that applies). ``benchmarks/e2e.py --moe ops`` turns it off
+# for A/B runs.
+fuse_moe_block = True
+# On CUDA the router op's limits (csrc/moe_cuda.cu): experts a warp holds, picks its lanes keep.
+_ROUTER_MAX_EXPERTS, _ROUTER_MAX_TOP_K = 1024, 32
+
+
+def _moe_block_fusable(block: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether :func:`_moe_block_forward` computes what HF's block computes for rows x [T, H]: the routed experts run
+    ``ops.moe_experts`` (as :func:`_experts_forward` asks), the router is HF's top-k router without hooks (an output
+    recorder of router logits hooks it: HF's body then runs), and the shared expert's gate is a bias-free Linear to
+    one logit; ``fuse_moe_block`` on."""
+    gate, shared_gate, experts = (getattr(block, n, None) for n in ("gate", "shared_expert_gate", "experts"))
+    if not fuse_moe_block or type(gate) not in _router_classes() or not _plain_module(gate):
+        return False
+    if type(shared_gate) is not torch.nn.Linear:
+        return False
+    if shared_gate.bias is not None or shared_gate.weight.shape != (1, x.shape[1]):
+        return False
+    if not (x.dim() == 2 and 1 <= x.shape[0] <= MOE_OP_MAX_TOKENS and x.device.type in MOE_OP_DEVICES
+            and experts_op_applies(experts)):
+        return False
+    num_experts = experts.gate_up_proj.shape[0]
+    if gate.weight.shape != (num_experts, x.shape[1]) or not 1 <= gate.top_k <= num_experts:
+        return False
+    if x.is_cuda and (num_experts > _ROUTER_MAX_EXPERTS or gate.top_k > _ROUTER_MAX_TOP_K):
+        return False
+    return ops_apply(x, gate.weight, shared_gate.weight, experts.gate_up_proj)
+
+
+@functools.lru_cache(maxsize=None)
+def _router_classes() -> Tuple[type, ...]:
+    """The sparse MoE routers (softmax, top-k, renormalised) of the Qwen3.5 families this transformers install has."""
+    return tuple(
+        cls for cls in (getattr(f.module, f.prefix + "TopKRouter", None) for f in _qwen3_5_families())
+        if cls is not None
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_expert_classes() -> Tuple[type, ...]:
+    """The MLP classes of the Qwen3.5 MoE families (a sparse MoE block's shared expert)."""
+    return tuple(f.cls("MLP") for f in _qwen3_5_families() if hasattr(f.module, f.prefix + "SparseMoeBlock"))
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_block_classes() -> Tuple[type, ...]:
+    """The sparse MoE block classes of the Qwen3.5 families whose forward :func:`_moe_block_forward` follows."""
+    return tuple(
+        cls for cls in (getattr(f.module, f.prefix + "SparseMoeBlock", None) for f in _qwen3_5_families())
+        if cls is not None
+    )
+
+
 def experts_capturable(experts: torch.nn.Module) -> bool:
     """Whether a round's calls of this experts module keep to the device, so that a CUDA graph can capture them:
     ``ops.moe_experts`` runs them on a GPU (:func:`experts_op_applies`, the weights on CUDA, CUDA in
@@ -547,33 +634,43 @@ def _stackable_classes() -> Dict[type, Tuple[str, ...]]:
     for family in _qwen3_5_families():
         table.update({family.cls("Attention"): ("q_proj", "k_proj", "v_proj"),
                       family.cls("MLP"): ("gate_proj", "up_proj")})
+    # A sparse MoE block's projections of its input: the shared expert's gate and up (its MLP's group, first, so that
+    # group stays stacked within this one), the router's and the shared expert's gate (_moe_block_forward).
+    for cls in _moe_block_classes():
+        table[cls] = ("shared_expert.gate_proj", "shared_expert.up_proj", "gate", "shared_expert_gate")
     return table
 
 
-def _projection_groups(model: torch.nn.Module) -> Iterator[List[torch.nn.Linear]]:
-    """Each group of projections in ``model`` that read one input (exact classes, Linear layers)."""
+def _projection_groups(model: torch.nn.Module) -> Iterator[List[torch.nn.Module]]:
+    """Each group of projections in ``model`` that read one input (exact classes: Linear layers, MoE routers)."""
     classes = _stackable_classes()
     for module in model.modules():
         names = classes.get(type(module))
-        projections = [getattr(module, n, None) for n in names] if names is not None else []
-        if projections and all(type(p) is torch.nn.Linear for p in projections):
+        projections = [functools.reduce(lambda m, n: getattr(m, n, None), name.split("."), module)
+                       for name in names] if names is not None else []
+        if projections and all(_is_projection(p) for p in projections):
             yield projections
 
 
+def _is_projection(module: object) -> bool:
+    """A plain Linear layer, or a sparse MoE router (its forward starts with the projection F.linear(x, weight))."""
+    return type(module) is torch.nn.Linear or type(module) in _router_classes()
+
+
 def _stackable(projections: Sequence[torch.nn.Module]) -> bool:
-    """Plain bias-free Linear layers without hooks, with 2-D weights of one dtype, one CPU or CUDA device and one
-    input width: what one GEMM over their stacked weights can stand in for."""
-    if not all(type(p) is torch.nn.Linear for p in projections):
+    """Plain bias-free projections (Linear layers, MoE routers) without hooks, with 2-D weights of one dtype, one CPU
+    or CUDA device and one input width: what one GEMM over their stacked weights can stand in for."""
+    if not all(_is_projection(p) for p in projections):
         return False
     first = projections[0].weight
     return first.device.type in ("cpu", "cuda") and all(
-        p.bias is None and _plain_module(p) and p.weight.dim() == 2 and p.weight.dtype == first.dtype
+        getattr(p, "bias", None) is None and _plain_module(p) and p.weight.dim() == 2 and p.weight.dtype == first.dtype
         and p.weight.device == first.device and p.weight.shape[1] == first.shape[1]
         for p in projections
     )
 
 
-def _stack_candidates(model: torch.nn.Module) -> Iterator[List[torch.nn.Linear]]:
+def _stack_candidates(model: torch.nn.Module) -> Iterator[List[torch.nn.Module]]:
     """Each group of projections in ``model`` that :func:`stack_projections` can stack (:func:`_stackable`)."""
     return (projections for projections in _projection_groups(model) if _stackable(projections))
 
@@ -585,7 +682,8 @@ def _check_module(op: str, model) -> None:
 
 def stack_projections(model: torch.nn.Module) -> int:
     """Stores, in place, the weights of each layer's projections that read the same input as row blocks of one
-    tensor: an attention layer's q, k and v (a DFlash draft layer's too), an MLP's gate and up. The fused forwards
+    tensor: an attention layer's q, k and v (a DFlash draft layer's too), an MLP's gate and up, a sparse MoE block's
+    shared expert's gate and up, router and shared expert's gate (their MLP's group within it). The fused forwards
     then run one GEMM over the stacked weight where they ran one per projection; at decode and verify sizes a GEMM's
     fixed costs (ramp-up, tail, a split-K reduce) are a large part of its time, and the stacked GEMM pays them once
     (on the H200, a Qwen3-8B attention layer's three projections at one row: 20.1 us apart, 16.0 stacked; its MLP's
@@ -1260,6 +1358,8 @@ def _recognised_classes() -> dict:
         })
     for cls in _experts_classes():
         table[cls] = lambda m: functools.partial(_experts_forward, m)
+    for cls in _moe_block_classes():
+        table[cls] = lambda m: functools.partial(_moe_block_forward, m)
     return table
 
 

@@ -756,10 +756,13 @@ def moe_experts(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     *,
+    shared: Optional[torch.Tensor] = None,
+    shared_gate: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """A sparse MoE block's routed experts (``Qwen3_5MoeExperts``: SwiGLU experts) for the router's choice, with
-    the rounding points of Hugging Face's default ``grouped_mm`` experts forward.
+    the rounding points of Hugging Face's default ``grouped_mm`` experts forward; optionally with the block's shared
+    expert added as ``Qwen3_5MoeSparseMoeBlock`` adds it.
 
     x [T, H] float32 / float16 / bfloat16, expert_ids [T, K] int64 (the router's top-k experts, each in [0, E)),
     expert_weights [T, K] in x's dtype (the routing weights), gate_up_proj [E, 2 I, H] (rows [0, I) the gate
@@ -767,13 +770,16 @@ def moe_experts(
     (contiguous). For each pair p = (t, k) with expert e, round() a rounding to x's dtype:
     gate_up = round(W_gu[e] x[t]), h = round(round(silu(gate_up[:I])) * gate_up[I:]),
     y_p = round(round(W_d[e] h) * expert_weights[t, k]); out[t] = round(sum over k of y_p, in k order, in float32).
+    With ``shared`` [T, H] (the shared expert's output, x's dtype, contiguous) and ``shared_gate`` [T, 1] (its
+    gate's logit, x's dtype, any row stride): out[t] = round(round(sum) + round(round(sigmoid(shared_gate[t])) *
+    shared[t])), HF's block's roundings (without ``shared_gate``: round(round(sum) + shared[t])), in the same launch.
 
     A row's output never depends on the other rows (fixed summation orders), so a verify block's rows give the bits
     of decode steps; the dot products sum in another order than HF's grouped GEMMs (float32 roundings apart). On
     CUDA: up to four launches; bfloat16 and float16 on tensor cores (compute capability 8.0 or newer, and a build for
     it), each expert's weights streamed once per 32 of the rows it serves; float32 on CUDA cores, once per 8. H and I
-    must be multiples of 16 bytes of the dtype, the weights 16-byte aligned; an expert id outside [0, E) adds
-    nothing there and raises on the CPU.
+    must be multiples of 16 bytes of the dtype, the weights and ``shared`` 16-byte aligned; an expert id outside
+    [0, E) adds nothing there and raises on the CPU.
     """
     op = "moe_experts"
     _check_dim(op, "x", x, 2, "[T, H]")
@@ -786,13 +792,40 @@ def moe_experts(
     if out is None:
         out = torch.empty(tokens, hidden_size, dtype=x.dtype, device=x.device)
     load_ops().moe_experts(
-        x, expert_ids, expert_weights, gate_up_proj, down_proj,
+        x, expert_ids, expert_weights, gate_up_proj, down_proj, shared, shared_gate,
         torch.empty(moe_routing_size(gate_up_proj.shape[0], pairs), dtype=torch.int32, device=x.device),
         torch.empty(pairs, inter, dtype=x.dtype, device=x.device),
         torch.empty(pairs, hidden_size, dtype=x.dtype, device=x.device),
         out,
     )
     return out
+
+
+def moe_router(
+    logits: torch.Tensor, top_k: int, *, renormalize: bool = True, weights: Optional[torch.Tensor] = None,
+    ids: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse MoE router's choice from its logits, as ``Qwen3_5MoeTopKRouter`` makes it after its projection:
+    softmax in float32, the top-k experts, their probabilities renormalised to sum to 1, in one launch on CUDA.
+
+    logits [T, E] float32 / float16 / bfloat16 (last dim contiguous, any row stride) -> (weights [T, K] in logits'
+    dtype, ids [T, K] int64), both contiguous (written into ``weights`` / ``ids`` when given). Per token:
+    p = softmax(logits[t]) in float32; ids[t] its K largest, highest first (ties to the lower id, NaN above every
+    number, as torch.topk); weights[t, k] = round(p[ids[t, k]] / sum of the K picked) (summed in pick order), or
+    round(p[ids[t, k]]) with ``renormalize=False``. The softmax sums its exponentials in the order torch's CUDA
+    softmax does for E <= 1024, so on CUDA the probabilities are its bits. A row's result never depends on the other
+    rows. On CUDA, E <= 1024 and K <= 32.
+    """
+    op = "moe_router"
+    _check_dim(op, "logits", logits, 2, "[T, E]")
+    _check_features(op, logits=logits)
+    top_k = _check_count(op, "top_k", top_k, 1, logits.shape[1])
+    if weights is None:
+        weights = torch.empty(logits.shape[0], top_k, dtype=logits.dtype, device=logits.device)
+    if ids is None:
+        ids = torch.empty(logits.shape[0], top_k, dtype=torch.int64, device=logits.device)
+    load_ops().moe_router(logits, top_k, bool(renormalize), weights, ids)
+    return weights, ids
 
 
 # ---- penalize ----------------------------------------------------------------------------------

@@ -351,8 +351,9 @@ def gdn_gates(x, weight_a, weight_b, A_log, dt_bias):
     return g, b.sigmoid().float()
 
 
-def moe_experts(x, expert_ids, expert_weights, gate_up_proj, down_proj) -> torch.Tensor:
-    """HF's grouped_mm experts forward, pair by pair: the projections in float32 rounded to x's dtype."""
+def moe_experts(x, expert_ids, expert_weights, gate_up_proj, down_proj, shared=None, shared_gate=None) -> torch.Tensor:
+    """HF's grouped_mm experts forward, pair by pair: the projections in float32 rounded to x's dtype; then, as
+    HF's sparse MoE block adds it, the shared expert's output times the sigmoid of its gate's logit."""
     dtype, inter = x.dtype, down_proj.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):
@@ -362,7 +363,23 @@ def moe_experts(x, expert_ids, expert_weights, gate_up_proj, down_proj) -> torch
             hidden = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
             projected = (down_proj[e].float() @ hidden.float()).to(dtype)
             out[t] += (projected * expert_weights[t, k]).float()
-    return out.to(dtype)
+    out = out.to(dtype)
+    if shared is not None:
+        out = out + (shared if shared_gate is None else torch.sigmoid(shared_gate) * shared)
+    return out
+
+
+def moe_router(logits, top_k: int, renormalize: bool = True):
+    """HF's Qwen3_5MoeTopKRouter after its projection: softmax in float32, top-k, renormalised (summed in pick
+    order), rounded to the logits' dtype."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        total = torch.zeros_like(top[:, 0])
+        for k in range(top_k):
+            total = total + top[:, k]
+        top = top / total[:, None]
+    return top.to(logits.dtype), ids
 
 
 # ---- penalize --------------------------------------------------------------------------------

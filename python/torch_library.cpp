@@ -55,7 +55,9 @@ TORCH_LIBRARY(ddtree, m) {
       "Tensor(b!) beta) -> ()");
   m.def(
       "moe_experts(Tensor x, Tensor expert_ids, Tensor expert_weights, Tensor gate_up_proj, Tensor down_proj, "
-      "Tensor(a!) routing, Tensor(b!) hidden, Tensor(c!) expert_out, Tensor(d!) out) -> ()");
+      "Tensor? shared, Tensor? shared_gate, Tensor(a!) routing, Tensor(b!) hidden, Tensor(c!) expert_out, "
+      "Tensor(d!) out) -> ()");
+  m.def("moe_router(Tensor logits, int top_k, bool renormalize, Tensor(a!) weights, Tensor(b!) ids) -> ()");
   // penalize
   m.def(
       "penalize_logits(Tensor logits, Tensor node_token, Tensor parent, Tensor? seen, Tensor? counts, "
@@ -101,6 +103,7 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("gqa_attention", &ddtree::gqa_attention_cpu);
   m.impl("gdn_gates", &ddtree::gdn_gates_cpu);
   m.impl("moe_experts", &ddtree::moe_experts_cpu);
+  m.impl("moe_router", &ddtree::moe_router_cpu);
   m.impl("penalize_logits", &ddtree::penalize_logits_cpu);
   m.impl("row_argmax", &ddtree::row_argmax_cpu);
   m.impl("walk_greedy", &ddtree::walk_greedy_cpu);

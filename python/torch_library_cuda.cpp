@@ -26,6 +26,7 @@ TORCH_LIBRARY_IMPL(ddtree, CUDA, m) {
   m.impl("gqa_attention", &ddtree::gqa_attention_cuda);
   m.impl("gdn_gates", &ddtree::gdn_gates_cuda);
   m.impl("moe_experts", &ddtree::moe_experts_cuda);
+  m.impl("moe_router", &ddtree::moe_router_cuda);
   m.impl("penalize_logits", &ddtree::penalize_logits_cuda);
   m.impl("row_argmax", &ddtree::row_argmax_cuda);
   m.impl("walk_greedy", &ddtree::walk_greedy_cuda);

@@ -1722,6 +1722,73 @@ def test_moe_experts_cuda_bad_input():
         ops.moe_experts(x, ids, weights, odd, down)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 9, 65])
+@pytest.mark.parametrize("gated", [True, False])
+def test_moe_experts_with_shared_expert(dtype, tokens, gated):
+    """The shared expert folded into the combine gives HF's block's bits: the routed output, plus torch's own
+    sigmoid(gate) * shared, each rounded where torch rounds (the gate's logits a strided column, as in a stacked
+    projection's output)."""
+    gen = make_gen(tokens)
+    case = to(list(moe_case(tokens, 4, 16, 128, 64, gen, dtype)), DEV)
+    shared = torch.randn(tokens, 128, generator=gen).to(dtype).to(DEV)
+    gate = (2 * torch.randn(tokens, 5, generator=gen)).to(dtype).to(DEV)[:, 1:2] if gated else None
+    got = ops.moe_experts(*case, shared=shared, shared_gate=gate)
+    routed = ops.moe_experts(*case)
+    assert torch.equal(got, routed + (shared if gate is None else torch.sigmoid(gate) * shared))
+    odd = torch.empty(shared.numel() + 1, dtype=dtype, device=DEV)[1:].view(shared.shape)
+    with pytest.raises(ValueError, match="shared must start on a 16-byte boundary"):
+        ops.moe_experts(*case, shared=odd, shared_gate=gate)
+
+
+# ---- moe_router ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("experts,top_k", [(1, 1), (8, 2), (40, 3), (128, 8), (256, 8), (512, 10), (1000, 32),
+                                           (32, 32)])
+def test_moe_router(dtype, experts, top_k):
+    """Against torch's own CUDA router math (HF's Qwen3_5MoeTopKRouter after its projection): the probabilities at
+    every pick are torch's softmax's bits, the weights its renormalised ones summed in pick order, bit for bit, and
+    within a rounding of the renormalisation torch sums in its order; the experts the same but for the order among
+    exactly tied probabilities (bfloat16 logits tie often). And the CPU op's choice."""
+    gen = make_gen(experts + top_k)
+    logits = (2 * torch.randn(300, experts, generator=gen)).to(dtype).to(DEV)
+    weights, ids = ops.moe_router(logits, top_k)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, hf_ids = torch.topk(probs, top_k, dim=-1)
+    total = torch.zeros_like(top[:, 0])
+    for k in range(top_k):
+        total = total + top[:, k]
+    assert torch.equal(probs.gather(1, ids), top), "the picked probabilities: torch's softmax bits, in its order"
+    assert torch.equal(weights, (top / total[:, None]).to(dtype)), "the weights"
+    assert_close(weights, (top / top.sum(-1, keepdim=True)).to(dtype), dtype, "HF's weights")
+    untied = (top[:, None, :] == top[:, :, None]).sum((1, 2)) == top_k
+    assert torch.equal(ids[untied], hf_ids[untied]), "ids of rows without ties"
+    cpu_weights, cpu_ids = ops.moe_router(logits.cpu(), top_k)
+    assert_close(weights.cpu(), cpu_weights, dtype, "the CPU op")
+    assert torch.equal(probs.gather(1, ids).cpu(), probs.cpu().gather(1, cpu_ids)), "the CPU op's picks"
+    again = ops.moe_router(logits, top_k)
+    assert torch.equal(again[0], weights) and torch.equal(again[1], ids), "not deterministic"
+    unnormalised, same_ids = ops.moe_router(logits, top_k, renormalize=False)
+    assert torch.equal(same_ids, ids) and torch.equal(unnormalised, top.to(dtype))
+
+
+def test_moe_router_rows_do_not_depend_on_the_batch():
+    logits = (2 * torch.randn(70, 300, generator=make_gen(4))).to(torch.bfloat16).to(DEV)[:, 20:276]
+    weights, ids = ops.moe_router(logits, 8)
+    for t in (0, 1, 33, 69):
+        alone = ops.moe_router(logits[t : t + 1], 8)
+        assert torch.equal(alone[0], weights[t : t + 1]) and torch.equal(alone[1], ids[t : t + 1]), t
+
+
+def test_moe_router_cuda_limits():
+    with pytest.raises(ValueError, match="on CUDA the number of experts E must be at most 1024, got 1025"):
+        ops.moe_router(torch.randn(2, 1025, device=DEV), 2)
+    with pytest.raises(ValueError, match="on CUDA top_k must be at most 32, got 33"):
+        ops.moe_router(torch.randn(2, 64, device=DEV), 33)
+
+
 # ---- projections ------------------------------------------------------------------------------------
 
 
@@ -2479,6 +2546,11 @@ def test_all_ops_small():
     bad_ids[0, 1] = 4  # out of range: skipped
     assert_close(moe_on(moe, DEV), ops.moe_experts(*moe), torch.float32, "moe_experts")
     moe_on((moe[0], bad_ids, *moe[2:]), DEV)
+    shared, shared_gate = torch.randn(5, 32, generator=gen), torch.randn(5, 3, generator=gen)[:, 1:2]
+    assert_close(ops.moe_experts(*to(list(moe), DEV), shared=shared.to(DEV), shared_gate=shared_gate.to(DEV)),
+                 ops.moe_experts(*moe, shared=shared, shared_gate=shared_gate), torch.float32, "moe_experts, shared")
+    router_logits = torch.randn(5, 40, generator=gen)
+    assert torch.equal(ops.moe_router(router_logits.to(DEV), 3)[1].cpu(), ops.moe_router(router_logits, 3)[1])
     # Layer bodies: both load paths (a 16-byte aligned row and an odd width), a long and a short row group.
     for rows, dim in ((3, 1040), (5, 37)):
         h = torch.randn(rows, dim, generator=gen)

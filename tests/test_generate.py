@@ -296,7 +296,10 @@ def test_greedy_with_stacked_projections(name, method, budget, monkeypatch):
     monkeypatch.setattr(fused, "project", lambda w, x: stacked_gemms.append(type(w) is torch.Tensor) or project(w, x))
     target, draft = (copy.deepcopy(m) for m in pair(AGREEING, name))
     layers = target.model.layers
-    assert stack_projections(target) == len(layers) + sum(hasattr(layer, "self_attn") for layer in layers)
+    # Per layer its MLP's gate, up (a sparse MoE block's shared expert's), per attention layer its q, k, v, per
+    # sparse MoE block its shared expert's gate and up, router and shared gate.
+    assert stack_projections(target) == len(layers) + sum(hasattr(layer, "self_attn") for layer in layers) + sum(
+        hasattr(layer.mlp, "experts") for layer in layers)
     assert stack_projections(draft) == 2 * len(draft.layers)  # per layer its attention's q, k, v and its MLP's gate, up
     ids = pair_prompt(AGREEING, name, SWEEP_PROMPT)
     out = generate(target, draft, ids, 300, method=method, tree_budget=budget or 64)

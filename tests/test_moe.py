@@ -154,12 +154,190 @@ def test_moe_experts_bad_input_cases_are_all_run(gen):
     assert len(bad_cases(gen)) == 17
 
 
-def test_moe_experts_opcheck(gen):
+@pytest.mark.parametrize("folded", [False, True])
+def test_moe_experts_opcheck(folded, gen):
     x, ids, weights, gate_up, down = moe_case(3, 2, 4, 16, 8, gen)
     routing = torch.empty(ops.moe_routing_size(4, 6), dtype=torch.int32)
+    shared = (torch.randn(3, 16, generator=gen), torch.randn(3, 1, generator=gen)) if folded else (None, None)
     torch.library.opcheck(torch.ops.ddtree.moe_experts.default,
-                          (x, ids, weights, gate_up, down, routing, torch.empty(6, 8), torch.empty(6, 16),
+                          (x, ids, weights, gate_up, down, *shared, routing, torch.empty(6, 8), torch.empty(6, 16),
                            torch.empty(3, 16)))
+
+
+# ---- the shared expert, folded into the combine -------------------------------------------------------------
+
+
+def shared_case(tokens, hidden, gen, dtype, gate_stride=1):
+    """The shared expert's output [T, H] and its gate's logits [T, 1] (every ``gate_stride``-th of a wider row, as a
+    slice of a stacked projection's output)."""
+    shared = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    gate = (2 * torch.randn(tokens, gate_stride, generator=gen)).to(dtype)[:, :1]
+    return shared, gate
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("gated", [True, False])
+def test_moe_experts_with_shared_expert_matches_reference(dtype, gated, gen):
+    case = moe_case(9, 3, 8, 32, 16, gen, dtype)
+    shared, gate = shared_case(9, 32, gen, dtype, gate_stride=5)
+    gate = gate if gated else None
+    got = ops.moe_experts(*case, shared=shared, shared_gate=gate)
+    assert_close(got, reference.moe_experts(*case, shared, gate), dtype, "moe_experts with the shared expert")
+    # The fold rounds where HF's block does: the routed sum first, then the gated shared rows, then their sum.
+    routed = ops.moe_experts(*case)
+    scaled = shared if gate is None else (torch.sigmoid(gate.float()).to(dtype).float() * shared.float()).to(dtype)
+    assert torch.equal(got, (routed.float() + scaled.float()).to(dtype))
+
+
+def test_moe_experts_shared_bad_input(gen):
+    case = moe_case(3, 2, 4, 16, 8, gen)
+    shared, gate = shared_case(3, 16, gen, torch.float32)
+    cases = [
+        ("shared must have shape \\[3, 16\\]", dict(shared=shared[:, :8])),
+        ("shared must have dtype Float", dict(shared=shared.half())),
+        ("shared must be contiguous", dict(shared=torch.randn(16, 3).t())),
+        ("shared_gate needs shared", dict(shared=None)),
+        ("shared_gate must have shape \\[3, 1\\]", dict(shared_gate=gate.expand(3, 2))),
+        ("shared_gate must have dtype Float", dict(shared_gate=gate.double())),
+    ]
+    for message, change in cases:
+        args = dict(shared=shared, shared_gate=gate, **{})
+        args.update(change)
+        out = torch.full((3, 16), 7.0)
+        with pytest.raises(ValueError, match=message):
+            ops.moe_experts(*case, **args, out=out)
+        assert torch.equal(out, torch.full((3, 16), 7.0)), "a refused call wrote its output"
+    with pytest.raises(ValueError, match="out must not share memory with shared"):
+        ops.moe_experts(*case, shared=shared, out=shared)
+
+
+# ---- moe_router ---------------------------------------------------------------------------------------------
+
+
+def router_logits(tokens, experts, gen, dtype, spread=2.0):
+    return (spread * torch.randn(tokens, experts, generator=gen)).to(dtype)
+
+
+def assert_same_choice(weights, ids, ref_weights, ref_ids, probs, what=""):
+    """The same weights bit for bit and the same experts, up to the order (and, at the k-th place, the choice) among
+    experts of exactly equal probability: the probabilities at each pick agree."""
+    assert torch.equal(weights, ref_weights), f"{what}: weights"
+    assert torch.equal(probs.gather(1, ids), probs.gather(1, ref_ids)), f"{what}: the picked probabilities"
+    untied = (probs.gather(1, ref_ids)[:, None, :] == probs.gather(1, ref_ids)[:, :, None]).sum((1, 2)) == ids.shape[1]
+    assert torch.equal(ids[untied], ref_ids[untied]), f"{what}: ids of rows without ties"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("experts,top_k", [(1, 1), (8, 2), (40, 3), (256, 8), (1000, 32), (64, 64)])
+def test_moe_router_matches_reference(dtype, experts, top_k, gen):
+    logits = router_logits(33, experts, gen, dtype)
+    weights, ids = ops.moe_router(logits, top_k)
+    assert weights.dtype == dtype and ids.dtype == torch.int64 and weights.shape == ids.shape == (33, top_k)
+    probs = torch.softmax(logits.float(), dim=-1)
+    ref_weights, ref_ids = reference.moe_router(logits, top_k)
+    # The CPU softmax sums in another order than torch's CPU softmax: float32 roundings apart.
+    assert_close(weights, ref_weights, dtype, "moe_router weights")
+    assert torch.equal(probs.gather(1, ids).sort(1, descending=True).values, probs.gather(1, ids)), "highest first"
+    assert torch.equal(probs.gather(1, ids), probs.gather(1, ref_ids)), "the picked probabilities"
+    if dtype == torch.float32:
+        assert torch.equal(ids, ref_ids)  # no ties among float32 logits of random values
+
+
+def test_moe_router_ties_go_to_the_lower_id():
+    logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    weights, ids = ops.moe_router(logits, 2)
+    assert ids.tolist() == [[1, 2], [0, 1]]
+    assert torch.equal(weights, torch.full((2, 2), 0.5))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_moe_router_without_renormalisation(dtype, gen):
+    logits = router_logits(7, 24, gen, dtype)
+    weights, ids = ops.moe_router(logits, 4, renormalize=False)
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert_close(weights, probs.gather(1, ids).to(dtype), dtype)
+    assert torch.equal(ids, ops.moe_router(logits, 4)[1])
+
+
+def test_moe_router_rows_do_not_depend_on_the_batch_and_take_a_row_stride(gen):
+    wide = router_logits(12, 70, gen, torch.bfloat16)
+    logits = wide[:, 3:67]  # rows one stride of 70 apart
+    weights, ids = ops.moe_router(logits, 6)
+    contiguous = ops.moe_router(logits.contiguous(), 6)
+    assert torch.equal(weights, contiguous[0]) and torch.equal(ids, contiguous[1])
+    for t in range(12):
+        alone = ops.moe_router(logits[t : t + 1], 6)
+        assert torch.equal(alone[0], weights[t : t + 1]) and torch.equal(alone[1], ids[t : t + 1]), t
+
+
+def test_moe_router_matches_hf_router(gen):
+    """HF's Qwen3_5MoeTopKRouter (its projection, then softmax, top-k, renormalisation) against the projection and
+    the op: the same experts and weights, up to float32 roundings of the softmax's sum (here none flips a bfloat16
+    weight) and the order among tied probabilities."""
+    modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    from ddtree_ext.tiny import tiny_qwen3_5_moe_config
+
+    config = tiny_qwen3_5_moe_config(num_experts=64, num_experts_per_tok=8, hidden_size=32)
+    router = modeling.Qwen3_5MoeTopKRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+    router = router.to(torch.bfloat16)
+    x = torch.randn(40, 32, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = router(x)
+    weights, ids = ops.moe_router(logits, 8)
+    assert_close(weights, hf_weights, torch.bfloat16)
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert torch.equal(probs.gather(1, ids), probs.gather(1, hf_ids))
+
+
+def test_moe_router_out_and_empty_batch(gen):
+    logits = router_logits(3, 16, gen, torch.float32)
+    weights, ids = torch.full((3, 4), float("nan")), torch.full((3, 4), -1)
+    got = ops.moe_router(logits, 4, weights=weights, ids=ids)
+    assert got[0] is weights and got[1] is ids
+    assert torch.equal(ids, ops.moe_router(logits, 4)[1])
+    empty = ops.moe_router(logits[:0], 4)
+    assert empty[0].shape == empty[1].shape == (0, 4)
+
+
+ROUTER_BAD = [
+    (r"logits must have shape \[T, E\]", dict(logits="1d")),
+    (r"logits must have shape \[\.\.\., D\] with D >= 1", dict(logits="empty")),
+    ("logits must be float32, float16 or bfloat16", dict(logits="double")),
+    ("logits must be contiguous in its last dim", dict(logits="transposed")),
+    (r"top_k must be an int in \[1, 16\], got 0", dict(top_k=0)),
+    (r"top_k must be an int in \[1, 16\], got 17", dict(top_k=17)),
+    ("weights must have dtype Float", dict(weights=torch.empty(3, 4, dtype=torch.half))),
+    (r"weights must have shape \[3, 4\]", dict(weights=torch.empty(3, 5))),
+    ("ids must have dtype Long", dict(ids=torch.empty(3, 4, dtype=torch.int32))),
+    (r"ids must have shape \[3, 4\]", dict(ids=torch.empty(4, 4, dtype=torch.int64))),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ROUTER_BAD)))
+def test_moe_router_bad_input_names_the_argument(case, gen):
+    message, change = ROUTER_BAD[case]
+    logits = router_logits(3, 16, gen, torch.float32)
+    args = dict(logits=logits, top_k=4, weights=None, ids=None)
+    args.update(change)
+    args["logits"] = {"1d": logits[0], "empty": logits[:, :0], "double": logits.double(),
+                      "transposed": torch.randn(16, 3).t()}.get(args["logits"], args["logits"]) \
+        if isinstance(args["logits"], str) else args["logits"]
+    with pytest.raises(ValueError, match=message):
+        ops.moe_router(args["logits"], args["top_k"], weights=args["weights"], ids=args["ids"])
+
+
+def test_moe_router_outputs_must_not_overlap(gen):
+    logits = router_logits(3, 16, gen, torch.float32)
+    with pytest.raises(ValueError, match="weights must not share memory with logits"):
+        ops.moe_router(logits, 4, weights=logits[:, :4].contiguous().set_(logits.untyped_storage(), 0, (3, 4)))
+
+
+def test_moe_router_opcheck(gen):
+    logits = router_logits(5, 16, gen, torch.bfloat16)
+    outputs = (torch.empty(5, 3, dtype=torch.bfloat16), torch.empty(5, 3, dtype=torch.int64))
+    torch.library.opcheck(torch.ops.ddtree.moe_router.default, (logits, 3, True, *outputs))
 
 
 # ---- in generate() --------------------------------------------------------------------------------------------
@@ -173,12 +351,14 @@ def moe_target_and_draft(seed=3, **kw):
     return target, make_tiny_draft(target, seed=1)
 
 
-@pytest.mark.parametrize("op_on,devices", [(True, ("cpu", "cuda")), (False, ("cpu", "cuda")), (True, ("cuda",))])
-def test_generate_runs_the_op_for_moe_targets(op_on, devices, monkeypatch):
-    """generate() runs the routed experts through ops.moe_experts (every MoE layer, every round) on the devices of
-    fused.MOE_OP_DEVICES (by default CUDA only: here the CPU is added), HF's experts forward with fused.moe_experts_op
-    off or elsewhere; all give HF's greedy output, for all three methods."""
-    from ddtree_ext import generate, tiny
+@pytest.mark.parametrize("op_on,devices,stacked", [(True, ("cpu", "cuda"), False), (True, ("cpu", "cuda"), True),
+                                                   (False, ("cpu", "cuda"), False), (True, ("cuda",), False)])
+def test_generate_runs_the_op_for_moe_targets(op_on, devices, stacked, monkeypatch):
+    """generate() runs the MoE blocks fused (ops.moe_router, then ops.moe_experts with the shared expert folded in:
+    every MoE layer, every round) on the devices of fused.MOE_OP_DEVICES (by default CUDA only: here the CPU is
+    added), HF's block and experts forwards with fused.moe_experts_op off or elsewhere; all give HF's greedy output,
+    for all three methods, also with the projections stacked (stack_projections)."""
+    from ddtree_ext import generate, stack_projections, tiny
 
     monkeypatch.setattr(fused, "MOE_OP_DEVICES", devices)
     op_on_here = op_on and "cpu" in devices
@@ -186,19 +366,85 @@ def test_generate_runs_the_op_for_moe_targets(op_on, devices, monkeypatch):
     target, draft = moe_target_and_draft()
     ids = torch.randint(0, target.config.get_text_config().vocab_size, (1, 31), generator=torch.Generator().manual_seed(5))
     ref = tiny.hf_greedy(target, ids, 24)
-    calls = []
-    stock = ops.moe_experts
-    monkeypatch.setattr(ops, "moe_experts", lambda *a, **k: calls.append(a[0].shape[0]) or stock(*a, **k))
+    if stacked:
+        stack_projections(target)
+    calls, routes = [], []
+    stock, stock_router = ops.moe_experts, ops.moe_router
+    monkeypatch.setattr(ops, "moe_experts",
+                        lambda *a, **k: calls.append(k.get("shared_gate") is not None) or stock(*a, **k))
+    monkeypatch.setattr(ops, "moe_router", lambda *a, **k: routes.append(a[0].shape[0]) or stock_router(*a, **k))
     monkeypatch.setattr(fused, "moe_experts_op", op_on)
     layers = sum(hasattr(layer.mlp, "experts") for layer in target.model.layers)
     for method in ("ddtree", "dflash", "autoregressive"):
         calls.clear()
+        routes.clear()
         out, stats = generate(target, draft, ids, 24, method=method, return_stats=True)
         assert torch.equal(out, ref), method
         if op_on_here:
-            assert len(calls) >= layers * stats.rounds, (method, len(calls))
+            # The whole block fused: the router op, and the shared expert folded into the experts op's combine.
+            assert len(calls) >= layers * stats.rounds and all(calls), (method, len(calls))
+            assert len(routes) == len(calls)
         else:
-            assert not calls
+            assert not calls and not routes
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_block_fused_forward_matches_hf(dtype, stacked, monkeypatch, gen):
+    """A sparse MoE block's fused forward (router op, experts op with the shared expert folded in; stacked: the
+    shared expert's gate and up, the router and the shared gate as one GEMM, counted) against HF's own block forward
+    with its experts forward: float32 up to the sums' order; bfloat16 up to a rounding flipped by it here and there."""
+    monkeypatch.setattr(fused, "MOE_OP_DEVICES", ("cpu", "cuda"))
+    target, _ = moe_target_and_draft()
+    block = target.model.layers[0].mlp.to(dtype)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    if stacked:
+        assert fused.stack_projections(block) == 2  # the block's group, and its shared expert's within it
+        mlp = block.shared_expert
+        assert fused.stacked_weight((mlp.gate_proj, mlp.up_proj, block.gate, block.shared_expert_gate)) is not None
+    x = torch.randn(2, 9, block.experts.hidden_dim, generator=gen).to(dtype)
+    gemms = []
+    linear = torch.nn.functional.linear
+    with torch.no_grad():
+        assert fused._moe_block_fusable(block, x.view(-1, x.shape[-1]))
+        expected = type(block).forward(block, x)
+        monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: gemms.append(1) or linear(*a, **k))
+        with fused.LayerFusion(block).active():
+            got = fused._moe_block_forward(block, x)
+    assert len(gemms) == (2 if stacked else 5)  # stacked: the four projections of x, then the shared down projection
+    assert got.shape == expected.shape
+    if dtype == torch.float32:
+        assert_close(got, expected, dtype)
+    else:
+        assert (got != expected).float().mean() < 0.05
+
+
+def test_moe_block_runs_hf_body_where_the_fusion_does_not_apply(monkeypatch, gen):
+    """A hooked router (HF's output recorder of router logits hooks it), a shared gate with a bias, the experts op
+    not applying (off, or past its rows): the block runs HF's own body."""
+    monkeypatch.setattr(fused, "MOE_OP_DEVICES", ("cpu", "cuda"))
+    target, _ = moe_target_and_draft()
+    block = target.model.layers[0].mlp
+    x = torch.randn(5, block.experts.hidden_dim, generator=gen)
+    with torch.no_grad():
+        assert fused._moe_block_fusable(block, x)
+        handle = block.gate.register_forward_hook(lambda *a: None)
+        assert not fused._moe_block_fusable(block, x)
+        handle.remove()
+        block.shared_expert_gate.bias = torch.nn.Parameter(torch.zeros(1))
+        assert not fused._moe_block_fusable(block, x)
+        block.shared_expert_gate.bias = None
+        monkeypatch.setattr(fused, "MOE_OP_MAX_TOKENS", 4)
+        assert not fused._moe_block_fusable(block, x)
+        monkeypatch.setattr(fused, "MOE_OP_MAX_TOKENS", 1024)
+        monkeypatch.setattr(fused, "moe_experts_op", False)
+        assert not fused._moe_block_fusable(block, x)
+        calls = []
+        monkeypatch.setattr(ops, "moe_router", lambda *a, **k: calls.append(1))
+        assert torch.equal(fused._moe_block_forward(block, x[None]), type(block).forward(block, x[None]))
+        assert not calls
 
 
 def test_experts_op_applies_only_to_hf_layout(monkeypatch):
