@@ -459,10 +459,11 @@ def _experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_
 def _moe_block_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """``Qwen3_5MoeSparseMoeBlock.forward(hidden_states [B, S, H])`` with its router's softmax, top-k and
     renormalisation as one ``ops.moe_router``, and the shared expert's sigmoid gate and the final add folded into
-    ``ops.moe_experts``' combine, where they apply (:func:`_moe_block_fusable`): a decode step's MoE block in seven
-    launches where HF's body with the experts op runs sixteen. HF's body otherwise. The same rounding points as HF's
-    (the router's float32 softmax and renormalisation, rounded to the dtype; sigmoid, product and sum each rounded);
-    the softmax sums as torch's CUDA softmax does, the renormalisation in pick order."""
+    ``ops.moe_experts``' combine, where they apply (:func:`_moe_block_fusable`): a 35B-A3B decode step's MoE block in
+    seven launches with its projections stacked (ten apart) where HF's body with the experts op runs eighteen. HF's
+    body otherwise. The same rounding points as HF's (the router's float32 softmax and renormalisation, rounded to the
+    dtype; sigmoid, product and sum each rounded); the softmax sums as torch's CUDA softmax does, the renormalisation
+    in pick order (torch's sum in its own: a weight may round the other way)."""
     batch, length, hidden = hidden_states.shape
     x = hidden_states.view(-1, hidden)
     if not _moe_block_fusable(block, x):
@@ -480,7 +481,10 @@ def _moe_block_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> t
         logits = project(block.gate.weight, x)
         shared_gate = block.shared_expert_gate(x)
     weights, ids = ops.moe_router(logits, block.gate.top_k)
-    experts = block.experts
+    experts, x = block.experts, x.contiguous()
+    if shared.shape != x.shape or shared.dtype != x.dtype or shared_gate.dtype != x.dtype:  # a shared expert of its own
+        out = ops.moe_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj)
+        return (out + torch.sigmoid(shared_gate) * shared).view(batch, length, hidden)
     out = ops.moe_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj, shared=shared.contiguous(),
                           shared_gate=shared_gate)
     return out.view(batch, length, hidden)
@@ -718,23 +722,29 @@ def stack_projections(model: torch.nn.Module) -> int:
 def unstack_projections(model: torch.nn.Module) -> int:
     """Undoes :func:`stack_projections`: every projection whose weight shares storage with another of its group gets
     storage of its own (values and parameter objects unchanged), also in a group a hook or a replaced weight has
-    ended the stacking of. Returns the number of groups with weights so separated."""
+    ended the stacking of. Returns the number of groups with weights so separated (a group stacked within another,
+    a sparse MoE block's shared expert's, counted as :func:`stack_projections` counts it)."""
     _check_module("unstack_projections", model)
-    count = 0
+    # Which weights share storage, for every group before any is separated: separating a MoE block's group
+    # separates its shared expert's group within it too.
+    groups = []
+    for projections in _projection_groups(model):
+        storages = [p.weight.untyped_storage().data_ptr() for p in projections]
+        groups.append([p for p, s in zip(projections, storages) if storages.count(s) > 1])
+    separated = set()
     with torch.inference_mode(False), torch.no_grad():
-        for projections in _projection_groups(model):
-            storages = [p.weight.untyped_storage().data_ptr() for p in projections]
-            shared = [p for p, s in zip(projections, storages) if storages.count(s) > 1]
+        for shared in groups:
             for p in shared:
-                p.weight.data = p.weight.detach().clone()
-            count += bool(shared)
-    return count
+                if id(p) not in separated:
+                    p.weight.data = p.weight.detach().clone()
+                    separated.add(id(p))
+    return sum(bool(shared) for shared in groups)
 
 
 def stacked_weight(projections: Sequence[torch.nn.Module]) -> Optional[torch.Tensor]:
-    """The weights of ``projections`` (plain bias-free Linear layers without hooks) as one [sum N, K] tensor when
-    they lie one after another in one storage (:func:`stack_projections`), else None. Checked per call: a weight
-    reassigned or loaded into new storage since simply ends the stacking."""
+    """The weights of ``projections`` (plain bias-free Linear layers or MoE routers, without hooks) as one [sum N, K]
+    tensor when they lie one after another in one storage (:func:`stack_projections`), else None. Checked per call: a
+    weight reassigned or loaded into new storage since simply ends the stacking."""
     if not _stackable(projections):
         return None
     first = projections[0].weight

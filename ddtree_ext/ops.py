@@ -810,11 +810,12 @@ def moe_router(
 
     logits [T, E] float32 / float16 / bfloat16 (last dim contiguous, any row stride) -> (weights [T, K] in logits'
     dtype, ids [T, K] int64), both contiguous (written into ``weights`` / ``ids`` when given). Per token:
-    p = softmax(logits[t]) in float32; ids[t] its K largest, highest first (ties to the lower id, NaN above every
-    number, as torch.topk); weights[t, k] = round(p[ids[t, k]] / sum of the K picked) (summed in pick order), or
-    round(p[ids[t, k]]) with ``renormalize=False``. The softmax sums its exponentials in the order torch's CUDA
-    softmax does for E <= 1024, so on CUDA the probabilities are its bits. A row's result never depends on the other
-    rows. On CUDA, E <= 1024 and K <= 32.
+    p = softmax(logits[t]) in float32; ids[t] its K largest, highest first (ties to the lower id, where torch.topk
+    leaves their order open; NaN above every number, as torch.topk puts it); weights[t, k] = round(p[ids[t, k]] /
+    the sum of the K picked, summed in pick order), or round(p[ids[t, k]]) with ``renormalize=False``. The softmax
+    sums its exponentials in the order torch's CUDA softmax does for E <= 1024, so on CUDA the probabilities are its
+    bits; HF's renormalisation sums in torch's order, so a weight may round the other way. A row's result never
+    depends on the other rows. On CUDA, E <= 1024 and K <= 32.
     """
     op = "moe_router"
     _check_dim(op, "logits", logits, 2, "[T, E]")

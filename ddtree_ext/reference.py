@@ -370,8 +370,9 @@ def moe_experts(x, expert_ids, expert_weights, gate_up_proj, down_proj, shared=N
 
 
 def moe_router(logits, top_k: int, renormalize: bool = True):
-    """HF's Qwen3_5MoeTopKRouter after its projection: softmax in float32, top-k, renormalised (summed in pick
-    order), rounded to the logits' dtype."""
+    """HF's Qwen3_5MoeTopKRouter after its projection: softmax in float32, top-k, renormalised, rounded to the logits'
+    dtype; the renormalisation's sum in pick order, as the op sums (HF's ``sum`` runs in torch's order: a float32
+    rounding apart)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

@@ -1763,8 +1763,17 @@ def test_moe_router(dtype, experts, top_k):
     assert torch.equal(probs.gather(1, ids), top), "the picked probabilities: torch's softmax bits, in its order"
     assert torch.equal(weights, (top / total[:, None]).to(dtype)), "the weights"
     assert_close(weights, (top / top.sum(-1, keepdim=True)).to(dtype), dtype, "HF's weights")
-    untied = (top[:, None, :] == top[:, :, None]).sum((1, 2)) == top_k
+    # Rows whose K + 1 largest probabilities all differ: torch's experts, in its order. Elsewhere: ties to the lower
+    # id, within the picks and at the K-th place.
+    first = torch.topk(probs, min(top_k + 1, experts), dim=-1).values
+    untied = (first[:, None, :] == first[:, :, None]).sum((1, 2)) == first.shape[1]
     assert torch.equal(ids[untied], hf_ids[untied]), "ids of rows without ties"
+    equal_next = top[:, 1:] == top[:, :-1]
+    assert (ids[:, 1:] > ids[:, :-1])[equal_next].all(), "ties in id order"
+    last = top[:, -1:]
+    below_last_id = torch.arange(experts, device=DEV)[None, :] < ids[:, -1:]
+    picked = torch.zeros_like(probs, dtype=torch.bool).scatter(1, ids, True)
+    assert not ((probs == last) & below_last_id & ~picked).any(), "a lower id of the K-th probability left out"
     cpu_weights, cpu_ids = ops.moe_router(logits.cpu(), top_k)
     assert_close(weights.cpu(), cpu_weights, dtype, "the CPU op")
     assert torch.equal(probs.gather(1, ids).cpu(), probs.cpu().gather(1, cpu_ids)), "the CPU op's picks"
@@ -1772,6 +1781,52 @@ def test_moe_router(dtype, experts, top_k):
     assert torch.equal(again[0], weights) and torch.equal(again[1], ids), "not deterministic"
     unnormalised, same_ids = ops.moe_router(logits, top_k, renormalize=False)
     assert torch.equal(same_ids, ids) and torch.equal(unnormalised, top.to(dtype))
+
+
+def test_moe_router_ties_and_nan():
+    logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0], [0.0, float("nan"), 1.0, 0.5, 0.0],
+                           [0.0, float("-inf"), 1.0, 0.5, 0.0]])
+    weights, ids = ops.moe_router(logits.to(DEV), 4)
+    cpu_weights, cpu_ids = ops.moe_router(logits, 4)
+    assert torch.equal(ids.cpu(), cpu_ids)
+    assert ids.tolist()[:2] == [[1, 2, 4, 3], [0, 1, 2, 3]] and ids[2].tolist() == [0, 1, 2, 3]
+    assert torch.equal(weights[0].cpu(), cpu_weights[0]) and weights[2].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_block_fused_forward_on_the_gpu(dtype, monkeypatch):
+    """A sparse MoE block of 64 experts (8 a token, H 256) with its projections stacked (an odd stacked width:
+    2 x 128 + 64 + 1 outputs), fused (ops.moe_router, the shared expert folded into ops.moe_experts; counted) against
+    HF's own block forward (grouped_mm experts) over a decode step's row and a verify block's: float32 up to the
+    roundings of the sums' orders; bfloat16 the same values but where a rounding, or a tie among bfloat16 router
+    logits broken the other way, flips them (a few percent)."""
+    modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    from ddtree_ext import fused
+    from ddtree_ext.tiny import tiny_qwen3_5_moe_config
+
+    config = tiny_qwen3_5_moe_config(num_experts=64, num_experts_per_tok=8, hidden_size=256, moe_intermediate_size=128,
+                                     shared_expert_intermediate_size=128, experts_implementation="grouped_mm")
+    gen = make_gen(21)
+    block = modeling.Qwen3_5MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    block = block.to(DEV, dtype).requires_grad_(False)
+    fused.stack_projections(block)
+    routes = []
+    stock = ops.moe_router
+    monkeypatch.setattr(ops, "moe_router", lambda *a, **k: routes.append(1) or stock(*a, **k))
+    for tokens in (1, 65):
+        x = torch.randn(1, tokens, 256, generator=gen).to(DEV, dtype)
+        with torch.no_grad():
+            expected = type(block).forward(block, x)
+            with fused.LayerFusion(block).active():
+                got = block(x)
+        if dtype == torch.float32:
+            assert_close(got, expected, dtype, f"{tokens} rows")
+        else:
+            assert (got != expected).float().mean() < 0.1, f"{tokens} rows"
+    assert len(routes) == 2
 
 
 def test_moe_router_rows_do_not_depend_on_the_batch():

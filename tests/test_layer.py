@@ -1137,8 +1137,11 @@ def test_fusion_routes_sdpa_through_the_folded_attention_and_restores_the_regist
 
 
 def _projection_groups(model) -> int:
-    """Stacked groups of a tiny target: per attention layer its q, k, v, per layer its MLP's gate, up."""
-    return sum(hasattr(layer, "self_attn") for layer in model.model.layers) + len(model.model.layers)
+    """Stacked groups of a tiny target: per attention layer its q, k, v, per layer its MLP's gate, up (a sparse MoE
+    block's shared expert's), per sparse MoE block its shared expert's gate and up, router and shared gate."""
+    layers = model.model.layers
+    return sum(hasattr(layer, "self_attn") for layer in layers) + len(layers) + sum(
+        hasattr(layer.mlp, "experts") for layer in layers)
 
 
 def _count_linear_calls(monkeypatch) -> list:
@@ -1148,7 +1151,7 @@ def _count_linear_calls(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_5_moe"])
 def test_stack_projections_keeps_the_parameters_and_their_values(family):
     from ddtree_ext import fused
 
