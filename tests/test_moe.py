@@ -417,7 +417,11 @@ def test_moe_block_fused_forward_matches_hf(dtype, stacked, monkeypatch, gen):
     if stacked:
         assert fused.stack_projections(block) == 2  # the block's group, and its shared expert's within it
         mlp = block.shared_expert
-        assert fused.stacked_weight((mlp.gate_proj, mlp.up_proj, block.gate, block.shared_expert_gate)) is not None
+        group = (mlp.gate_proj, mlp.up_proj, block.gate, block.shared_expert_gate)
+        rows = sum(p.weight.shape[0] for p in group)  # 2 x 32 + 8 + 1: odd
+        assert fused.stacked_weight(group).shape[0] == rows
+        padded = fused.stacked_weight(group, padded=True)  # zero rows up to 16 bytes of outputs
+        assert padded.shape[0] % (16 // padded.element_size()) == 0 and not padded[rows:].any()
     x = torch.randn(2, 9, block.experts.hidden_dim, generator=gen).to(dtype)
     gemms = []
     linear = torch.nn.functional.linear
