@@ -389,7 +389,7 @@ def experts_op_applies(experts: torch.nn.Module) -> bool:
     experts_implementation with the op's rounding points (``MOE_OP_IMPLEMENTATIONS``; "eager" in float32), weights in
     one dtype the ops take, nothing hooked, and on CUDA the sizes, alignment and shared memory its kernels take. Asked
     per call of :meth:`TargetAdapter.moe_capturable` and per forward."""
-    if not moe_experts_op or type(experts) not in _experts_classes() or not _plain_module(experts):
+    if not moe_experts_op or type(experts) not in _moe_classes("Experts") or not _plain_module(experts):
         return False
     layout = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True, _is_expert_parallel=False,
                   has_post_expert_norm=False)
@@ -431,6 +431,13 @@ def experts_op_applies(experts: torch.nn.Module) -> bool:
     return True
 
 
+def _experts_op_serves(experts: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether a call of ``experts`` on rows x [T, H] runs ``ops.moe_experts``: at most ``MOE_OP_MAX_TOKENS`` rows, on
+    ``MOE_OP_DEVICES``, where the op applies (:func:`experts_op_applies`)."""
+    return (x.dim() == 2 and x.shape[0] <= MOE_OP_MAX_TOKENS and x.device.type in MOE_OP_DEVICES
+            and experts_op_applies(experts))
+
+
 def _experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor):
     """``Qwen3_5MoeExperts.forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])`` as one
@@ -438,9 +445,7 @@ def _experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_
     HF's own forward otherwise (on the CPU, a long prompt's prefill). Inside a CUDA graph capture a fallback to an HF
     forward that reads the device from the host is refused with the reason, before the capture fails on it."""
     if (
-        hidden_states.dim() == 2 and hidden_states.shape[0] <= MOE_OP_MAX_TOKENS
-        and hidden_states.device.type in MOE_OP_DEVICES and experts_op_applies(experts)
-        and ops_apply(hidden_states, top_k_weights, experts.gate_up_proj)
+        _experts_op_serves(experts, hidden_states) and ops_apply(hidden_states, top_k_weights, experts.gate_up_proj)
         and top_k_index.dim() == 2 and top_k_index.dtype == torch.int64
         and top_k_index.device == hidden_states.device and top_k_weights.shape == top_k_index.shape
     ):
@@ -460,7 +465,8 @@ def _moe_block_forward(block: torch.nn.Module, hidden_states: torch.Tensor) -> t
     """``Qwen3_5MoeSparseMoeBlock.forward(hidden_states [B, S, H])`` with its router's softmax, top-k and
     renormalisation as one ``ops.moe_router``, and the shared expert's sigmoid gate and the final add folded into
     ``ops.moe_experts``' combine, where they apply (:func:`_moe_block_fusable`): a 35B-A3B decode step's MoE block in
-    seven launches with its projections stacked (ten apart) where HF's body with the experts op runs eighteen. HF's
+    seven launches with its projections stacked (ten apart; the timeline in
+    benchmarks/results/2026-12-06-h100-moe-block-fused.md) where HF's body with the experts op runs eighteen. HF's
     body otherwise. The same rounding points as HF's (the router's float32 softmax and renormalisation, rounded to the
     dtype; sigmoid, product and sum each rounded); the softmax sums as torch's CUDA softmax does, the renormalisation
     in pick order (torch's sum in its own: a weight may round the other way)."""
@@ -504,14 +510,13 @@ def _moe_block_fusable(block: torch.nn.Module, x: torch.Tensor) -> bool:
     recorder of router logits hooks it: HF's body then runs), and the shared expert's gate is a bias-free Linear to
     one logit; ``fuse_moe_block`` on."""
     gate, shared_gate, experts = (getattr(block, n, None) for n in ("gate", "shared_expert_gate", "experts"))
-    if not fuse_moe_block or type(gate) not in _router_classes() or not _plain_module(gate):
+    if not fuse_moe_block or type(gate) not in _moe_classes("TopKRouter") or not _plain_module(gate):
         return False
     if type(shared_gate) is not torch.nn.Linear:
         return False
     if shared_gate.bias is not None or shared_gate.weight.shape != (1, x.shape[1]):
         return False
-    if not (x.dim() == 2 and 1 <= x.shape[0] <= MOE_OP_MAX_TOKENS and x.device.type in MOE_OP_DEVICES
-            and experts_op_applies(experts)):
+    if x.shape[0] == 0 or not _experts_op_serves(experts, x):
         return False
     num_experts = experts.gate_up_proj.shape[0]
     if gate.weight.shape != (num_experts, x.shape[1]) or not 1 <= gate.top_k <= num_experts:
@@ -522,11 +527,12 @@ def _moe_block_fusable(block: torch.nn.Module, x: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _router_classes() -> Tuple[type, ...]:
-    """The sparse MoE routers (softmax, top-k, renormalised) of the Qwen3.5 families this transformers install has."""
+def _moe_classes(name: str) -> Tuple[type, ...]:
+    """The classes named ``prefix + name`` of the Qwen3.5 families this transformers install has that define one
+    (the MoE family's): "Experts", "TopKRouter" (softmax, top-k, renormalised), "SparseMoeBlock" (whose forward
+    :func:`_moe_block_forward` follows)."""
     return tuple(
-        cls for cls in (getattr(f.module, f.prefix + "TopKRouter", None) for f in _qwen3_5_families())
-        if cls is not None
+        cls for cls in (getattr(f.module, f.prefix + name, None) for f in _qwen3_5_families()) if cls is not None
     )
 
 
@@ -534,15 +540,6 @@ def _router_classes() -> Tuple[type, ...]:
 def _shared_expert_classes() -> Tuple[type, ...]:
     """The MLP classes of the Qwen3.5 MoE families (a sparse MoE block's shared expert)."""
     return tuple(f.cls("MLP") for f in _qwen3_5_families() if hasattr(f.module, f.prefix + "SparseMoeBlock"))
-
-
-@functools.lru_cache(maxsize=None)
-def _moe_block_classes() -> Tuple[type, ...]:
-    """The sparse MoE block classes of the Qwen3.5 families whose forward :func:`_moe_block_forward` follows."""
-    return tuple(
-        cls for cls in (getattr(f.module, f.prefix + "SparseMoeBlock", None) for f in _qwen3_5_families())
-        if cls is not None
-    )
 
 
 def experts_capturable(experts: torch.nn.Module) -> bool:
@@ -562,14 +559,6 @@ def hf_experts_capturable(experts: torch.nn.Module) -> bool:
     weights = list(experts.parameters())
     return all(p.dtype == torch.bfloat16 for p in weights) and all(
         p.is_cuda and torch.cuda.get_device_capability(p.device)[0] in (9, 10) for p in weights
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _experts_classes() -> Tuple[type, ...]:
-    """The sparse MoE experts classes of the Qwen3.5 families this transformers install has."""
-    return tuple(
-        cls for cls in (getattr(f.module, f.prefix + "Experts", None) for f in _qwen3_5_families()) if cls is not None
     )
 
 
@@ -640,7 +629,7 @@ def _stackable_classes() -> Dict[type, Tuple[str, ...]]:
                       family.cls("MLP"): ("gate_proj", "up_proj")})
     # A sparse MoE block's projections of its input: the shared expert's gate and up (its MLP's group, first, so that
     # group stays stacked within this one), the router's and the shared expert's gate (_moe_block_forward).
-    for cls in _moe_block_classes():
+    for cls in _moe_classes("SparseMoeBlock"):
         table[cls] = ("shared_expert.gate_proj", "shared_expert.up_proj", "gate", "shared_expert_gate")
     return table
 
@@ -658,7 +647,7 @@ def _projection_groups(model: torch.nn.Module) -> Iterator[List[torch.nn.Module]
 
 def _is_projection(module: object) -> bool:
     """A plain Linear layer, or a sparse MoE router (its forward starts with the projection F.linear(x, weight))."""
-    return type(module) is torch.nn.Linear or type(module) in _router_classes()
+    return type(module) is torch.nn.Linear or type(module) in _moe_classes("TopKRouter")
 
 
 def _stackable(projections: Sequence[torch.nn.Module]) -> bool:
@@ -1386,9 +1375,9 @@ def _recognised_classes() -> dict:
             family.cls("MLP"): lambda m: functools.partial(_mlp_forward, m) if _silu_mlp(m) else None,
             family.cls("Attention"): functools.partial(_attention_swaps, gated=True),
         })
-    for cls in _experts_classes():
+    for cls in _moe_classes("Experts"):
         table[cls] = lambda m: functools.partial(_experts_forward, m)
-    for cls in _moe_block_classes():
+    for cls in _moe_classes("SparseMoeBlock"):
         table[cls] = lambda m: functools.partial(_moe_block_forward, m)
     return table
 

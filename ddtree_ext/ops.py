@@ -852,8 +852,8 @@ def penalize_logits(
     not overlap the inputs). seen [B, V] bool: the tokens in the sequence so far (None: no repetition penalty, which
     must then be 1); counts [B, V] float32: how often each token was generated so far (None: no presence or frequency
     penalty, which must then be 0); both with a contiguous last dim. max_depth (default N): the longest path counted,
-    root included; a node's path is cut to its max_depth - 1 nearest nodes. For node i and token t, with s = seen[b, t] or t on i's path and
-    c = counts[b, t] + t's occurrences on i's path, all in float32:
+    root included; a node's path is cut to its max_depth - 1 nearest nodes. For node i and token t, with
+    s = seen[b, t] or t on i's path and c = counts[b, t] + t's occurrences on i's path, all in float32:
 
     * repetition (HF's ``RepetitionPenaltyLogitsProcessor``), where s: x * r if x < 0 else x / r, the division as
       torch divides a float32 tensor by a Python number on the device (on CUDA: x * float32(1 / r), the reciprocal
