@@ -208,13 +208,37 @@ def _zero_centered_norms() -> frozenset:
 
 
 def _plain_module(module: torch.nn.Module) -> bool:
-    """No forward hooks, pre-hooks or accelerate hook, on the module or global ones (``register_module_forward_hook``),
-    and no forward of its own (:func:`has_own_forward`): calling the op instead of the module skips nothing."""
+    """No forward hooks (but transformers' idle output recorders, :func:`_idle_output_recorder`), pre-hooks or
+    accelerate hook, on the module or global ones (``register_module_forward_hook``), and no forward of its own
+    (:func:`has_own_forward`): calling the op instead of the module skips nothing."""
     return not (
-        module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__
+        any(not _idle_output_recorder(hook) for hook in module._forward_hooks.values())
+        or module._forward_pre_hooks or "_hf_hook" in module.__dict__
         or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
         or has_own_forward(module)
     )
+
+
+def _idle_output_recorder(hook: Callable) -> bool:
+    """Whether a forward hook is transformers' output recorder and records nothing now. A model's forward installs
+    one on every module whose outputs it can return (a MoE router's logits, say) the first time a call asks for any,
+    and keeps them for good; each call then names what it collects in a context variable, and a hook whose output
+    is not asked for returns at once. Skipping such a module in a call that does not collect its output skips
+    nothing; without this, one call with ``output_router_logits=True`` left every later round on HF's unfused MoE
+    block. A hook of any other shape (or a transformers that records otherwise) counts as a hook."""
+    code = getattr(hook, "__code__", None)
+    if code is None or code.co_name != "output_capturing_hook" or "key" not in code.co_freevars:
+        return False
+    if getattr(hook, "__module__", None) != "transformers.utils.output_capturing":
+        return False
+    from transformers.utils import output_capturing
+
+    try:
+        key = hook.__closure__[code.co_freevars.index("key")].cell_contents
+        collecting = output_capturing._active_collector.get()
+    except (AttributeError, IndexError, TypeError, ValueError):  # recorded otherwise than this reads
+        return False
+    return collecting is None or (isinstance(key, str) and key not in collecting)
 
 
 def has_own_forward(module: torch.nn.Module) -> bool:
@@ -506,9 +530,9 @@ _ROUTER_MAX_EXPERTS, _ROUTER_MAX_TOP_K = 1024, 32
 
 def _moe_block_fusable(block: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether :func:`_moe_block_forward` computes what HF's block computes for rows x [T, H]: the routed experts run
-    ``ops.moe_experts`` (as :func:`_experts_forward` asks), the router is HF's top-k router without hooks (an output
-    recorder of router logits hooks it: HF's body then runs), and the shared expert's gate is a bias-free Linear to
-    one logit; ``fuse_moe_block`` on."""
+    ``ops.moe_experts`` (as :func:`_experts_forward` asks), the router is HF's top-k router without hooks (HF's output
+    recorder counts only while a call collects router logits: HF's body then runs the router, which records them),
+    and the shared expert's gate is a bias-free Linear to one logit; ``fuse_moe_block`` on."""
     gate, shared_gate, experts = (getattr(block, n, None) for n in ("gate", "shared_expert_gate", "experts"))
     if not fuse_moe_block or type(gate) not in _moe_classes("TopKRouter") or not _plain_module(gate):
         return False

@@ -440,8 +440,8 @@ def test_moe_block_fused_forward_matches_hf(dtype, stacked, monkeypatch, gen):
 
 
 def test_moe_block_runs_hf_body_where_the_fusion_does_not_apply(monkeypatch, gen):
-    """A hooked router (HF's output recorder of router logits hooks it), a shared gate with a bias, the experts op
-    not applying (off, or past its rows): the block runs HF's own body."""
+    """A hooked router (a hook of the user's; HF's output recorder while a call collects router logits), a shared
+    gate with a bias, the experts op not applying (off, or past its rows): the block runs HF's own body."""
     monkeypatch.setattr(fused, "MOE_OP_DEVICES", ("cpu", "cuda"))
     target, _ = moe_target_and_draft()
     block = target.model.layers[0].mlp
@@ -463,6 +463,52 @@ def test_moe_block_runs_hf_body_where_the_fusion_does_not_apply(monkeypatch, gen
         monkeypatch.setattr(ops, "moe_router", lambda *a, **k: calls.append(1))
         assert torch.equal(fused._moe_block_forward(block, x[None]), type(block).forward(block, x[None]))
         assert not calls
+
+
+def test_moe_block_stays_fused_after_hf_installs_its_output_recorders(monkeypatch, gen):
+    """transformers hooks every router for good the first time a call asks for router logits (its output recorder).
+    Calls that do not collect them still run the block fused (generate() after such a call: the router op runs, and
+    the output is HF's greedy one); a call that collects them runs HF's body, so the router runs and its logits are
+    returned, as without the fusion."""
+    from transformers.utils import output_capturing
+
+    from ddtree_ext import generate, tiny
+
+    monkeypatch.setattr(fused, "MOE_OP_DEVICES", ("cpu", "cuda"))
+    target, draft = moe_target_and_draft()
+    ids = torch.randint(0, target.config.get_text_config().vocab_size, (1, 19), generator=gen)
+    with torch.no_grad():
+        plain = target(ids, output_router_logits=True).router_logits
+    block = target.model.layers[0].mlp
+    assert len(block.gate._forward_hooks) == 1  # HF's recorder, kept after the call
+    layers = sum(hasattr(layer.mlp, "experts") for layer in target.model.layers)
+    assert len(plain) == layers
+
+    x = torch.randn(5, block.experts.hidden_dim, generator=gen)
+    with torch.no_grad():
+        for collecting, fusable in ((None, True), ({}, True), ({"hidden_states": []}, True),
+                                    ({"router_logits": []}, False)):
+            token = output_capturing._active_collector.set(collecting)
+            try:
+                assert fused._moe_block_fusable(block, x) == fusable, collecting
+            finally:
+                output_capturing._active_collector.reset(token)
+        other = block.gate.register_forward_hook(lambda *a: None)  # any other hook still keeps HF's body
+        assert not fused._moe_block_fusable(block, x)
+        other.remove()
+
+    with torch.no_grad(), fused.LayerFusion(target).active():
+        fused_call = target(ids, output_router_logits=True).router_logits
+    assert len(fused_call) == layers
+    for got, expected in zip(fused_call, plain):  # the fused layers' float32 sums run in other orders
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-4)
+
+    ref = tiny.hf_greedy(target, ids, 12)
+    routes = []
+    stock_router = ops.moe_router
+    monkeypatch.setattr(ops, "moe_router", lambda *a, **k: routes.append(1) or stock_router(*a, **k))
+    assert torch.equal(generate(target, draft, ids, 12), ref)
+    assert len(routes) >= layers
 
 
 def test_experts_op_applies_only_to_hf_layout(monkeypatch):
