@@ -498,6 +498,9 @@ def test_tree_gated_delta_rule_single_node(dtype, l2norm, bsz, heads, value_head
         (1, 2, 2, 160, 33, 2, 1, True),  # 2 K channels of q and k past one a thread
         (1, 2, 4, 16, 8, 1, 0, True),  # W = 1: no committed input read, an empty state
         (17, 2, 4, 16, 8, 4, 3, True),  # a tree: the conv, then the tree kernels
+        (65, 16, 48, 128, 128, 4, 4, True),  # Qwen3.6-27B's GDN layer, a budget-64 tree
+        (96, 2, 4, 16, 32, 3, 5, False),  # two of the main kernel's 72-node chunks
+        (33, 2, 4, 16, 32, 1, 0, True),  # W = 1, an empty state
     ],
 )
 @pytest.mark.parametrize("l2norm,scale", [(True, None), (False, 0.37)])
