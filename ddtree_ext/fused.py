@@ -790,10 +790,12 @@ def stacked_weight(projections: Sequence[torch.nn.Module], padded: bool = False)
 
 
 def stacked_outputs(projections: Sequence[torch.nn.Module], x: torch.Tensor) -> Optional[Tuple[torch.Tensor, ...]]:
-    """Each projection's output over x, from one GEMM over their stacked weight (its padding rows too: slices of its
-    output), when they are stacked, the ops apply and :func:`stacked_gemm_pays`; else None (the caller runs them
-    apart)."""
-    stacked = stacked_weight(projections, padded=True) if ops_apply(x) else None
+    """Each projection's output over x, from one GEMM over their stacked weight, when they are stacked, the ops apply
+    and :func:`stacked_gemm_pays`; else None (the caller runs them apart). Over two or more rows the GEMM covers the
+    padding rows too (slices of its output); a single row's runs over the group's own rows, where cuBLAS had the faster
+    kernel: a 35B-A3B MoE block's group 5.8 us unpadded (1281 x 2048) against 6.9 padded (1288), and 14.4 against 7.2
+    at 16 rows (gemm_tuning's timings on two H100s: benchmarks/results/2026-12-06-h100-moe-stacked-padding.md)."""
+    stacked = stacked_weight(projections, padded=x.numel() > x.shape[-1]) if ops_apply(x) else None
     if stacked is None or not stacked_gemm_pays(x, stacked.shape[0]):
         return None
     sizes = [p.weight.shape[0] for p in projections]

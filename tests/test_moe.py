@@ -439,6 +439,32 @@ def test_moe_block_fused_forward_matches_hf(dtype, stacked, monkeypatch, gen):
         assert (got != expected).float().mean() < 0.05
 
 
+def test_stacked_moe_group_pads_its_gemm_past_one_row(monkeypatch, gen):
+    """The stacked MoE group's GEMM runs over the padding rows for two or more rows (cuBLAS's full algorithm list at
+    an aligned width) and over the group's own rows for one (where cuBLAS's one-row kernel was faster); each output
+    is its projection's either way."""
+    monkeypatch.setattr(fused, "MOE_OP_DEVICES", ("cpu", "cuda"))
+    target, _ = moe_target_and_draft()
+    block = target.model.layers[0].mlp
+    fused.stack_projections(block)
+    mlp = block.shared_expert
+    group = (mlp.gate_proj, mlp.up_proj, block.gate, block.shared_expert_gate)
+    rows = sum(p.weight.shape[0] for p in group)
+    padded = fused.stacked_weight(group, padded=True).shape[0]
+    assert padded > rows  # the tiny block's group has an odd width
+    widths = []
+    stock = fused.project
+    monkeypatch.setattr(fused, "project", lambda w, x: widths.append(w.shape[0]) or stock(w, x))
+    with torch.no_grad():
+        for tokens, width in ((1, rows), (2, padded), (5, padded)):
+            x = torch.randn(tokens, block.experts.hidden_dim, generator=gen)
+            widths.clear()
+            outs = fused.stacked_outputs(group, x)
+            assert widths == [width], tokens
+            for p, out in zip(group, outs):  # up to the sums' order (a GEMM of another width)
+                assert_close(out, torch.nn.functional.linear(x, p.weight), torch.float32)
+
+
 def test_moe_block_runs_hf_body_where_the_fusion_does_not_apply(monkeypatch, gen):
     """A hooked router (a hook of the user's; HF's output recorder while a call collects router logits), a shared
     gate with a bias, the experts op not applying (off, or past its rows): the block runs HF's own body."""
