@@ -541,7 +541,8 @@ __global__ void __launch_bounds__(kThreads) gdn_gates_finish_kernel(const float*
   write_gates<T>(round_to<T>(sum_a), round_to<T>(sum_b), A_log[head], dt_bias[head], g + i, beta + i);
 }
 
-// 16-byte packs of T when every pointer and row stride allows them, else single elements.
+// 16-byte packs of T when every pointer and row stride allows them, else single elements. The stride of a dimension of
+// size 1 is never stepped (a single row of a wider stacked projection's output, say), so it does not count.
 template <typename T>
 bool can_pack(std::initializer_list<const at::Tensor*> tensors, int64_t dim) {
   constexpr int64_t vec = 16 / sizeof(T);
@@ -549,7 +550,7 @@ bool can_pack(std::initializer_list<const at::Tensor*> tensors, int64_t dim) {
   for (const at::Tensor* t : tensors) {
     if (!cuda::is_aligned(t->data_ptr(), 16)) return false;
     for (int64_t d = 0; d + 1 < t->dim(); ++d) {
-      if (t->stride(d) % vec != 0) return false;
+      if (t->size(d) > 1 && t->stride(d) % vec != 0) return false;
     }
   }
   return true;

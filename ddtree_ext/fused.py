@@ -212,7 +212,7 @@ def _plain_module(module: torch.nn.Module) -> bool:
     accelerate hook, on the module or global ones (``register_module_forward_hook``), and no forward of its own
     (:func:`has_own_forward`): calling the op instead of the module skips nothing."""
     return not (
-        any(not _idle_output_recorder(hook) for hook in module._forward_hooks.values())
+        any(not _idle_output_recorder(hook) for hook in tuple(module._forward_hooks.values()))
         or module._forward_pre_hooks or "_hf_hook" in module.__dict__
         or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
         or has_own_forward(module)

@@ -1300,6 +1300,24 @@ def test_silu_mul(rows, dim, dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_silu_mul_of_one_row_sliced_from_an_odd_width_row_takes_16_byte_packs(dtype):
+    """One row of a stacked GEMM's output whose width allows no 16-byte row stride (a decode step of a MoE block's
+    unpadded group: 2 x 512 + 257 outputs): a one-row dimension's stride is never stepped, so silu_mul takes its
+    16-byte path there, with the bits of the contiguous copy; two such rows take the element path."""
+    gen = make_gen(1281)
+    vec = 16 // torch.empty(0, dtype=dtype).element_size()
+    for rows, packed in ((1, True), (2, False)):
+        stacked = (torch.randn(rows, 2 * 512 + 257, generator=gen) * 3).to(dtype).to(DEV)
+        gate, up = stacked[:, :512], stacked[:, 512:1024]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = ops.silu_mul(gate, up)
+            torch.cuda.synchronize()
+        kernels = [m for m in (re.search(r"gated_mul_kernel<([^<>]*)>", e.name) for e in prof.events()) if m]
+        assert kernels and all(int(m.group(1).split(",")[1]) == (vec if packed else 1) for m in kernels), kernels
+        assert torch.equal(got, ops.silu_mul(gate.contiguous(), up.contiguous())), rows
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize(
     "rows,heads,features",
     # 9 rows and more on 16-bit inputs: the tensor-core path (x rows unaligned at 100 features).

@@ -456,8 +456,10 @@ def test_stacked_moe_group_pads_its_gemm_past_one_row(monkeypatch, gen):
     stock = fused.project
     monkeypatch.setattr(fused, "project", lambda w, x: widths.append(w.shape[0]) or stock(w, x))
     with torch.no_grad():
-        for tokens, width in ((1, rows), (2, padded), (5, padded)):
-            x = torch.randn(tokens, block.experts.hidden_dim, generator=gen)
+        for shape, width in (((1, 1), rows), ((1,), rows), ((2,), padded), ((5,), padded), ((1, 2), padded),
+                             ((2, 1), padded)):
+            x = torch.randn(*shape, block.experts.hidden_dim, generator=gen)
+            tokens = shape
             widths.clear()
             outs = fused.stacked_outputs(group, x)
             assert widths == [width], tokens
