@@ -762,7 +762,9 @@ def _stack_padding(rows: int, element_size: int) -> int:
     """Rows of zeros :func:`stack_projections` puts after a group's ``rows`` stacked rows: up to a multiple of 16 bytes
     of outputs, so that the stacked GEMM's output rows start 16-byte aligned (a sparse MoE block's group has 2 I + E + 1
     rows: at an odd width cuBLAS has few algorithms, a 35B-A3B block's 1281 x 2048 GEMM of 65 rows took 24.2 us on an
-    H100, its 1024 x 2048 one 7.2, and the SwiGLU after it runs its scalar path)."""
+    H100, its 1024 x 2048 one 7.2, and the SwiGLU after it runs its scalar path:
+    benchmarks/results/2026-12-06-h100-moe-block-fused.md; padded, 7.6 us:
+    benchmarks/results/2026-12-06-h100-moe-stacked-padding.md)."""
     per_16_bytes = max(1, 16 // element_size)
     return -rows % per_16_bytes
 
